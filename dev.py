@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""Set up a virtual environment for dcinterp and run its main jobs.
+
+    python3 dev.py demo      # the main job: score the embedded models on the released synthetic tasks
+    python3 dev.py test      # the whole test suite
+    python3 dev.py notebook NOTEBOOK [-p NAME VALUE ...]   # run one notebook with parameters
+
+Needs only Python >= 3.10. The first call creates `.venv/` next to this file and installs the project
+into it (editable, with its test extras); later calls reuse it and reinstall only when `pyproject.toml`
+changes. Set DCINTERP_TORCH to choose the torch requirement (default: torch==2.13.0, which on a machine
+without a GPU takes the CPU build; use e.g. DCINTERP_TORCH="torch>=2.6" on a CUDA machine).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+PYTHON = BIN / ("python.exe" if os.name == "nt" else "python")
+STAMP = VENV / ".dcinterp-installed"
+TORCH = os.environ.get("DCINTERP_TORCH", "torch==2.13.0")
+
+
+def sh(*args: str | Path) -> None:
+    subprocess.run([str(a) for a in args], check=True, cwd=ROOT)
+
+
+def ensure_venv() -> None:
+    wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + TORCH.encode()).hexdigest()
+    if STAMP.exists() and STAMP.read_text() == wanted:
+        return
+    if not PYTHON.exists():
+        print(f"dev.py: creating {VENV}", flush=True)
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    pip = (PYTHON, "-m", "pip", "install", "--disable-pip-version-check", "-q")
+    print(f"dev.py: installing {TORCH} and dcinterp[test] into {VENV}", flush=True)
+    sh(*pip, TORCH)
+    sh(*pip, "-e", ".[test]")
+    STAMP.write_text(wanted)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in {"demo", "test", "notebook", "python"}:
+        print(__doc__)
+        return 2
+    ensure_venv()
+    command, rest = argv[0], argv[1:]
+    if command == "demo":
+        cmd = [PYTHON, "-m", "dcinterp.synth", "eval", *rest]
+    elif command == "test":
+        cmd = [PYTHON, "-m", "pytest", "-q", *rest]
+    elif command == "notebook":
+        cmd = [PYTHON, "-m", "dcinterp.notebooks", *rest]
+    else:
+        cmd = [PYTHON, *rest]
+    return subprocess.run([str(c) for c in cmd], cwd=ROOT).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
