@@ -1,0 +1,129 @@
+"""One configuration for every model dcinterp runs: DCPythia, DCFormer++, and their plain-MHA twins.
+
+Field names follow TransformerLens (`n_layers`, `d_model`, `d_head`, `d_mlp`, `d_vocab`, `normalization_type`, ...)
+so that TransformerLens tools (ActivationCache, FactoredMatrix, ...) can read them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+COMPOSE_STAGES = ("pre", "post")
+COMPOSE_BRANCHES = ("qp", "kp", "qg", "kg")
+
+# Which layers are local (sliding window) in each of the released layouts; the pattern repeats.
+WINDOW_PATTERNS = {
+    "LG": "LG",
+    "LGLL": "LGLL",
+    "LGL6": "LG" + "L" * 6,
+}
+
+
+@dataclass
+class DCFormerConfig:
+    n_layers: int
+    d_model: int
+    n_heads: int
+    d_head: int
+    d_mlp: int
+    d_vocab: int
+    n_ctx: int = 2048
+    model_name: str = "dcformer"
+
+    # Block layout. DCPythia: LN, parallel residual, GELU MLP with biases. DCFormer++: RMS, sequential, SwiGLU.
+    normalization_type: str = "LN"  # "LN" (LayerNorm with bias) or "RMS"
+    norm_eps: float = 1e-5
+    parallel_residual: bool = True
+    act_fn: str = "gelu"  # "gelu" (exact erf) or "swiglu"
+    use_bias: bool = True  # biases on the attention and MLP projections
+    mgate_dim: int | None = None  # DCFormer++ "mgate": SwiGLU activations in groups scaled by softmax(mg x)
+
+    # Attention.
+    rotary_pct: float = 1.0  # share of each head's dims that rotary rotates ("half" pairing: j with j + r/2)
+    rotary_base: float = 10000.0
+    use_qk_norm: bool = True  # RMSNorm with scale over the head dim on q and k, before rotary
+    window_size: int | None = None
+    window_type: str | None = None  # "LG", "LGLL", "LGL6" (local/global layer patterns) or None: all global
+
+    # DCMHA. use_dcmha=False gives plain MHA (Pythia / Transformer++ baselines).
+    use_dcmha: bool = True
+    query_wise: bool = False  # only the two query-side branches (qp, qg)
+    compose_stages: tuple[str, ...] = COMPOSE_STAGES  # switch pre- or post-compose off (paper Table 9)
+    compose_branches: tuple[str, ...] = COMPOSE_BRANCHES  # switch any branch off (paper Table 9)
+    dcmha_rank: int = 2  # R: rank of the dynamic projections
+    dyn_hidden_dim: int | None = None  # K: hidden size of the dynamic-weight FFN; official: 4 * n_heads
+
+    # TransformerLens behaviour switches.
+    use_attn_result: bool = False  # compute blocks.{l}.attn.hook_result (per-head output in the residual basis)
+    default_prepend_bos: bool = False  # to_tokens adds only what the tokenizer adds itself
+    dtype: str = "float32"
+
+    # Read by TransformerLens' ActivationCache.
+    attn_only: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.compose_stages = tuple(self.compose_stages)
+        self.compose_branches = tuple(self.compose_branches)
+        if self.dyn_hidden_dim is None:
+            self.dyn_hidden_dim = 4 * self.n_heads
+        if self.normalization_type not in ("LN", "RMS"):
+            raise ValueError(f"normalization_type must be 'LN' or 'RMS', not {self.normalization_type!r}")
+        if self.act_fn not in ("gelu", "swiglu"):
+            raise ValueError(f"act_fn must be 'gelu' or 'swiglu', not {self.act_fn!r}")
+        if self.window_type is not None and self.window_type not in WINDOW_PATTERNS:
+            raise ValueError(f"window_type must be one of {sorted(WINDOW_PATTERNS)} or None, not {self.window_type!r}")
+        if self.window_type is not None and not self.window_size:
+            raise ValueError(f"window_type {self.window_type!r} needs a window_size")
+        for stage in self.compose_stages:
+            if stage not in COMPOSE_STAGES:
+                raise ValueError(f"compose_stages: unknown stage {stage!r} (known: {COMPOSE_STAGES})")
+        for branch in self.compose_branches:
+            if branch not in COMPOSE_BRANCHES:
+                raise ValueError(f"compose_branches: unknown branch {branch!r} (known: {COMPOSE_BRANCHES})")
+        if self.mgate_dim is not None and self.d_mlp % self.mgate_dim:
+            raise ValueError(f"d_mlp {self.d_mlp} is not a multiple of mgate_dim {self.mgate_dim}")
+
+    @property
+    def active_branches(self) -> tuple[str, ...]:
+        """The compose branches this model runs: `compose_branches` less the key side when `query_wise`."""
+        if self.query_wise:
+            return tuple(b for b in self.compose_branches if b in ("qp", "qg"))
+        return self.compose_branches
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.d_head * self.rotary_pct)
+
+    @property
+    def final_rms(self) -> bool:
+        return self.normalization_type == "RMS"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding-window size of a layer, or None for a global layer."""
+        if self.window_type is None:
+            return None
+        pattern = WINDOW_PATTERNS[self.window_type]
+        return self.window_size if pattern[layer % len(pattern)] == "L" else None
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+    @classmethod
+    def from_dict(cls, values: dict, source: str = "config") -> "DCFormerConfig":
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown config keys {unknown}")
+        return cls(**values)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps({"model_type": "dcinterp", **self.to_dict()}, indent=2) + "\n")

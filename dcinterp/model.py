@@ -1,0 +1,513 @@
+"""HookedDCFormer: DCFormer (Xiao et al., ICML 2024) as a TransformerLens `HookedRootModule`.
+
+The whole model is in this file. Every intermediate that an interpretability study needs sits behind a
+`HookPoint` named by where it is, as in TransformerLens (`blocks.3.attn.hook_pattern`). Index names in
+einsums: b batch, p/t/s positions (query t, key s), h/n/m heads, e head dim, d model dim, r rank,
+c dynamic-weight branch, k dynamic-weight hidden unit.
+
+DCMHA in one layer (x = the normed residual input of the attention):
+    scores A = q k^T / sqrt(d_head)                                  hook_attn_scores    [b, h, t, s]
+    A' = A + o_qp + o_kp + o_qg + o_kg       (pre-compose)           hook_composed_scores
+    P = softmax(mask(A'))                                            hook_pattern
+    P' = P + o_qp + o_kp + o_qg + o_kg       (post-compose)          hook_composed_pattern
+    z = P' v,  out = z W_O                                           hook_z
+with, for query t and key s,
+    o_qp[m,t,s] = sum_r (sum_n A[n,t,s] qw1[t,r,n]) qw2[t,r,m]   and o_kp the same with key-side weights at s,
+    o_qg[n,t,s] = A[n,t,s] qg[t,n],   o_kg[n,t,s] = A[n,t,s] kg[s,n].
+The dynamic weights (qw1, qw2, kw1, kw2, qg, kg for each stage) are computed from x by a small FFN.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+from transformer_lens import ActivationCache, HookedRootModule
+from transformer_lens.hook_points import HookPoint
+
+from .config import DCFormerConfig
+
+BRANCH_DYN_INDEX = {"pre": (0, 1), "post": (2, 3)}  # dynamic-weight branches c: [pre q, pre k, post q, post k]
+
+
+def _hooked(hook: HookPoint) -> bool:
+    return bool(hook.fwd_hooks or hook.bwd_hooks or hook._forward_hooks or hook._backward_hooks)
+
+
+class Norm(nn.Module):
+    """LayerNorm (with bias) or RMSNorm, computed in float32, with TransformerLens' hook names."""
+
+    def __init__(self, d: int, kind: str, eps: float):
+        super().__init__()
+        self.kind, self.eps = kind, eps
+        self.w = nn.Parameter(torch.ones(d))
+        self.b = nn.Parameter(torch.zeros(d)) if kind == "LN" else None
+        self.hook_scale = HookPoint()  # [batch, pos, 1]
+        self.hook_normalized = HookPoint()  # [batch, pos, d_model], after weight and bias
+
+    def forward(self, x: Float[Tensor, "b p d"]) -> Float[Tensor, "b p d"]:
+        dtype = x.dtype
+        x = x.float()
+        if self.kind == "LN":
+            x = x - x.mean(-1, keepdim=True)
+        scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        x = (x / scale).to(dtype) * self.w
+        if self.b is not None:
+            x = x + self.b
+        return self.hook_normalized(x)
+
+
+class HeadRMSNorm(nn.Module):
+    """QK-norm: RMSNorm with a learned scale over the head dim (eps 1e-6)."""
+
+    def __init__(self, d_head: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.w = nn.Parameter(torch.ones(d_head))
+
+    def forward(self, x: Float[Tensor, "b p h e"]) -> Float[Tensor, "b p h e"]:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.w
+
+
+def apply_rotary(x: Float[Tensor, "b p h e"], rotary_dim: int, base: float) -> Float[Tensor, "b p h e"]:
+    """Rotary embedding on the first `rotary_dim` dims, "half" pairing (dim j rotates with j + rotary_dim/2)."""
+    if rotary_dim == 0:
+        return x
+    half = rotary_dim // 2
+    positions = torch.arange(x.shape[1], device=x.device, dtype=torch.float32)
+    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, device=x.device, dtype=torch.float32) / rotary_dim)
+    angles = torch.outer(positions, inv_freq)[None, :, None, :]  # [1, p, 1, half]
+    cos, sin = angles.cos(), angles.sin()
+    xf = x.float()
+    x1, x2, rest = xf[..., :half], xf[..., half:rotary_dim], xf[..., rotary_dim:]
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+    return rotated.to(x.dtype)
+
+
+class Compose(nn.Module):
+    """One `Compose` stage of DCMHA (pre-compose on scores, or post-compose on probabilities).
+
+    With no hook on a branch output, the branches are added into one output tensor in place (fused path);
+    with a hook (or a cache) on any of them, each branch is computed as its own tensor and passed through
+    its hook, and what the hooks return is summed (materialised path).
+    """
+
+    def __init__(self, cfg: DCFormerConfig):
+        super().__init__()
+        self.branches = cfg.active_branches
+        self.rank = cfg.dcmha_rank
+        for name in ("qw1", "qw2", "kw1", "kw2"):
+            setattr(self, f"hook_{name}", HookPoint())  # [batch, pos, rank, head]
+        self.hook_qg = HookPoint()  # [batch, pos, head]
+        self.hook_kg = HookPoint()
+        for branch in ("qp", "kp", "qg", "kg"):
+            setattr(self, f"hook_o_{branch}", HookPoint())  # [batch, head, query, key]
+
+    def dynamic_weights(self, qw1, qw2, kw1, kw2, qg, kg) -> tuple[Tensor | None, ...]:
+        """Pass the stage's dynamic weights through their hooks; None for the branches that are off."""
+        qp, kp = "qp" in self.branches, "kp" in self.branches
+        return (
+            self.hook_qw1(qw1) if qp else None,
+            self.hook_qw2(qw2) if qp else None,
+            self.hook_kw1(kw1) if kp else None,
+            self.hook_kw2(kw2) if kp else None,
+            self.hook_qg(qg) if "qg" in self.branches else None,
+            self.hook_kg(kg) if "kg" in self.branches else None,
+        )
+
+    def forward(self, A: Float[Tensor, "b h t s"], qw1, qw2, kw1, kw2, qg, kg) -> Float[Tensor, "b h t s"]:
+        qw1, qw2, kw1, kw2, qg, kg = self.dynamic_weights(qw1, qw2, kw1, kw2, qg, kg)
+        if any(_hooked(getattr(self, f"hook_o_{b}")) for b in self.branches):
+            out = A
+            for branch, o in branch_outputs(A, qw1, qw2, kw1, kw2, qg, kg).items():
+                out = out + getattr(self, f"hook_o_{branch}")(o)
+            return out
+        return compose_fused(A, qw1, qw2, kw1, kw2, qg, kg)
+
+
+def branch_outputs(A, qw1=None, qw2=None, kw1=None, kw2=None, qg=None, kg=None) -> dict[str, Tensor]:
+    """The four branch outputs of Eq. (7) as separate tensors (only those whose weights are given)."""
+    out = {}
+    if qw1 is not None:
+        hidden = torch.einsum("bnts,btrn->brts", A, qw1)
+        out["qp"] = torch.einsum("brts,btrm->bmts", hidden, qw2)
+    if kw1 is not None:
+        hidden = torch.einsum("bnts,bsrn->brts", A, kw1)
+        out["kp"] = torch.einsum("brts,bsrm->bmts", hidden, kw2)
+    if qg is not None:
+        out["qg"] = A * qg.transpose(1, 2)[:, :, :, None]
+    if kg is not None:
+        out["kg"] = A * kg.transpose(1, 2)[:, :, None, :]
+    return out
+
+
+def compose_fused(A, qw1=None, qw2=None, kw1=None, kw2=None, qg=None, kg=None) -> Tensor:
+    """A + o_qp + o_kp + o_qg + o_kg, accumulated in place into one tensor (no per-branch tensors)."""
+    out = A * (1 + qg.transpose(1, 2)[:, :, :, None]) if qg is not None else A.clone()
+    if kg is not None:
+        out.addcmul_(A, kg.transpose(1, 2)[:, :, None, :])
+    if qw1 is not None:
+        hidden = torch.einsum("bnts,btrn->brts", A, qw1)
+        for r in range(qw1.shape[2]):
+            out.addcmul_(hidden[:, r, None], qw2[:, :, r].transpose(1, 2)[:, :, :, None])
+    if kw1 is not None:
+        hidden = torch.einsum("bnts,bsrn->brts", A, kw1)
+        for r in range(kw1.shape[2]):
+            out.addcmul_(hidden[:, r, None], kw2[:, :, r].transpose(1, 2)[:, :, None, :])
+    return out
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DCFormerConfig, layer: int):
+        super().__init__()
+        self.cfg = cfg
+        self.window = cfg.layer_window(layer)
+        H, D, E = cfg.n_heads, cfg.d_model, cfg.d_head
+        self.W_Q = nn.Parameter(torch.empty(H, D, E))
+        self.W_K = nn.Parameter(torch.empty(H, D, E))
+        self.W_V = nn.Parameter(torch.empty(H, D, E))
+        self.W_O = nn.Parameter(torch.empty(H, E, D))
+        if cfg.use_bias:
+            self.b_Q = nn.Parameter(torch.zeros(H, E))
+            self.b_K = nn.Parameter(torch.zeros(H, E))
+            self.b_V = nn.Parameter(torch.zeros(H, E))
+            self.b_O = nn.Parameter(torch.zeros(D))
+        else:
+            self.b_Q = self.b_K = self.b_V = self.b_O = None
+        if cfg.use_qk_norm:
+            self.q_norm, self.k_norm = HeadRMSNorm(E), HeadRMSNorm(E)
+
+        if cfg.use_dcmha:
+            # The dynamic-weight FFN of Eqs. (5)-(6), all four branches c = [pre q, pre k, post q, post k] at once.
+            # Official names: W_dyn_in = dyn_w_proj.dw1, W_dyn_out = dyn_w_proj.qkw, W_dyn_gate = dyn_w_proj.dd.
+            K, R = cfg.dyn_hidden_dim, cfg.dcmha_rank
+            self.W_dyn_in = nn.Parameter(torch.empty(D, 4, K))
+            self.W_dyn_out = nn.Parameter(torch.empty(4, K, 2 * R, H))
+            self.W_dyn_gate = nn.Parameter(torch.empty(D, 4, H))
+            self.pre_compose = Compose(cfg) if "pre" in cfg.compose_stages else None
+            self.post_compose = Compose(cfg) if "post" in cfg.compose_stages else None
+            self.hook_composed_scores = HookPoint()  # [batch, head, query, key], after pre-compose, unmasked
+            self.hook_composed_pattern = HookPoint()  # [batch, head, query, key], what multiplies V
+
+        self.hook_q = HookPoint()  # [batch, pos, head, d_head], after QK-norm, before rotary
+        self.hook_k = HookPoint()
+        self.hook_v = HookPoint()
+        self.hook_rot_q = HookPoint()
+        self.hook_rot_k = HookPoint()
+        self.hook_attn_scores = HookPoint()  # [batch, head, query, key], before pre-compose, unmasked
+        self.hook_pattern = HookPoint()  # [batch, head, query, key], softmax, before post-compose
+        self.hook_z = HookPoint()  # [batch, pos, head, d_head]
+        self.hook_result = HookPoint()  # [batch, pos, head, d_model], only with cfg.use_attn_result
+
+    def dynamic_weights(self, x: Float[Tensor, "b p d"]) -> dict[str, tuple[Tensor, ...]]:
+        """Per stage: (qw1, qw2, kw1, kw2 [b, p, rank, head], qg, kg [b, p, head]), computed from x."""
+        R = self.cfg.dcmha_rank
+        hidden = F.gelu(torch.einsum("bpd,dck->bpck", x, self.W_dyn_in))
+        w = torch.einsum("bpck,ckrh->bpcrh", hidden, self.W_dyn_out)
+        w1, w2 = w[:, :, :, :R], w[:, :, :, R:]
+        w1 = w1 * torch.rsqrt(w1.pow(2).mean(-1, keepdim=True) + 1e-6)  # RMSNorm without scale over heads
+        gates = torch.tanh(torch.einsum("bpd,dch->bpch", x, self.W_dyn_gate))
+        weights = {}
+        for stage, (cq, ck) in BRANCH_DYN_INDEX.items():
+            weights[stage] = (w1[:, :, cq], w2[:, :, cq], w1[:, :, ck], w2[:, :, ck], gates[:, :, cq], gates[:, :, ck])
+        return weights
+
+    def forward(self, x: Float[Tensor, "b p d"], mask: Float[Tensor, "t s"]) -> Float[Tensor, "b p d"]:
+        cfg = self.cfg
+        q = torch.einsum("bpd,hde->bphe", x, self.W_Q)
+        k = torch.einsum("bpd,hde->bphe", x, self.W_K)
+        v = torch.einsum("bpd,hde->bphe", x, self.W_V)
+        if self.b_Q is not None:
+            q, k, v = q + self.b_Q, k + self.b_K, v + self.b_V
+        if cfg.use_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
+        q = self.hook_rot_q(apply_rotary(q, cfg.rotary_dim, cfg.rotary_base))
+        k = self.hook_rot_k(apply_rotary(k, cfg.rotary_dim, cfg.rotary_base))
+
+        scores = self.hook_attn_scores(torch.einsum("bthe,bshe->bhts", q, k) / math.sqrt(cfg.d_head))
+        dyn = self.dynamic_weights(x) if cfg.use_dcmha else None
+        if cfg.use_dcmha:
+            if self.pre_compose is not None:
+                scores = self.pre_compose(scores, *dyn["pre"])
+            scores = self.hook_composed_scores(scores)
+        scores = scores + mask.to(scores.dtype)
+        pattern = self.hook_pattern(scores.softmax(-1, dtype=torch.float32).to(scores.dtype))
+        if cfg.use_dcmha:
+            if self.post_compose is not None:
+                pattern = self.post_compose(pattern, *dyn["post"])
+            pattern = self.hook_composed_pattern(pattern)
+
+        z = self.hook_z(torch.einsum("bhts,bshe->bthe", pattern, v))
+        if cfg.use_attn_result:
+            out = self.hook_result(torch.einsum("bthe,hed->bthd", z, self.W_O)).sum(2)
+        else:
+            out = torch.einsum("bthe,hed->btd", z, self.W_O)
+        return out + self.b_O if self.b_O is not None else out
+
+
+class MLP(nn.Module):
+    """GELU MLP (Pythia) or SwiGLU (Transformer++), optionally with DCFormer++'s mgate."""
+
+    def __init__(self, cfg: DCFormerConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.W_in = nn.Parameter(torch.empty(cfg.d_model, cfg.d_mlp))
+        self.W_out = nn.Parameter(torch.empty(cfg.d_mlp, cfg.d_model))
+        self.b_in = nn.Parameter(torch.zeros(cfg.d_mlp)) if cfg.use_bias else None
+        self.b_out = nn.Parameter(torch.zeros(cfg.d_model)) if cfg.use_bias else None
+        if cfg.act_fn == "swiglu":
+            self.W_gate = nn.Parameter(torch.empty(cfg.d_model, cfg.d_mlp))
+            self.hook_pre_linear = HookPoint()  # [batch, pos, d_mlp]: x W_in
+        if cfg.mgate_dim:
+            self.W_mgate = nn.Parameter(torch.empty(cfg.d_model, cfg.mgate_dim))
+            self.hook_mgate = HookPoint()  # [batch, pos, mgate_dim]: softmax group weights
+        self.hook_pre = HookPoint()  # [batch, pos, d_mlp]: pre-activation (the gate's, for SwiGLU)
+        self.hook_post = HookPoint()  # [batch, pos, d_mlp]: what multiplies W_out
+
+    def forward(self, x: Float[Tensor, "b p d"]) -> Float[Tensor, "b p d"]:
+        if self.cfg.act_fn == "gelu":
+            pre = x @ self.W_in
+            post = F.gelu(self.hook_pre(pre + self.b_in if self.b_in is not None else pre))
+        else:
+            post = F.silu(self.hook_pre(x @ self.W_gate)) * self.hook_pre_linear(x @ self.W_in)
+        if self.cfg.mgate_dim:
+            groups = self.hook_mgate((x @ self.W_mgate).softmax(-1, dtype=torch.float32).to(x.dtype))
+            post = (post.unflatten(-1, (self.cfg.mgate_dim, -1)) * groups[..., None]).flatten(-2)
+        out = self.hook_post(post) @ self.W_out
+        return out + self.b_out if self.b_out is not None else out
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: DCFormerConfig, layer: int):
+        super().__init__()
+        self.cfg = cfg
+        self.ln1 = Norm(cfg.d_model, cfg.normalization_type, cfg.norm_eps)
+        self.ln2 = Norm(cfg.d_model, cfg.normalization_type, cfg.norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.hook_resid_pre = HookPoint()  # [batch, pos, d_model]
+        if not cfg.parallel_residual:
+            self.hook_resid_mid = HookPoint()
+        self.hook_attn_out = HookPoint()
+        self.hook_mlp_out = HookPoint()
+        self.hook_resid_post = HookPoint()
+
+    def forward(self, resid_pre: Float[Tensor, "b p d"], mask: Tensor) -> Float[Tensor, "b p d"]:
+        resid_pre = self.hook_resid_pre(resid_pre)
+        attn_out = self.hook_attn_out(self.attn(self.ln1(resid_pre), mask))
+        if self.cfg.parallel_residual:
+            mlp_out = self.hook_mlp_out(self.mlp(self.ln2(resid_pre)))
+            return self.hook_resid_post(resid_pre + attn_out + mlp_out)
+        resid_mid = self.hook_resid_mid(resid_pre + attn_out)
+        mlp_out = self.hook_mlp_out(self.mlp(self.ln2(resid_mid)))
+        return self.hook_resid_post(resid_mid + mlp_out)
+
+
+def attention_mask(n: int, window: int | None, device, dtype=torch.float32) -> Float[Tensor, "t s"]:
+    """Additive mask: 0 where query t may see key s (s <= t, and t - window < s for a local layer), else -inf."""
+    t = torch.arange(n, device=device)[:, None]
+    s = torch.arange(n, device=device)[None, :]
+    allowed = s <= t
+    if window is not None:
+        allowed &= s > t - window
+    return torch.zeros(n, n, device=device, dtype=dtype).masked_fill(~allowed, float("-inf"))
+
+
+class HookedDCFormer(HookedRootModule):
+    """DCFormer with every part of DCMHA exposed as a hook point. See the module docstring for the math.
+
+    `model(tokens)` gives logits [batch, pos, d_vocab]; `run_with_cache`, `run_with_hooks`, `hooks()` work as
+    in TransformerLens. Load checkpoints with `HookedDCFormer.from_pretrained(path_or_name)`.
+    """
+
+    def __init__(self, cfg: DCFormerConfig, tokenizer=None, init: bool = True):
+        super().__init__()
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.W_E = nn.Parameter(torch.empty(cfg.d_vocab, cfg.d_model))
+        self.hook_embed = HookPoint()  # [batch, pos, d_model]
+        self.blocks = nn.ModuleList(TransformerBlock(cfg, layer) for layer in range(cfg.n_layers))
+        self.ln_final = Norm(cfg.d_model, cfg.normalization_type, cfg.norm_eps)
+        self.W_U = nn.Parameter(torch.empty(cfg.d_model, cfg.d_vocab))
+        if init:
+            self.init_weights()
+        self.setup()
+
+    # ----------------------------------------------------------------------------------------------
+    # Forward
+    def forward(
+        self,
+        input: Int[Tensor, "b p"] | str | list[str],
+        return_type: Literal["logits", "loss", "both"] | None = "logits",
+        loss_per_token: bool = False,
+        stop_at_layer: int | None = None,
+    ):
+        tokens = self.to_tokens(input) if isinstance(input, (str, list)) else input
+        tokens = tokens.to(self.W_E.device)
+        n = tokens.shape[1]
+        masks = {}
+        resid = self.hook_embed(self.W_E[tokens])
+        for block in self.blocks[:stop_at_layer]:
+            window = block.attn.window
+            if window not in masks:
+                masks[window] = attention_mask(n, window, tokens.device)
+            resid = block(resid, masks[window])
+        if stop_at_layer is not None:
+            return resid
+        logits = self.ln_final(resid) @ self.W_U
+        if return_type == "logits":
+            return logits
+        loss = lm_cross_entropy(logits, tokens, per_token=loss_per_token)
+        if return_type == "loss":
+            return loss
+        if return_type == "both":
+            return logits, loss
+        return None
+
+    def run_with_cache(self, *args, return_cache_object: bool = True, remove_batch_dim: bool = False, **kwargs):
+        """As `HookedRootModule.run_with_cache`, returning a TransformerLens `ActivationCache`."""
+        out, cache = super().run_with_cache(*args, remove_batch_dim=remove_batch_dim, **kwargs)
+        if return_cache_object:
+            cache = ActivationCache(cache, self, has_batch_dim=not remove_batch_dim)
+        return out, cache
+
+    def set_use_attn_result(self, use_attn_result: bool) -> None:
+        """Compute `blocks.{l}.attn.hook_result` (per-head outputs in the residual basis) or not."""
+        self.cfg.use_attn_result = use_attn_result
+
+    # ----------------------------------------------------------------------------------------------
+    # Weights
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """Initialise for training: normal(std) projections, the official DCMHA initialisation."""
+        cfg = self.cfg
+        for name, p in self.named_parameters():
+            if name.endswith((".w",)):
+                p.fill_(1.0)
+            elif name.split(".")[-1].startswith("b"):
+                p.zero_()
+            elif name.endswith("W_dyn_in"):
+                p.normal_(0, math.sqrt(2 / (cfg.d_model + cfg.dyn_hidden_dim)))
+            elif name.endswith("W_dyn_out"):
+                H, R = cfg.n_heads, cfg.dcmha_rank
+                p.normal_(0, 0.02 / (math.sqrt(2 * H * R) * (H + R)))
+            elif name.endswith("W_dyn_gate"):
+                p.normal_(0, 0.05 * math.sqrt(2 / (cfg.n_heads + cfg.d_model)))
+            elif name.endswith(("W_O", "W_out")):
+                p.normal_(0, std / math.sqrt(2 * cfg.n_layers))
+            else:
+                p.normal_(0, std)
+
+    def _stack(self, name: str) -> Tensor:
+        return torch.stack([getattr(block.attn, name) for block in self.blocks])
+
+    @property
+    def W_Q(self) -> Float[Tensor, "layer head d_model d_head"]:
+        return self._stack("W_Q")
+
+    @property
+    def W_K(self) -> Float[Tensor, "layer head d_model d_head"]:
+        return self._stack("W_K")
+
+    @property
+    def W_V(self) -> Float[Tensor, "layer head d_model d_head"]:
+        return self._stack("W_V")
+
+    @property
+    def W_O(self) -> Float[Tensor, "layer head d_head d_model"]:
+        return self._stack("W_O")
+
+    @property
+    def QK(self):
+        """QK circuits per layer and head as a FactoredMatrix [layer, head, d_model, d_model] (rotary ignored)."""
+        from transformer_lens import FactoredMatrix
+
+        return FactoredMatrix(self.W_Q, self.W_K.transpose(-2, -1))
+
+    @property
+    def OV(self):
+        """OV circuits per layer and head as a FactoredMatrix [layer, head, d_model, d_model]."""
+        from transformer_lens import FactoredMatrix
+
+        return FactoredMatrix(self.W_V, self.W_O)
+
+    def tokens_to_residual_directions(self, tokens) -> Tensor:
+        """Residual directions whose dot product with the normalised final residual gives each token's logit.
+
+        The final norm's weight is folded in, so `ActivationCache.logit_attrs` attributes logits exactly.
+        """
+        if isinstance(tokens, str):
+            tokens = self.to_single_token(tokens)
+        if isinstance(tokens, int):
+            tokens = torch.tensor(tokens)
+        directions = (self.ln_final.w[:, None] * self.W_U)[:, tokens.to(self.W_U.device)]
+        return directions.movedim(0, -1)
+
+    # ----------------------------------------------------------------------------------------------
+    # Tokenizer helpers (TransformerLens names)
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer attached; pass token ids, or set model.tokenizer")
+        return self.tokenizer
+
+    def to_tokens(self, input: str | list[str], prepend_bos: bool | None = None) -> Int[Tensor, "b p"]:
+        """Token ids [batch, pos], right-padded. BOS only where the tokenizer adds it itself, unless prepend_bos."""
+        tokenizer = self._need_tokenizer()
+        texts = [input] if isinstance(input, str) else list(input)
+        prepend_bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
+        ids = [tokenizer(t)["input_ids"] for t in texts]
+        if prepend_bos:
+            bos = tokenizer.bos_token_id
+            ids = [i if i[:1] == [bos] else [bos, *i] for i in ids]
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        width = max(len(i) for i in ids)
+        return torch.tensor([i + [pad] * (width - len(i)) for i in ids], device=self.W_E.device)
+
+    def to_string(self, tokens) -> str | list[str]:
+        tokenizer = self._need_tokenizer()
+        if isinstance(tokens, Tensor):
+            tokens = tokens.tolist()
+        if isinstance(tokens, int):
+            tokens = [tokens]
+        if tokens and isinstance(tokens[0], list):
+            return [tokenizer.decode(t) for t in tokens]
+        return tokenizer.decode(tokens)
+
+    def to_str_tokens(self, input) -> list[str]:
+        tokenizer = self._need_tokenizer()
+        ids = self.to_tokens(input)[0].tolist() if isinstance(input, str) else list(torch.as_tensor(input).flatten().tolist())
+        return [tokenizer.decode([i]) for i in ids]
+
+    def to_single_token(self, string: str) -> int:
+        ids = self.to_tokens(string)[0]
+        if ids.numel() != 1:
+            raise ValueError(f"{string!r} is {ids.numel()} tokens, not one")
+        return int(ids.item())
+
+    # ----------------------------------------------------------------------------------------------
+    # Loading and saving (see dcinterp.loading)
+    @classmethod
+    def from_pretrained(cls, path_or_name, dtype=None, device=None) -> "HookedDCFormer":
+        """Load a local checkpoint directory (DCPythia, DCFormer, GPT-NeoX/Pythia, dcinterp) or an embedded model."""
+        from .loading import load_pretrained
+
+        return load_pretrained(path_or_name, dtype=dtype, device=device)
+
+    def save_pretrained(self, directory) -> None:
+        """Write `config.json`, `model.safetensors` and the tokenizer (if any) to a directory."""
+        from .loading import save_pretrained
+
+        save_pretrained(self, directory)
+
+
+def lm_cross_entropy(logits: Float[Tensor, "b p v"], tokens: Int[Tensor, "b p"], per_token: bool = False) -> Tensor:
+    """Next-token cross-entropy; per token [batch, pos-1] or the mean."""
+    logprobs = logits[:, :-1].float().log_softmax(-1)
+    loss = -logprobs.gather(-1, tokens[:, 1:, None])[..., 0]
+    return loss if per_token else loss.mean()
