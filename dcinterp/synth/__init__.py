@@ -1,0 +1,22 @@
+"""The synthetic in-context-learning tasks of DCFormer (Xiao et al. ICML 2024, Sec 4.3 / App. F).
+
+``generate()`` draws fresh samples of the 74 tasks in the format of the released
+``synthetic_dataset.jsonl``, ``check_records()`` validates records against the task
+catalog, and ``unbracket()`` locates the scored answers.  Command line:
+``python -m dcinterp.synth generate --seed 0 --out FILE.jsonl`` and
+``python -m dcinterp.synth check FILE.jsonl``.
+
+Note: ``dcinterp.synth.generate`` is the function; import the module's other names with
+``from dcinterp.synth.generate import ...``.
+"""
+from .catalog import Catalog, CatalogError, ItemPool, Lexicon, ObjectEntry, OrdinalDomain, Phrasing, Syntax, Task, \
+    data_dir, load_catalog, load_lexicon
+from .check import check_records
+from .generate import generate
+from .records import DatasetError, read_jsonl, sample_lines, unbracket, write_jsonl
+
+__all__ = [
+    "Catalog", "CatalogError", "DatasetError", "ItemPool", "Lexicon", "ObjectEntry", "OrdinalDomain", "Phrasing",
+    "Syntax", "Task", "check_records", "data_dir", "generate", "load_catalog", "load_lexicon", "read_jsonl",
+    "sample_lines", "unbracket", "write_jsonl",
+]

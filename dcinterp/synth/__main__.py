@@ -1,0 +1,95 @@
+"""Command line of the synthetic tasks:
+
+    python -m dcinterp.synth generate --seed S --out FILE.jsonl [--samples-per-task N] [--tasks 0-7]
+                                      [--qk-pattern P] [--ov-transformation T] [--lines L]
+    python -m dcinterp.synth check FILE.jsonl [--lines L]      (also: generate --check FILE.jsonl)
+
+Exit status: 0 success, 1 the check found problems, 2 bad arguments or unreadable input.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .catalog import OV_TRANSFORMATIONS, QK_PATTERNS, CatalogError, load_catalog
+from .check import check_records
+from .generate import SAMPLES_PER_TASK, generate, parse_task_ids
+from .records import LINES_PER_SAMPLE, DatasetError, read_jsonl, write_jsonl
+
+
+def _names(text: str | None) -> list[str] | None:
+    return [name.strip() for name in text.split(",") if name.strip()] if text else None
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    if args.check:
+        return check_file(args.check, args.lines)
+    catalog = load_catalog()
+    records = generate(seed=args.seed, samples_per_task=args.samples_per_task,
+                       tasks=parse_task_ids(args.tasks, catalog) if args.tasks else None,
+                       qk_patterns=_names(args.qk_pattern), ov_transformations=_names(args.ov_transformation),
+                       lines=args.lines, catalog=catalog)
+    write_jsonl(records, args.out)
+    task_count = len({record["task_id"] for record in records})
+    print(f"{args.out}: wrote {len(records)} records ({task_count} tasks x {args.samples_per_task} samples)")
+    return 0
+
+
+def run_check(args: argparse.Namespace) -> int:
+    return check_file(args.file, args.lines)
+
+
+def check_file(path: Path, lines: int) -> int:
+    records = read_jsonl(path)
+    problems = check_records(records, lines=lines)
+    for problem in problems:
+        print(f"{path}: {problem}")
+    if problems:
+        print(f"{path}: {len(problems)} problem(s) in {len(records)} records")
+        return 1
+    task_count = len({record["task_id"] for record in records})
+    print(f"{path}: OK ({len(records)} records, {task_count} tasks)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m dcinterp.synth",
+                                     description="Generate and check the DCFormer synthetic ICL tasks.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    generate_parser = commands.add_parser("generate", help="write fresh samples of the tasks as JSONL")
+    target = generate_parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--out", type=Path, metavar="FILE.jsonl", help="where to write the samples")
+    target.add_argument("--check", type=Path, metavar="FILE.jsonl", help="check FILE instead (as the check command)")
+    generate_parser.add_argument("--seed", type=int, default=0)
+    generate_parser.add_argument("--samples-per-task", type=int, default=SAMPLES_PER_TASK, metavar="N")
+    generate_parser.add_argument("--tasks", metavar="IDS", help="e.g. task0,task5 or 0-7 (default: all 74)")
+    generate_parser.add_argument("--qk-pattern", metavar="P", help="comma separated: " + ", ".join(QK_PATTERNS))
+    generate_parser.add_argument("--ov-transformation", metavar="T",
+                                 help="comma separated: " + ", ".join(OV_TRANSFORMATIONS))
+    generate_parser.add_argument("--lines", type=int, default=LINES_PER_SAMPLE, metavar="L",
+                                 help="lines per sample; the first two are plain (default: %(default)s)")
+    generate_parser.set_defaults(run=run_generate)
+
+    check_parser = commands.add_parser("check", help="validate a dataset file against the task catalog")
+    check_parser.add_argument("file", type=Path, metavar="FILE.jsonl")
+    check_parser.add_argument("--lines", type=int, default=LINES_PER_SAMPLE, metavar="L",
+                              help="expected lines per sample (default: %(default)s)")
+    check_parser.set_defaults(run=run_check)
+
+    # Further subcommands (such as eval) go here: commands.add_parser(...).set_defaults(run=...).
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (DatasetError, CatalogError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
