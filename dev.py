@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
     elif command == "test":
         cmd = [PYTHON, "-m", "pytest", "-q", *rest]
     elif command == "notebook":
-        cmd = [PYTHON, "-m", "dcinterp.notebooks", *rest]
+        cmd = [PYTHON, "-m", "dcinterp.notebooks", "run", *rest]
     else:
         cmd = [PYTHON, *rest]
     return subprocess.run([str(c) for c in cmd], cwd=ROOT).returncode
