@@ -1,0 +1,121 @@
+"""`head_diversity` on one random layer of DCPythia-6.9B's shape against the naive concatenate-then-SVD.
+
+    python benchmarks/bench_head_diversity.py [--d-model 4096 --n-heads 32 --d-head 128]
+                                              [--naive-d-model 4096] [--threads 1] [--device cpu]
+
+Both sides compute the cumulative captured variance of one layer's concatenated QK circuits, in float32:
+  ours:  `dcinterp.circuits.concat_spectrum` (per-head d_head x d_head Grams, then one
+         min(d_model, n_heads * d_head)-sized Gram eigendecomposition; the concatenation is never built);
+  naive: torch.cat of the n_heads d_model x d_model circuits (d_model x n_heads * d_model), then svdvals.
+`ours` is also timed on the whole layer (QK and OV, `layer_diversity`). Each measurement runs in its own
+subprocess, which reports its time and its peak memory above what it held after making the weights (peak RSS
+on the CPU, `torch.cuda.max_memory_allocated` on a GPU). The naive side can be run at a smaller d_model
+(`--naive-d-model`, same heads and head size ratio kept: d_head scaled with d_model) when the full shape does
+not fit in time or memory; the ratio is then against ours at that same reduced shape, and ours is still
+reported at full shape. At equal shapes the two curves are compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+from dcinterp.circuits import concat_spectrum, cumulative_variance, layer_diversity
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def naive_spectrum(W_Q: torch.Tensor, W_K: torch.Tensor) -> torch.Tensor:
+    M = torch.cat([W_Q[h] @ W_K[h].T for h in range(W_Q.shape[0])], dim=1)  # [d_model, n_heads * d_model]
+    return torch.linalg.svdvals(M) ** 2
+
+
+def measure(side: str, d_model: int, n_heads: int, d_head: int, device: str, threads: int) -> dict:
+    """Run in a fresh process: time and peak memory of one side on one random layer."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    W = [torch.randn(n_heads, d_model, d_head, device=device) * 0.02 for _ in range(3)]
+    W_O = torch.randn(n_heads, d_head, d_model, device=device) * 0.02
+    W_Q, W_K, W_V = W
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    base_rss = rss_mib()
+    start = time.perf_counter()
+    if side == "ours":
+        curve = cumulative_variance(concat_spectrum(W_Q, W_K.transpose(-2, -1)))
+    elif side == "ours_layer":
+        curve = layer_diversity(W_Q, W_K, W_V, W_O)[0]
+    else:
+        curve = cumulative_variance(naive_spectrum(W_Q, W_K))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    if device == "cuda":
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    else:
+        peak = peak_rss_mib() - base_rss
+    k = min(d_model, n_heads * d_head)
+    return {"side": side, "shape": [d_model, n_heads, d_head], "seconds": seconds, "peak_mib": peak,
+            "curve": curve[:k].cpu().tolist()}
+
+
+def run_child(side: str, d_model: int, n_heads: int, d_head: int, args) -> dict:
+    command = [sys.executable, __file__, "--child", side, "--d-model", str(d_model), "--n-heads", str(n_heads),
+               "--d-head", str(d_head), "--threads", str(args.threads), "--device", args.device]
+    out = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--d-model", type=int, default=4096)
+    parser.add_argument("--n-heads", type=int, default=32)
+    parser.add_argument("--d-head", type=int, default=128)
+    parser.add_argument("--naive-d-model", type=int, help="d_model of the naive run (default: the full d_model)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child, args.d_model, args.n_heads, args.d_head, args.device, args.threads)))
+        return
+
+    full = (args.d_model, args.n_heads, args.d_head)
+    naive_d = args.naive_d_model or args.d_model
+    reduced = (naive_d, args.n_heads, max(1, args.d_head * naive_d // args.d_model))
+    print(f"device {args.device}, {args.threads} thread(s); float32; one random layer")
+    results = [run_child("ours", *full, args), run_child("ours_layer", *full, args)]
+    if reduced != full:
+        results.append(run_child("ours", *reduced, args))
+    results.append(run_child("naive", *reduced, args))
+    for r in results:
+        d, h, e = r["shape"]
+        what = {"ours": "ours, QK", "ours_layer": "ours, QK+OV", "naive": "naive, QK"}[r["side"]]
+        print(f"{what:12s} d_model {d:5d}, {h} heads of {e:4d}: {r['seconds']:8.2f} s, peak +{r['peak_mib']:8.0f} MiB")
+    ours = next(r for r in results if r["side"] == "ours" and tuple(r["shape"]) == reduced)
+    naive = results[-1]
+    gap = max(abs(a - b) for a, b in zip(ours["curve"], naive["curve"]))
+    print(f"at d_model {reduced[0]}: naive / ours = {naive['seconds'] / ours['seconds']:.1f}x time, "
+          f"{naive['peak_mib'] / max(ours['peak_mib'], 1):.1f}x peak memory; max curve difference {gap:.1e}")
+
+
+if __name__ == "__main__":
+    main()

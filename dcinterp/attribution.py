@@ -1,0 +1,235 @@
+"""Which attention heads matter for a prediction: integrated gradients over one gate per head.
+
+The paper (App. G) finds L16-H11 by integrated gradients (Sundararajan et al., 2017) "on all attention heads'
+outputs". Heads of successive layers are not independent inputs (head (l, h) changes what every later head
+computes), so attributing to each layer's output separately, as captum's multi-layer `LayerIntegratedGradients`
+does, breaks the completeness axiom. Here every head gets a gate alpha[l, h] that scales its output `hook_z`
+around a baseline,
+
+    z[l, h] <- baseline[l, h] + alpha[l, h] * (z[l, h] - baseline[l, h])     (z as computed in that very pass)
+
+and captum's `IntegratedGradients` integrates the target f(alpha) along the straight line from alpha = 0
+(every head at its baseline at once) to alpha = 1 (the model as it is). Completeness then holds for this joint
+path: the head scores sum to f(model) - f(all heads at baseline), up to the quadrature error of `n_steps`.
+
+Targets: the logit or log-probability of a token at a position, or any function of the logits.
+Baselines: zero head output (default), the mean head output over a reference batch, or a tensor you pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pandas as pd
+import torch
+from captum.attr import IntegratedGradients
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from .model import HookedDCFormer
+
+TargetFn = Callable[[Tensor, Tensor], Tensor]  # (logits [N, pos, vocab], tokens [N, pos]) -> [N]
+Target = int | Tensor | TargetFn
+Baseline = Literal["zero", "mean"] | Tensor
+
+
+@dataclass
+class HeadAttribution:
+    """Integrated-gradients scores of every head for a batch of prompts.
+
+    `scores` is the mean over prompts; `per_prompt[i].sum()` equals `f_input[i] - f_baseline[i]` up to `delta[i]`.
+    """
+
+    scores: Float[Tensor, "layer head"]
+    per_prompt: Float[Tensor, "batch layer head"]
+    delta: Float[Tensor, "batch"]  # completeness error: per_prompt.sum((1, 2)) - (f_input - f_baseline)
+    f_input: Float[Tensor, "batch"]  # the target with every head as it is (alpha = 1)
+    f_baseline: Float[Tensor, "batch"]  # the target with every head at its baseline (alpha = 0)
+    by_task: dict[Hashable, Float[Tensor, "layer head"]] = field(default_factory=dict)
+
+    def top_heads(self, k: int = 5) -> list[tuple[int, int]]:
+        """The k (layer, head) pairs with the largest mean score."""
+        flat = self.scores.flatten().topk(min(k, self.scores.numel())).indices
+        n_heads = self.scores.shape[1]
+        return [(int(i) // n_heads, int(i) % n_heads) for i in flat]
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per head: layer, head, score (mean over prompts), and one column per task if any."""
+        n_layers, n_heads = self.scores.shape
+        frame = pd.DataFrame({
+            "layer": [l for l in range(n_layers) for _ in range(n_heads)],
+            "head": [h for _ in range(n_layers) for h in range(n_heads)],
+            "score": self.scores.flatten().tolist(),
+        })
+        for task, scores in self.by_task.items():
+            frame[f"score[{task}]"] = scores.flatten().tolist()
+        return frame
+
+
+# --------------------------------------------------------------------------------------------------
+# The gated model: f(alpha) for a batch of gate settings
+def head_baseline(
+    model: HookedDCFormer, baseline: Baseline = "zero", reference_tokens: Int[Tensor, "ref pos"] | None = None
+) -> Float[Tensor, "layer ... head d_head"] | None:
+    """The head outputs that alpha = 0 stands for: None for zero, else a tensor that broadcasts against
+    `hook_z` [batch, pos, head, d_head] once indexed by layer.
+
+    "mean" averages `hook_z` over the reference batch and its positions ([layer, head, d_head]).
+    A tensor is taken as is: [layer, head, d_head] or [layer, pos, head, d_head].
+    """
+    if isinstance(baseline, Tensor):
+        return baseline
+    if baseline == "zero":
+        return None
+    if baseline != "mean":
+        raise ValueError(f"baseline must be 'zero', 'mean' or a tensor, not {baseline!r}")
+    if reference_tokens is None:
+        raise ValueError("baseline='mean' needs reference_tokens (the reference batch)")
+    names = [f"blocks.{l}.attn.hook_z" for l in range(model.cfg.n_layers)]
+    with torch.no_grad():
+        _, cache = model.run_with_cache(reference_tokens, names_filter=names, stop_at_layer=model.cfg.n_layers)
+    return torch.stack([cache[name].float().mean((0, 1)) for name in names])
+
+
+def gate_hooks(alpha: Float[Tensor, "batch layer head"], baseline: Tensor | None) -> list[tuple[str, Callable]]:
+    """Forward hooks that set every head's `hook_z` to baseline + alpha * (z - baseline)."""
+
+    def make_hook(layer: int):
+        def hook(z: Float[Tensor, "batch pos head d_head"], hook) -> Tensor:
+            gate = alpha[:, layer, None, :, None].to(z.dtype)
+            if baseline is None:
+                return z * gate
+            base = baseline[layer].to(z.dtype)
+            return base + gate * (z - base)
+
+        return hook
+
+    return [(f"blocks.{l}.attn.hook_z", make_hook(l)) for l in range(alpha.shape[1])]
+
+
+def target_value(
+    model: HookedDCFormer,
+    tokens: Int[Tensor, "batch pos"],
+    target: Target,
+    position: int | Int[Tensor, "batch"] = -1,
+    target_type: Literal["logit", "logprob"] = "logit",
+    fwd_hooks: Sequence[tuple[str, Callable]] = (),
+) -> Float[Tensor, "batch"]:
+    """The target for each prompt: a token's logit or log-probability at `position`, or `target(logits, tokens)`.
+
+    With a token target only the final residual at `position` is unembedded (no [batch, pos, vocab] logits).
+    """
+    if callable(target):
+        logits = model.run_with_hooks(tokens, fwd_hooks=list(fwd_hooks))
+        return target(logits, tokens).float()
+    resid = model.run_with_hooks(tokens, fwd_hooks=list(fwd_hooks), stop_at_layer=model.cfg.n_layers)
+    rows = torch.arange(tokens.shape[0], device=resid.device)
+    position = torch.as_tensor(position, device=resid.device).expand(tokens.shape[0])
+    final = model.ln_final(resid[rows, position][:, None])[:, 0]  # [batch, d_model]
+    answer = torch.as_tensor(target, device=resid.device).expand(tokens.shape[0])
+    if target_type == "logit":
+        return (final * model.W_U[:, answer].T).sum(-1).float()
+    if target_type == "logprob":
+        return (final @ model.W_U).float().log_softmax(-1)[rows, answer]
+    raise ValueError(f"target_type must be 'logit' or 'logprob', not {target_type!r}")
+
+
+def _gated_target(model: HookedDCFormer, target: Target, target_type: str, baseline: Tensor | None) -> Callable:
+    """f(alpha, tokens, position, answer) for captum: every argument's first dim is the (expanded) batch."""
+
+    def forward(alpha: Tensor, tokens: Tensor, position: Tensor, answer: Tensor) -> Tensor:
+        goal = target if callable(target) else answer
+        return target_value(model, tokens, goal, position, target_type, gate_hooks(alpha, baseline))
+
+    return forward
+
+
+# --------------------------------------------------------------------------------------------------
+# Attribution and ablation
+def head_attribution(
+    model: HookedDCFormer,
+    tokens: Int[Tensor, "batch pos"],
+    target: Target,
+    position: int | Int[Tensor, "batch"] = -1,
+    target_type: Literal["logit", "logprob"] = "logit",
+    baseline: Baseline = "zero",
+    reference_tokens: Int[Tensor, "ref pos"] | None = None,
+    tasks: Sequence[Hashable] | None = None,
+    n_steps: int = 50,
+    internal_batch_size: int | None = None,
+    method: str = "gausslegendre",
+) -> HeadAttribution:
+    """Integrated gradients of a target with respect to every head's output, one score per (layer, head).
+
+    tokens: prompts [batch, pos] (right-padded is fine: pass `position` per prompt).
+    target: a token id (int, or a tensor [batch] of one id per prompt) whose `target_type` at `position` is
+        explained, or a function `(logits [N, pos, vocab], tokens [N, pos]) -> [N]`.
+    baseline: "zero" (head output zero), "mean" (mean head output over `reference_tokens`) or a tensor
+        ([layer, head, d_head] or [layer, pos, head, d_head]).
+    tasks: one label per prompt; `by_task` then holds the mean scores of each task.
+    n_steps, internal_batch_size, method: as in captum's `IntegratedGradients.attribute`. The cost is about
+        n_steps forward+backward passes over the batch, all in one pass by default (batch * n_steps rows);
+        internal_batch_size caps the rows per pass (at least one step, i.e. the whole batch): set it on
+        large models.
+    """
+    tokens = torch.as_tensor(tokens, device=model.W_E.device)
+    tokens = tokens[None] if tokens.ndim == 1 else tokens
+    batch, device = tokens.shape[0], tokens.device
+    base = head_baseline(model, baseline, reference_tokens)
+    position_t = torch.as_tensor(position, device=device).expand(batch).contiguous()
+    answer_t = torch.as_tensor(0 if callable(target) else target, device=device).expand(batch).contiguous()
+    forward = _gated_target(model, target, target_type, base)
+
+    ones = torch.ones(batch, model.cfg.n_layers, model.cfg.n_heads, device=device)
+    ig = IntegratedGradients(forward)
+    per_prompt = ig.attribute(
+        ones, baselines=torch.zeros_like(ones), additional_forward_args=(tokens, position_t, answer_t),
+        n_steps=n_steps, method=method, internal_batch_size=internal_batch_size,
+    ).detach().float()
+
+    with torch.no_grad():
+        f_input = forward(ones, tokens, position_t, answer_t)
+        f_baseline = forward(torch.zeros_like(ones), tokens, position_t, answer_t)
+    delta = per_prompt.sum((1, 2)) - (f_input - f_baseline)
+    by_task = {}
+    if tasks is not None:
+        if len(tasks) != batch:
+            raise ValueError(f"tasks has {len(tasks)} labels for {batch} prompts")
+        for task in dict.fromkeys(tasks):
+            rows = torch.tensor([t == task for t in tasks], device=per_prompt.device)
+            by_task[task] = per_prompt[rows].mean(0)
+    return HeadAttribution(per_prompt.mean(0), per_prompt, delta, f_input, f_baseline, by_task)
+
+
+@torch.no_grad()
+def head_ablation(
+    model: HookedDCFormer,
+    tokens: Int[Tensor, "batch pos"],
+    target: Target,
+    heads: Sequence[tuple[int, int]] | None = None,
+    position: int | Int[Tensor, "batch"] = -1,
+    target_type: Literal["logit", "logprob"] = "logit",
+    baseline: Baseline = "zero",
+    reference_tokens: Int[Tensor, "ref pos"] | None = None,
+) -> Float[Tensor, "layer head"]:
+    """Change of the target (mean over prompts) when one head at a time is set to its baseline.
+
+    Negative: the head helps the target. `heads` restricts the (layer, head) pairs computed (one forward each);
+    the others are NaN. Same target and baseline conventions as `head_attribution`.
+    """
+    tokens = torch.as_tensor(tokens, device=model.W_E.device)
+    tokens = tokens[None] if tokens.ndim == 1 else tokens
+    cfg = model.cfg
+    base = head_baseline(model, baseline, reference_tokens)
+    heads = heads if heads is not None else [(l, h) for l in range(cfg.n_layers) for h in range(cfg.n_heads)]
+    alpha = torch.ones(tokens.shape[0], cfg.n_layers, cfg.n_heads, device=tokens.device)
+    clean = target_value(model, tokens, target, position, target_type)
+    effect = torch.full((cfg.n_layers, cfg.n_heads), float("nan"))
+    for layer, head in heads:
+        alpha[:, layer, head] = 0
+        ablated = target_value(model, tokens, target, position, target_type, gate_hooks(alpha, base))
+        alpha[:, layer, head] = 1
+        effect[layer, head] = (ablated - clean).mean().item()
+    return effect

@@ -1,0 +1,198 @@
+"""What DCMHA's `Compose` does to one attention vector (paper Sec. 3, Eq. 7-8, Fig. 1, 7 and 8).
+
+For a layer, a query position t and a key position s, a stage ("pre": on the scores before softmax; "post": on
+the probabilities after it) maps the attention vector A = A[:, t, s] (one value per head) to
+
+    A' = A + o_qp + o_qg + o_kp + o_kg = A @ W,
+    W  = I + diag(w_qg + w_kg) + w_q1 @ w_q2.T + w_k1 @ w_k2.T          (H x H, the composition map)
+
+where w_q1, w_q2, w_qg are computed from the query token and w_k1, w_k2, w_kg from the key token.
+Here all four low-rank weights are [head, rank] matrices: w_q1 / w_k1 project heads down to rank,
+w_q2 / w_k2 (the paper's R x H W_q2 / W_k2, transposed) project back up. `W[n, m]` is how much head n's
+attention flows into head m; the paper's composition map C (A'_h = sum_j C[h, j] A_j, Fig. 1) is W.T.
+
+Only the requested layer is computed (`stop_at_layer=layer + 1`), and only its hooks are cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from .model import HookedDCFormer, branch_outputs
+
+Stage = Literal["pre", "post"]
+BRANCHES = ("qp", "qg", "kp", "kg")  # the order of the paper's Fig. 7
+STAGE_HOOKS = {  # stage -> (hook before composition, hook after), names under blocks.{l}.attn
+    "pre": ("hook_attn_scores", "hook_composed_scores"),
+    "post": ("hook_pattern", "hook_composed_pattern"),
+}
+WEIGHT_HOOKS = ("qw1", "qw2", "kw1", "kw2", "qg", "kg")
+
+
+@dataclass
+class ComposeBreakdown:
+    """One attention vector through one `Compose` stage: composed = before + o_qp + o_qg + o_kp + o_kg.
+
+    Branches (and their weights) that the model does not run are zeros.
+    """
+
+    layer: int
+    query_pos: int
+    key_pos: int
+    stage: Stage
+    before: Float[Tensor, "head"]  # A[:, t, s]: scores (pre) or probabilities (post) before composition
+    o_qp: Float[Tensor, "head"]  # query-wise low-rank projection: A @ w_q1 @ w_q2.T
+    o_qg: Float[Tensor, "head"]  # query-wise gate: A * w_qg
+    o_kp: Float[Tensor, "head"]  # key-wise low-rank projection: A @ w_k1 @ w_k2.T
+    o_kg: Float[Tensor, "head"]  # key-wise gate: A * w_kg
+    composed: Float[Tensor, "head"]  # A'[:, t, s], the exact sum of the five parts
+    w_q1: Float[Tensor, "head rank"]
+    w_q2: Float[Tensor, "head rank"]
+    w_k1: Float[Tensor, "head rank"]
+    w_k2: Float[Tensor, "head rank"]
+    w_qg: Float[Tensor, "head"]
+    w_kg: Float[Tensor, "head"]
+
+    @property
+    def branches(self) -> dict[str, Tensor]:
+        return {name: getattr(self, f"o_{name}") for name in BRANCHES}
+
+    def composition_map(self, include_identity: bool = True) -> Float[Tensor, "head head"]:
+        """W with composed = before @ W (the skip connection I is left out with include_identity=False)."""
+        W = torch.diag(self.w_qg + self.w_kg) + self.w_q1 @ self.w_q2.T + self.w_k1 @ self.w_k2.T
+        return W + torch.eye(len(W)) if include_identity else W
+
+
+def _check_stage(model: HookedDCFormer, stage: str) -> None:
+    if not model.cfg.use_dcmha:
+        raise ValueError("this model has plain multi-head attention: there is no composition to break down")
+    if stage not in STAGE_HOOKS:
+        raise ValueError(f"stage must be 'pre' or 'post', not {stage!r}")
+    if stage not in model.cfg.compose_stages:
+        raise ValueError(f"this model has no {stage}-compose stage (compose_stages={model.cfg.compose_stages})")
+
+
+def _single_prompt(model: HookedDCFormer, tokens, batch_index: int) -> Int[Tensor, "1 pos"]:
+    tokens = torch.as_tensor(tokens, device=model.W_E.device)
+    return tokens[None] if tokens.ndim == 1 else tokens[batch_index : batch_index + 1]
+
+
+@torch.no_grad()
+def stage_activations(
+    model: HookedDCFormer, tokens: Int[Tensor, "1 pos"], layer: int, stage: Stage
+) -> dict[str, Tensor]:
+    """One prompt's attention before/after the stage and the stage's dynamic weights, for one layer only.
+
+    Keys: "before", "after" [head, query, key] and those of qw1, qw2, kw1, kw2 [pos, rank, head], qg, kg
+    [pos, head] that the model runs.
+    """
+    attn = f"blocks.{layer}.attn"
+    before, after = STAGE_HOOKS[stage]
+    names = {"before": f"{attn}.{before}", "after": f"{attn}.{after}"}
+    names |= {w: f"{attn}.{stage}_compose.hook_{w}" for w in WEIGHT_HOOKS}
+    hooked = set(model.hook_dict)
+    names = {key: name for key, name in names.items() if name in hooked}
+    _, cache = model.run_with_cache(tokens, names_filter=list(names.values()), stop_at_layer=layer + 1)
+    return {key: cache[name][0] for key, name in names.items() if name in cache.cache_dict}
+
+
+def compose_breakdown(
+    model: HookedDCFormer,
+    tokens: Int[Tensor, "batch pos"],
+    layer: int,
+    query_pos: int,
+    key_pos: int,
+    stage: Stage = "post",
+    batch_index: int = 0,
+) -> ComposeBreakdown:
+    """Break the composed attention of (query_pos, key_pos) in `layer` into its five parts (Fig. 7).
+
+    Everything is returned in float32 on the CPU. `tokens` is one prompt [pos] or a batch (then
+    `batch_index` picks the prompt; only that prompt is run).
+    """
+    _check_stage(model, stage)
+    prompt = _single_prompt(model, tokens, batch_index)
+    acts = {k: v.float().cpu() for k, v in stage_activations(model, prompt, layer, stage).items()}
+    t, s = query_pos % prompt.shape[1], key_pos % prompt.shape[1]
+    H, R = model.cfg.n_heads, model.cfg.dcmha_rank
+    weights = {  # [head, rank] for the projections, [head] for the gates; zeros where a branch is off
+        "w_q1": acts["qw1"][t].T if "qw1" in acts else torch.zeros(H, R),
+        "w_q2": acts["qw2"][t].T if "qw2" in acts else torch.zeros(H, R),
+        "w_k1": acts["kw1"][s].T if "kw1" in acts else torch.zeros(H, R),
+        "w_k2": acts["kw2"][s].T if "kw2" in acts else torch.zeros(H, R),
+        "w_qg": acts["qg"][t] if "qg" in acts else torch.zeros(H),
+        "w_kg": acts["kg"][s] if "kg" in acts else torch.zeros(H),
+    }
+    before = acts["before"][:, t, s]
+    outputs = branch_outputs(  # the model's own branch formulas, on a 1 x 1 (query, key) block
+        before[None, :, None, None],
+        weights["w_q1"].T[None, None], weights["w_q2"].T[None, None],
+        weights["w_k1"].T[None, None], weights["w_k2"].T[None, None],
+        weights["w_qg"][None, None], weights["w_kg"][None, None],
+    )
+    branches = {f"o_{name}": outputs[name][0, :, 0, 0] for name in BRANCHES}
+    composed = before + branches["o_qp"] + branches["o_qg"] + branches["o_kp"] + branches["o_kg"]
+    return ComposeBreakdown(layer, t, s, stage, before, **branches, composed=composed, **weights)
+
+
+def composition_map(
+    model: HookedDCFormer,
+    tokens: Int[Tensor, "batch pos"],
+    layer: int,
+    query_pos: int,
+    key_pos: int,
+    stage: Stage = "post",
+    batch_index: int = 0,
+    include_identity: bool = True,
+) -> Float[Tensor, "head head"]:
+    """The H x H map W of one (query, key) pair: A'[:, t, s] = A[:, t, s] @ W (Sec. 3.1; Fig. 1 shows W.T)."""
+    breakdown = compose_breakdown(model, tokens, layer, query_pos, key_pos, stage, batch_index)
+    return breakdown.composition_map(include_identity)
+
+
+@dataclass
+class AttentionDistributions:
+    """Attention of chosen heads from one query over keys 0..query_pos, before and after composition (Fig. 8)."""
+
+    layer: int
+    query_pos: int
+    stage: Stage
+    heads: list[int]
+    before: Float[Tensor, "n_heads key"]  # pattern (post) or scores (pre) before the stage
+    after: Float[Tensor, "n_heads key"]  # after the stage (= before for plain MHA)
+    w_k1: Float[Tensor, "key head rank"] | None  # the stage's key-wise w_k1 at each key (None if not run)
+
+
+def attention_distributions(
+    model: HookedDCFormer,
+    tokens: Int[Tensor, "batch pos"],
+    layer: int,
+    query_pos: int,
+    heads: list[int] | None = None,
+    stage: Stage = "post",
+    batch_index: int = 0,
+) -> AttentionDistributions:
+    """The attention of `heads` from `query_pos` to every key up to it, before and after `stage`, and w_k1.
+
+    Works on plain MHA too (then `after` equals `before` and `w_k1` is None). float32, on the CPU.
+    """
+    prompt = _single_prompt(model, tokens, batch_index)
+    t = query_pos % prompt.shape[1]
+    heads = list(range(model.cfg.n_heads)) if heads is None else list(heads)
+    if model.cfg.use_dcmha:
+        _check_stage(model, stage)
+        acts = stage_activations(model, prompt, layer, stage)
+    else:
+        name = f"blocks.{layer}.attn.{STAGE_HOOKS[stage][0]}"
+        with torch.no_grad():
+            _, cache = model.run_with_cache(prompt, names_filter=[name], stop_at_layer=layer + 1)
+        acts = {"before": cache[name][0], "after": cache[name][0]}
+    before = acts["before"][heads, t, : t + 1].float().cpu()
+    after = acts["after"][heads, t, : t + 1].float().cpu()
+    w_k1 = acts["kw1"][: t + 1].transpose(1, 2).float().cpu() if "kw1" in acts else None
+    return AttentionDistributions(layer, t, stage, heads, before, after, w_k1)

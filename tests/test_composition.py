@@ -1,0 +1,130 @@
+from pathlib import Path
+
+import pytest
+import torch
+
+from dcinterp import DCFormerConfig, HookedDCFormer
+from dcinterp.composition import attention_distributions, compose_breakdown, composition_map
+from dcinterp.model import branch_outputs
+
+FIXTURE = Path(__file__).resolve().parents[1] / "tests/fixtures/dcpythia-tiny"
+HOOKS = {"pre": ("hook_attn_scores", "hook_composed_scores"), "post": ("hook_pattern", "hook_composed_pattern")}
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one thread is fastest, and far faster than two on a shared, busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(**overrides) -> HookedDCFormer:
+    torch.manual_seed(0)
+    cfg = dict(n_layers=2, d_model=32, n_heads=4, d_head=8, d_mlp=64, d_vocab=50)
+    model = HookedDCFormer(DCFormerConfig(**{**cfg, **overrides}))
+    with torch.no_grad():  # larger dynamic weights than the training init, so every branch visibly matters
+        for block in model.blocks if model.cfg.use_dcmha else []:
+            block.attn.W_dyn_out.mul_(300)
+            block.attn.W_dyn_gate.mul_(20)
+    return model
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, HookedDCFormer]:
+    return {"tiny": tiny(), "fixture": HookedDCFormer.from_pretrained(FIXTURE),
+            "query_wise": tiny(query_wise=True)}
+
+
+@pytest.mark.parametrize("name", ["tiny", "fixture", "query_wise"])
+@pytest.mark.parametrize("stage", ["pre", "post"])
+def test_breakdown_sums_and_matches_the_model(models, name, stage):
+    model = models[name]
+    torch.manual_seed(3)
+    tokens = torch.randint(0, 50, (2, 11))
+    layer = model.cfg.n_layers - 1
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names_filter=lambda n: f"blocks.{layer}.attn" in n)
+    before_hook, after_hook = HOOKS[stage]
+    for t, s in [(4, 9), (7, 7), (5, 0), (10, 3)]:  # last: a key in the past, where every branch is nonzero
+        b = compose_breakdown(model, tokens, layer, t, s, stage, batch_index=1)
+        parts = b.before + b.o_qp + b.o_qg + b.o_kp + b.o_kg
+        assert torch.equal(parts, b.composed)  # exactly the sum of the five parts
+        attn = f"blocks.{layer}.attn"
+        torch.testing.assert_close(b.before, cache[f"{attn}.{before_hook}"][1, :, t, s])
+        torch.testing.assert_close(b.composed, cache[f"{attn}.{after_hook}"][1, :, t, s], atol=1e-5, rtol=1e-5)
+        for branch, value in b.branches.items():
+            key = f"{attn}.{stage}_compose.hook_o_{branch}"
+            expected = cache[key][1, :, t, s] if key in cache.cache_dict else torch.zeros(4)
+            torch.testing.assert_close(value, expected, atol=1e-5, rtol=1e-5)
+        assert b.w_q1.shape == b.w_k2.shape == (4, 2) and b.w_qg.shape == (4,)
+        torch.testing.assert_close(b.w_k1, cache[f"{attn}.{stage}_compose.hook_kw1"][1, s].T
+                                   if name != "query_wise" else torch.zeros(4, 2))
+    if name == "query_wise":
+        assert torch.all(b.o_kp == 0) and torch.all(b.o_kg == 0)
+    else:
+        assert all(v.abs().max() > 1e-4 for v in b.branches.values())  # the test exercises every branch
+
+
+@pytest.mark.parametrize("stage", ["pre", "post"])
+def test_composition_map_reproduces_the_composed_vector(models, stage):
+    model = models["tiny"]
+    tokens = torch.randint(0, 50, (1, 9))
+    b = compose_breakdown(model, tokens, 1, 8, 2, stage)
+    W = composition_map(model, tokens, 1, 8, 2, stage)
+    torch.testing.assert_close(b.before @ W, b.composed, atol=1e-6, rtol=1e-5)
+    # Row n of W is what a unit attention on head n becomes: check it with the model's own branch formulas.
+    eye = torch.eye(4)[:, :, None, None]  # [n, head, 1, 1]: basis vector n as batch row n
+    weights = [w.T[None, None].expand(4, 1, 2, 4) for w in (b.w_q1, b.w_q2, b.w_k1, b.w_k2)]
+    gates = [g[None, None].expand(4, 1, 4) for g in (b.w_qg, b.w_kg)]
+    rows = eye + sum(branch_outputs(eye, *weights, *gates).values())
+    torch.testing.assert_close(rows[:, :, 0, 0], W, atol=1e-6, rtol=1e-5)
+    no_identity = composition_map(model, tokens, 1, 8, 2, stage, include_identity=False)
+    torch.testing.assert_close(W - no_identity, torch.eye(4))
+
+
+def test_only_the_requested_layer_runs(models, monkeypatch):
+    model = models["fixture"]
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a later layer ran")
+
+    monkeypatch.setattr(model.blocks[2], "forward", forbidden)
+    tokens = torch.randint(0, 97, (1, 8))
+    compose_breakdown(model, tokens, 1, 7, 1, "post")
+    attention_distributions(model, tokens, 1, 7)
+
+
+def test_attention_distributions(models):
+    model = models["fixture"]
+    tokens = torch.randint(0, 97, (2, 10))
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names_filter=lambda n: "blocks.3.attn" in n)
+    d = attention_distributions(model, tokens, 3, 6, heads=[1, 3], batch_index=1)
+    assert d.before.shape == d.after.shape == (2, 7) and d.w_k1.shape == (7, 4, 2)
+    torch.testing.assert_close(d.before, cache["blocks.3.attn.hook_pattern"][1, [1, 3], 6, :7])
+    torch.testing.assert_close(d.after, cache["blocks.3.attn.hook_composed_pattern"][1, [1, 3], 6, :7])
+    torch.testing.assert_close(d.w_k1, cache["blocks.3.attn.post_compose.hook_kw1"][1, :7].transpose(1, 2))
+    torch.testing.assert_close(d.before.sum(-1), torch.ones(2))
+
+    mha = tiny(use_dcmha=False)
+    plain = attention_distributions(mha, tokens % 50, 1, 5)
+    assert plain.w_k1 is None and torch.equal(plain.before, plain.after) and plain.before.shape == (4, 6)
+
+
+def test_errors_and_half_precision():
+    with pytest.raises(ValueError, match="plain multi-head"):
+        compose_breakdown(tiny(use_dcmha=False), torch.zeros(1, 4, dtype=torch.long), 0, 3, 1)
+    post_only = tiny(compose_stages=("post",))
+    with pytest.raises(ValueError, match="no pre-compose"):
+        compose_breakdown(post_only, torch.zeros(1, 4, dtype=torch.long), 0, 3, 1, "pre")
+    half = tiny().to(torch.bfloat16)
+    tokens = torch.randint(0, 50, (1, 8))
+    b = compose_breakdown(half, tokens, 1, 7, 2, "post")
+    with torch.no_grad():
+        _, cache = half.run_with_cache(tokens, names_filter="blocks.1.attn.hook_composed_pattern")
+    assert b.composed.dtype == torch.float32
+    torch.testing.assert_close(b.composed, cache["blocks.1.attn.hook_composed_pattern"][0, :, 7, 2].float(),
+                               atol=2e-2, rtol=2e-2)
