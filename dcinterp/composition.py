@@ -155,6 +155,31 @@ def composition_map(
     return breakdown.composition_map(include_identity)
 
 
+def composition_maps_along_keys(
+    model: HookedDCFormer,
+    tokens: Int[Tensor, "batch pos"],
+    layer: int,
+    query_pos: int,
+    stage: Stage = "post",
+    batch_index: int = 0,
+    include_identity: bool = True,
+) -> Float[Tensor, "key head head"]:
+    """W for (query_pos, s) at every key s <= query_pos, from one run: how the composition varies along the sequence."""
+    _check_stage(model, stage)
+    prompt = _single_prompt(model, tokens, batch_index)
+    acts = {k: v.float().cpu() for k, v in stage_activations(model, prompt, layer, stage).items()}
+    t = query_pos % prompt.shape[1]
+    H = model.cfg.n_heads
+    maps = torch.eye(H).expand(t + 1, H, H).clone() if include_identity else torch.zeros(t + 1, H, H)
+    if "qw1" in acts:
+        maps += acts["qw1"][t].T @ acts["qw2"][t]
+    if "kw1" in acts:
+        maps += torch.einsum("srn,srm->snm", acts["kw1"][: t + 1], acts["kw2"][: t + 1])
+    gates = acts["qg"][t] if "qg" in acts else torch.zeros(H)
+    gates = gates + acts["kg"][: t + 1] if "kg" in acts else gates.expand(t + 1, H)
+    return maps + torch.diag_embed(gates)
+
+
 @dataclass
 class AttentionDistributions:
     """Attention of chosen heads from one query over keys 0..query_pos, before and after composition (Fig. 8)."""

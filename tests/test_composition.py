@@ -128,3 +128,16 @@ def test_errors_and_half_precision():
     assert b.composed.dtype == torch.float32
     torch.testing.assert_close(b.composed, cache["blocks.1.attn.hook_composed_pattern"][0, :, 7, 2].float(),
                                atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("name", ["fixture", "query_wise"])
+def test_composition_maps_along_keys_match_each_pair(models, name):
+    from dcinterp.composition import composition_maps_along_keys
+
+    model, tokens = models[name], torch.randint(0, 50, (1, 12), generator=torch.Generator().manual_seed(5))
+    for stage in ("pre", "post"):
+        maps = composition_maps_along_keys(model, tokens, 1, 9, stage)
+        assert maps.shape == (10, 4, 4)
+        for s in (0, 4, 9):
+            expected = composition_map(model, tokens, 1, 9, s, stage)
+            torch.testing.assert_close(maps[s], expected, rtol=1e-5, atol=1e-6)
