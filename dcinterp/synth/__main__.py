@@ -3,6 +3,8 @@
     python -m dcinterp.synth generate --seed S --out FILE.jsonl [--samples-per-task N] [--tasks 0-7]
                                       [--qk-pattern P] [--ov-transformation T] [--lines L]
     python -m dcinterp.synth check FILE.jsonl [--lines L]      (also: generate --check FILE.jsonl)
+    python -m dcinterp.synth eval [--checkpoint PATH ...] [--data released|FILE] [--out DIR]
+                                  [--device D] [--dtype T] [--batch-size N] [--tasks IDS] [--limit N]
 
 Exit status: 0 success, 1 the check found problems, 2 bad arguments or unreadable input.
 """
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from .catalog import OV_TRANSFORMATIONS, QK_PATTERNS, CatalogError, load_catalog
 from .check import check_records
+from .evaluate import add_eval_arguments, run_eval
 from .generate import SAMPLES_PER_TASK, generate, parse_task_ids
 from .records import LINES_PER_SAMPLE, DatasetError, read_jsonl, write_jsonl
 
@@ -55,7 +58,7 @@ def check_file(path: Path, lines: int) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dcinterp.synth",
-                                     description="Generate and check the DCFormer synthetic ICL tasks.")
+                                     description="Generate, check and evaluate the DCFormer synthetic ICL tasks.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     generate_parser = commands.add_parser("generate", help="write fresh samples of the tasks as JSONL")
@@ -78,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                               help="expected lines per sample (default: %(default)s)")
     check_parser.set_defaults(run=run_check)
 
-    # Further subcommands (such as eval) go here: commands.add_parser(...).set_defaults(run=...).
+    eval_parser = commands.add_parser("eval", help="score checkpoints on the tasks (accuracy, perplexity)")
+    add_eval_arguments(eval_parser)
+    eval_parser.set_defaults(run=run_eval)
     return parser
 
 

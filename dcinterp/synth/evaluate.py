@@ -1,0 +1,447 @@
+"""Score language models on the synthetic ICL tasks as the paper does (Sec 4.3, Table 5, Fig. 6).
+
+A sample is 8 lines; lines 3-8 end with ` [ answer ]`. The model reads the sample's text with each
+`[ answer ]` replaced by `answer` and nothing else changed (no BOS unless the tokenizer adds one
+itself). The answer on line k is scored given everything before it, so with K = k - 1 = 2..7 shots.
+Attention is causal, so one forward pass over the whole sample scores all six answers, and samples
+can be batched with right padding.
+
+- correct: every answer token is the argmax of the model's prediction under teacher forcing;
+- nll: the negative log-likelihood of the answer's tokens, summed; perplexity = exp(nll / tokens) over
+  all answers of a checkpoint.
+
+    python -m dcinterp.synth eval --checkpoint PATH [--checkpoint PATH ...] [--data released|FILE] [--out DIR]
+
+Python: `evaluate(model, records)` and `evaluate_naive(model, records)` give one row per answer
+(`RESULT_COLUMNS`); `summarize(rows)` gives accuracy and perplexity per checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from .. import loading
+from ..loading import CheckpointError
+from ..model import HookedDCFormer
+from .catalog import Catalog, CatalogError, data_dir, load_catalog
+from .generate import parse_task_ids
+from .records import LINES_PER_SAMPLE, DatasetError, read_jsonl, sample_lines, unbracket
+
+K_SHOTS = tuple(range(2, 8))  # answers on lines 3..8 see 2..7 earlier lines
+DEFAULT_CHECKPOINTS = ("dcpythia-synth", "pythia-synth")
+RELEASED_DATA = "synthetic_dataset.jsonl"
+RESULT_COLUMNS = [
+    "checkpoint", "sample", "task", "qk_pattern", "ov_transformation",
+    "k_shot", "answer", "predicted", "correct", "nll", "n_tokens",
+]
+
+
+class EvalError(ValueError):
+    """Data or a checkpoint that cannot be evaluated; the one-line message names the file and line, or the
+    checkpoint."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Samples: read, check their structure, find the answers' characters
+@dataclass(frozen=True)
+class Sample:
+    index: int  # 0-based index in the data file (or in the list of records given)
+    task_id: str
+    texts: str
+    where: str  # "FILE: line N" or "sample N", for error messages
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    k_shot: int
+    start: int  # character span of the answer in the plain text
+    end: int
+
+
+@dataclass(frozen=True)
+class ParsedSample:
+    sample: Sample
+    plain_text: str  # the texts with each "[ answer ]" replaced by "answer"
+    answers: tuple[Answer, ...]
+
+
+def load_samples(path: str | Path) -> list[Sample]:
+    """The records of a JSON-lines data file, one per line."""
+    try:
+        records = read_jsonl(path)
+    except DatasetError as error:
+        raise EvalError(str(error)) from None
+    return [Sample(i, r["task_id"], r["texts"], f"{path}: line {i + 1}") for i, r in enumerate(records)]
+
+
+def as_samples(records) -> list[Sample]:
+    """Samples as they are, or `{"task_id", "texts"}` dicts numbered by their position in the list."""
+    samples = []
+    for i, record in enumerate(records):
+        if isinstance(record, Sample):
+            samples.append(record)
+        elif isinstance(record, dict) and all(isinstance(record.get(key), str) for key in ("task_id", "texts")):
+            samples.append(Sample(i, record["task_id"], record["texts"], f"sample {i}"))
+        else:
+            raise EvalError(f"sample {i}: expected a dict with string fields 'task_id' and 'texts'")
+    return samples
+
+
+def parse_sample(sample: Sample) -> ParsedSample:
+    """The plain text and the six answers of a sample; EvalError if it is not 8 lines with answers on lines 3-8."""
+    n_lines = len(sample_lines(sample.texts))
+    if n_lines != LINES_PER_SAMPLE:
+        raise EvalError(f"{sample.where}: the sample has {n_lines} lines, expected {LINES_PER_SAMPLE}")
+    try:
+        plain_text, spans = unbracket(sample.texts)
+    except ValueError as error:
+        raise EvalError(f"{sample.where}: {error}") from None
+    if not spans:
+        raise EvalError(f"{sample.where}: no '[ answer ]' in the sample (lines 3-8 must each end with one)")
+    answers = tuple(Answer(text, k_shot, start, end) for start, end, text, k_shot in spans)
+    answer_lines = [a.k_shot + 1 for a in answers]
+    if answer_lines != [k + 1 for k in K_SHOTS]:
+        raise EvalError(f"{sample.where}: '[ answer ]' on lines {answer_lines}, expected one on each of lines 3-8")
+    return ParsedSample(sample, plain_text, answers)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokens: find each answer's tokens through the tokenizer's character offsets
+@dataclass(frozen=True)
+class EncodedSample:
+    parsed: ParsedSample
+    token_ids: list[int]
+    answer_tokens: tuple[tuple[int, int], ...]  # per answer, its token positions [start, end)
+
+
+def encode_sample(parsed: ParsedSample, model: HookedDCFormer, checkpoint: str) -> EncodedSample:
+    tokenizer = model.tokenizer
+    try:
+        encoding = tokenizer(parsed.plain_text, return_offsets_mapping=True)
+    except NotImplementedError:
+        raise EvalError(f"{checkpoint}: its tokenizer gives no character offsets (a fast one is needed)") from None
+    token_ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
+    where = parsed.sample.where
+    if len(token_ids) > model.cfg.n_ctx:
+        raise EvalError(f"{where}: the sample is {len(token_ids)} tokens, longer than the context of "
+                        f"{checkpoint} ({model.cfg.n_ctx} tokens)")
+    if max(token_ids) >= model.cfg.d_vocab:
+        raise EvalError(f"{checkpoint}: its tokenizer gives token id {max(token_ids)}, outside the model's "
+                        f"vocabulary of {model.cfg.d_vocab}")
+    answer_tokens = []
+    for answer in parsed.answers:
+        try:
+            answer_tokens.append(locate_answer_tokens(parsed.plain_text, offsets, answer))
+        except ValueError as error:
+            raise EvalError(f"{where}: answer {answer.text!r} (line {answer.k_shot + 1}) cannot be located with "
+                            f"the tokenizer of {checkpoint}: {error}") from None
+    return EncodedSample(parsed, token_ids, tuple(answer_tokens))
+
+
+def locate_answer_tokens(plain_text: str, offsets: list[tuple[int, int]], answer: Answer) -> tuple[int, int]:
+    """The positions [start, end) of the tokens whose characters overlap the answer's.
+
+    A token may reach past the answer only over whitespace (a BPE's " burger" starts at the space).
+    """
+    overlapping = [i for i, (start, end) in enumerate(offsets) if start < answer.end and end > answer.start]
+    if not overlapping:
+        raise ValueError("no token covers it")
+    first, last = overlapping[0], overlapping[-1]
+    if overlapping != list(range(first, last + 1)):
+        raise ValueError("its tokens are not contiguous")
+    outside = plain_text[offsets[first][0]:answer.start] + plain_text[answer.end:offsets[last][1]]
+    if outside.strip():
+        token_text = plain_text[offsets[first][0]:offsets[last][1]]
+        raise ValueError(f"its tokens {token_text!r} include text outside the answer")
+    if first == 0:
+        raise ValueError("it is the first token, so nothing predicts it")
+    return first, last + 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Scoring
+@dataclass(frozen=True)
+class AnswerScore:
+    predicted: str  # the argmax tokens at the answer's positions, decoded
+    correct: bool
+    nll: float  # summed over the answer's tokens
+    n_tokens: int
+
+
+def score_answer(logits: torch.Tensor, token_ids: list[int], positions: tuple[int, int], tokenizer) -> AnswerScore:
+    """Score the answer at token `positions` [start, end) from logits [pos, vocab]: token i is predicted at i - 1."""
+    start, end = positions
+    targets = torch.tensor(token_ids[start:end], device=logits.device)
+    logprobs = logits[start - 1:end - 1].float().log_softmax(-1)
+    nll = -logprobs.gather(-1, targets[:, None]).sum()
+    predicted_ids = logprobs.argmax(-1)
+    return AnswerScore(
+        predicted=tokenizer.decode(predicted_ids.tolist()).strip(),
+        correct=bool((predicted_ids == targets).all()),
+        nll=float(nll),
+        n_tokens=end - start,
+    )
+
+
+def evaluate(model: HookedDCFormer, records, batch_size: int = 8, name: str | None = None,
+             progress: bool = True) -> pd.DataFrame:
+    """One forward pass per sample, in right-padded batches of similar length; one row per answer."""
+    name = name or model.cfg.model_name
+    encoded = encode_all(model, records, name)
+    pad_id = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
+    scores: dict[int, list[AnswerScore]] = {}
+    # Longest first, so that each batch pads little and a too-large batch fails at once.
+    by_length = sorted(range(len(encoded)), key=lambda i: -len(encoded[i].token_ids))
+    with torch.inference_mode(), tqdm(total=len(encoded), desc=name, unit="sample", disable=not progress) as bar:
+        for batch_start in range(0, len(by_length), batch_size):
+            batch = by_length[batch_start:batch_start + batch_size]
+            logits = model(padded_tokens([encoded[i].token_ids for i in batch], pad_id))
+            for row, i in enumerate(batch):
+                sample = encoded[i]
+                scores[i] = [score_answer(logits[row], sample.token_ids, positions, model.tokenizer)
+                             for positions in sample.answer_tokens]
+            bar.update(len(batch))
+    return results_frame(name, encoded, [scores[i] for i in range(len(encoded))])
+
+
+def evaluate_naive(model: HookedDCFormer, records, name: str | None = None) -> pd.DataFrame:
+    """The reference: one forward pass per answer, over the tokens up to the answer's end only."""
+    name = name or model.cfg.model_name
+    encoded = encode_all(model, records, name)
+    scores = []
+    with torch.inference_mode():
+        for sample in encoded:
+            sample_scores = []
+            for positions in sample.answer_tokens:
+                prefix = torch.tensor([sample.token_ids[:positions[1]]])
+                logits = model(prefix)[0]
+                sample_scores.append(score_answer(logits, sample.token_ids, positions, model.tokenizer))
+            scores.append(sample_scores)
+    return results_frame(name, encoded, scores)
+
+
+def encode_all(model: HookedDCFormer, records, checkpoint: str) -> list[EncodedSample]:
+    """Check every sample and find its answers' tokens, before any forward pass."""
+    if model.tokenizer is None:
+        raise EvalError(f"{checkpoint}: the checkpoint has no tokenizer (tokenizer.json), which evaluation needs")
+    return [encode_sample(parse_sample(sample), model, checkpoint) for sample in as_samples(records)]
+
+
+def padded_tokens(sequences: list[list[int]], pad_id: int) -> torch.Tensor:
+    width = max(len(s) for s in sequences)
+    return torch.tensor([s + [pad_id] * (width - len(s)) for s in sequences])
+
+
+def results_frame(checkpoint: str, encoded: list[EncodedSample], scores: list[list[AnswerScore]]) -> pd.DataFrame:
+    catalog = load_catalog()
+    rows = []
+    for sample, sample_scores in zip(encoded, scores):
+        qk_pattern, ov_transformation = task_labels(catalog, sample.parsed.sample.task_id)
+        for answer, score in zip(sample.parsed.answers, sample_scores):
+            rows.append({
+                "checkpoint": checkpoint,
+                "sample": sample.parsed.sample.index,
+                "task": sample.parsed.sample.task_id,
+                "qk_pattern": qk_pattern,
+                "ov_transformation": ov_transformation,
+                "k_shot": answer.k_shot,
+                "answer": answer.text,
+                "predicted": score.predicted,
+                "correct": score.correct,
+                "nll": score.nll,
+                "n_tokens": score.n_tokens,
+            })
+    return pd.DataFrame(rows, columns=RESULT_COLUMNS)
+
+
+def task_labels(catalog: Catalog, task_id: str) -> tuple[str, str]:
+    """(QK pattern, OV transformation) of a task; "unknown" for a task the catalog does not have."""
+    task = catalog.tasks.get(task_id)
+    return (task.qk_pattern, task.ov_transformation) if task else ("unknown", "unknown")
+
+
+# --------------------------------------------------------------------------------------------------
+# Summary
+def summarize(results: pd.DataFrame) -> dict:
+    """Per checkpoint: accuracy, perplexity, and accuracy by K, task, QK pattern and OV transformation."""
+    summary = {}
+    for checkpoint, rows in results.groupby("checkpoint", sort=False):
+        summary[checkpoint] = {
+            "accuracy": float(rows["correct"].mean()),
+            "ppl": math.exp(rows["nll"].sum() / rows["n_tokens"].sum()),
+            "by_k": accuracy_by(rows, "k_shot"),
+            "by_task": accuracy_by(rows, "task"),
+            "by_qk_pattern": accuracy_by(rows, "qk_pattern"),
+            "by_ov_transformation": accuracy_by(rows, "ov_transformation"),
+        }
+    return summary
+
+
+def accuracy_by(rows: pd.DataFrame, column: str) -> dict[str, float]:
+    """Accuracy per value of a column, in the order the values first appear."""
+    return {str(value): float(group["correct"].mean()) for value, group in rows.groupby(column, sort=False)}
+
+
+def print_table(summary: dict) -> None:
+    """Accuracy and perplexity side by side per checkpoint, as in the paper's Table 5, then accuracy by K."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table()
+    table.add_column("")
+    for checkpoint in summary:
+        table.add_column(checkpoint, justify="right")
+    table.add_row("accuracy", *(f"{s['accuracy']:.1%}" for s in summary.values()))
+    table.add_row("perplexity", *(f"{s['ppl']:.2f}" for s in summary.values()), end_section=True)
+    ks = dict.fromkeys(k for s in summary.values() for k in s["by_k"])
+    for k in ks:
+        table.add_row(f"accuracy, K={k}", *(fmt_accuracy(s["by_k"].get(k)) for s in summary.values()))
+    Console().print(table)
+
+
+def fmt_accuracy(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line
+def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--checkpoint", action="append", metavar="PATH",
+                        help="checkpoint directory or embedded model name; repeat to compare "
+                             f"(default: the embedded {' and '.join(DEFAULT_CHECKPOINTS)})")
+    parser.add_argument("--data", default="released", metavar="released|FILE",
+                        help="'released' (the shipped synthetic_dataset.jsonl) or a JSON-lines file")
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help="write results.csv and summary.json here (default: only print the table)")
+    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--batch-size", type=positive_int, default=8, metavar="N")
+    parser.add_argument("--tasks", type=parse_task_selection, metavar="SEL",
+                        help="tasks to evaluate: ids and ranges, e.g. task0,task5 or 0-7")
+    parser.add_argument("--limit", type=positive_int, metavar="N", help="only the first N samples (after --tasks)")
+    return parser
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}")
+    return value
+
+
+def parse_task_selection(text: str) -> set[str]:
+    """"task0,task5" or "0-7,12" -> {"task0", ...}, as `generate --tasks` reads them."""
+    try:
+        return set(parse_task_ids(text, load_catalog()))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """The `eval` command: 0 on success, 2 (and one line on stderr) for bad input."""
+    try:
+        checkpoints = checkpoints_to_evaluate(args.checkpoint)
+        data_path = resolve_data_path(args.data)
+        samples = select_samples(load_samples(data_path), args.tasks, args.limit, data_path)
+        for sample in samples:
+            parse_sample(sample)  # structural errors before any checkpoint is loaded
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        results = []
+        for checkpoint, name in zip(checkpoints, checkpoint_names(checkpoints)):
+            model = load_checkpoint(checkpoint, args.dtype, device)
+            results.append(evaluate(model, samples, batch_size=args.batch_size, name=name))
+            del model
+        results = pd.concat(results, ignore_index=True)
+        summary = summarize(results)
+        if args.out is not None:
+            write_outputs(results, summary, args.out)
+    except (EvalError, CatalogError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"{data_path}: {len(samples)} samples, {len(results) // len(checkpoints)} answers")
+    print_table(summary)
+    if args.out is not None:
+        print(f"wrote {args.out / 'results.csv'} and {args.out / 'summary.json'}")
+    return 0
+
+
+def main_eval(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dcinterp.synth eval", description=__doc__.split("\n\n")[0])
+    return run_eval(add_eval_arguments(parser).parse_args(argv))
+
+
+def checkpoints_to_evaluate(given: list[str] | None) -> list[str]:
+    if given:
+        return given
+    embedded = [name for name in DEFAULT_CHECKPOINTS if name in loading.embedded_models()]
+    if not embedded:
+        raise EvalError("no embedded models are shipped yet; pass --checkpoint PATH (a checkpoint directory)")
+    return embedded
+
+
+def checkpoint_names(checkpoints: list[str]) -> list[str]:
+    """Each checkpoint's directory name (or embedded name); the path as given where two names clash."""
+    names = [Path(c).expanduser().resolve().name if Path(c).expanduser().is_dir() else str(c) for c in checkpoints]
+    return [name if names.count(name) == 1 else str(c) for name, c in zip(names, checkpoints)]
+
+
+def load_checkpoint(checkpoint: str, dtype: str, device: str) -> HookedDCFormer:
+    try:
+        return HookedDCFormer.from_pretrained(checkpoint, dtype=dtype, device=device)
+    except CheckpointError as error:
+        raise EvalError(str(error)) from None
+
+
+def resolve_data_path(data: str) -> Path:
+    if data == "released":
+        return data_dir() / RELEASED_DATA
+    path = Path(data).expanduser()
+    if not path.is_file():
+        raise EvalError(f"{data}: no such data file")
+    return path
+
+
+def select_samples(samples: list[Sample], tasks: set[str] | None, limit: int | None, source: Path) -> list[Sample]:
+    if tasks is not None:
+        samples = [s for s in samples if s.task_id in tasks]
+    if limit is not None:
+        samples = samples[:limit]
+    if not samples:
+        raise EvalError(f"{source}: no samples to evaluate" + (" of the selected tasks" if tasks else ""))
+    return samples
+
+
+def write_outputs(results: pd.DataFrame, summary: dict, out_dir: Path) -> None:
+    """Write results.csv and summary.json to partial files, then rename both into place."""
+    writers = {
+        "results.csv": lambda f: results.to_csv(f, index=False),
+        "summary.json": lambda f: f.write(json.dumps(summary, indent=2) + "\n"),
+    }
+    staged: list[tuple[Path, Path]] = []
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name, write in writers.items():
+            partial = out_dir / f".{name}.{os.getpid()}.partial"
+            staged.append((partial, out_dir / name))
+            with open(partial, "x", encoding="utf-8", newline="") as f:
+                write(f)
+        for partial, final in staged:
+            os.replace(partial, final)
+    except OSError as error:
+        for partial, _ in staged:
+            partial.unlink(missing_ok=True)
+        raise EvalError(f"{out_dir}: cannot write the results ({error.strerror or error})") from None
