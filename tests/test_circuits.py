@@ -20,15 +20,6 @@ from dcinterp.circuits import (
 FIXTURE = Path(__file__).resolve().parents[1] / "tests/fixtures/dcpythia-tiny"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one thread is fastest, and far faster than two on a shared, busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny(**overrides) -> HookedDCFormer:
     torch.manual_seed(0)
     cfg = dict(n_layers=2, d_model=32, n_heads=4, d_head=8, d_mlp=64, d_vocab=50)

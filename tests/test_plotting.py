@@ -20,15 +20,6 @@ WORDS = "Michelle has a burger . Helen has a papaya . Carol has a cannon . Miche
 QUERY, KEY = len(WORDS) - 1, 3  # 'of' -> 'burger'
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one thread is fastest, and far faster than two on a shared, busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def fixture_model() -> HookedDCFormer:
     return HookedDCFormer.from_pretrained(FIXTURE)

@@ -29,15 +29,6 @@ RELEASED = Path(__file__).resolve().parent.parent / "synthetic_tasks" / "synthet
 
 # --------------------------------------------------------------------------------------------------
 # Fixtures: two tokenizers built offline, tiny random models
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models run fastest on one thread, above all on a machine shared with other jobs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def released_samples():
     return load_samples(RELEASED)
