@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from .. import loading
 from ..loading import CheckpointError
