@@ -147,18 +147,25 @@ def branch_outputs(A, qw1=None, qw2=None, kw1=None, kw2=None, qg=None, kg=None) 
 
 
 def compose_fused(A, qw1=None, qw2=None, kw1=None, kw2=None, qg=None, kg=None) -> Tensor:
-    """A + o_qp + o_kp + o_qg + o_kg, accumulated in place into one tensor (no per-branch tensors)."""
-    out = A * (1 + qg.transpose(1, 2)[:, :, :, None]) if qg is not None else A.clone()
-    if kg is not None:
-        out.addcmul_(A, kg.transpose(1, 2)[:, :, None, :])
-    if qw1 is not None:
-        hidden = torch.einsum("bnts,btrn->brts", A, qw1)
-        for r in range(qw1.shape[2]):
-            out.addcmul_(hidden[:, r, None], qw2[:, :, r].transpose(1, 2)[:, :, :, None])
-    if kw1 is not None:
-        hidden = torch.einsum("bnts,bsrn->brts", A, kw1)
-        for r in range(kw1.shape[2]):
-            out.addcmul_(hidden[:, r, None], kw2[:, :, r].transpose(1, 2)[:, :, None, :])
+    """A + o_qp + o_kp + o_qg + o_kg without per-branch tensors (Eq. 8's row plus column decomposition).
+
+    The query-side branches and the skip connection make one H x H map per query, W_q[t] = I + diag(qg[t])
+    + qw1[t]^T qw2[t], and the key-side ones one map per key, W_k[s] = diag(kg[s]) + kw1[s]^T kw2[s]; each is
+    applied with one batched matmul (faster than the low-rank form on CPU, forward and backward).
+    """
+    eye = torch.eye(A.shape[1], device=A.device, dtype=A.dtype)
+    if qw1 is not None or qg is not None:
+        W_q = torch.diag_embed(1 + qg) if qg is not None else eye
+        if qw1 is not None:
+            W_q = W_q + torch.einsum("btrn,btrm->btnm", qw1, qw2)
+        out = torch.einsum("bnts,btnm->bmts", A, W_q)
+    else:
+        out = A
+    if kw1 is not None or kg is not None:
+        W_k = torch.diag_embed(kg) if kg is not None else 0
+        if kw1 is not None:
+            W_k = W_k + torch.einsum("bsrn,bsrm->bsnm", kw1, kw2)
+        out = out + torch.einsum("bnts,bsnm->bmts", A, W_k)
     return out
 
 
