@@ -1,0 +1,532 @@
+"""Train small DCPythia-architecture models (DCMHA, and a plain-MHA twin) on the synthetic-task catalog.
+
+    python -m dcinterp.train --arch both --out dcinterp/checkpoints --steps 4000 --batch-size 8 --lr 3e-3 --seed 0
+
+writes `<out>/dcpythia-synth/` (DCMHA) and `<out>/pythia-synth/` (MHA twin): config.json, model.safetensors,
+the word-level tokenizer (dcinterp.tokenizer) and recipe.json (command, seed, steps, tokens seen, final loss,
+wall time, torch version and, when the evaluator is available, accuracies). From Python:
+
+    from dcinterp.train import TrainConfig, train
+    model, recipe = train(TrainConfig(arch="dcmha"), out_dir="runs/dcpythia-synth")
+
+Data. Training samples come from the synthetic-task generator (`dcinterp.synth.generate`) with generation
+seeds `1000 + 100000 * seed + k` (k = 0, 1, ...), disjoint from the evaluation seeds (0..999) and from the
+released file. Each sample is unbracketed (the answers of lines 3-8 are written plain, as the evaluator feeds
+them) and is row-aligned: a training row starts with the sample at position 0, exactly as at evaluation, and
+the rest of the row, up to the batch's padded length, is filled with knowledge sentences that state the
+relations the tasks need ("The banana is a kind of fruit.", "Paris is the city in France.", "The opposite of
+happy is sad.", "2014 is the year just before 2015.", ...). The loss is the next-token loss on every token,
+with the answer tokens of lines 3-8 weighted 1 + `answer_weight` (default 20): with the plain loss the answers
+are ~3% of the tokens and the random persons and items of the facts dominate the gradient (a plain-loss run
+learned markedly slower, see docs/training.md). With row filling there is no padding to mask.
+
+`exclude_combos` ("same-person:superclass,matching-person:country") leaves the tasks with those (QK pattern,
+OV transformation) combinations out of the training corpus, for the held-out composition study (paper
+Sec. 4.3); every pattern and transformation must still occur in another task.
+
+Optimiser as in the paper's App. C: AdamW (beta 0.9, 0.95), weight decay 0.1 (on matrices, not on norms and
+biases), gradient clipping 1.0, linear warmup over 1% of the steps and cosine decay to 10% of the peak rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import random
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+from .config import DCFormerConfig
+from .model import HookedDCFormer
+from .tokenizer import build_tokenizer, data_dir
+
+ARCH_NAMES = {"dcmha": "dcpythia-synth", "mha": "pythia-synth"}
+TRAIN_SEED_BASE = 1000  # generation seeds below this are reserved for evaluation sets
+EVAL_SEED = 0  # the held-out generated evaluation set
+TEST_SET = {"seed": EVAL_SEED, "samples_per_task": 2}  # the small fixed set tests/test_train.py checks
+DEFAULT_EXCLUDED_COMBOS = (
+    "same-person:superclass",
+    "matching-person:country",
+    "other-person:capability",
+    "not-matching-person:opposite",
+)
+
+
+@dataclass
+class TrainConfig:
+    arch: str = "dcmha"  # "dcmha" or "mha"
+    steps: int = 4000
+    seed: int = 0
+    batch_size: int = 8
+    lr: float = 3e-3
+    warmup_frac: float = 0.01  # App. C: 1% warmup
+    min_lr_frac: float = 0.1  # App. C: cosine decay to 10% of the peak
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    # model size (DCPythia layout: LN, parallel residual, GELU MLP, QK-norm, rotary 1/4, local/global layers)
+    n_layers: int = 4
+    d_model: int = 128
+    n_heads: int = 4
+    d_head: int = 32
+    d_mlp: int = 512
+    n_ctx: int = 512
+    window_size: int = 64
+    window_type: str | None = "LG"
+    rotary_pct: float = 0.25
+    # data
+    samples_per_task: int = 4  # per generator call (one call = one generation seed)
+    lines: int = 8
+    exclude_combos: tuple[str, ...] = ()
+    pad_multiple: int = 16
+    answer_weight: float = 20.0  # extra loss weight of the answer tokens (lines 3-8); 0 = plain LM loss
+    bucket_batches: int = 8  # batches drawn at once and grouped by sample length (less padding, less T^2)
+    threads: int = 1  # one thread: on a shared 2-core machine two OpenMP threads spin-wait and run slower
+    max_minutes: float | None = None  # stop early (and say so in the recipe) when the wall time runs out
+    log_every: int = 25
+
+    def model_config(self, d_vocab: int) -> DCFormerConfig:
+        return DCFormerConfig(
+            n_layers=self.n_layers,
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            d_head=self.d_head,
+            d_mlp=self.d_mlp,
+            d_vocab=d_vocab,
+            n_ctx=self.n_ctx,
+            model_name=ARCH_NAMES.get(self.arch, self.arch),
+            rotary_pct=self.rotary_pct,
+            window_size=self.window_size if self.window_type else None,
+            window_type=self.window_type,
+            use_qk_norm=True,
+            use_dcmha=self.arch == "dcmha",
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Catalog, knowledge sentences, samples
+def load_tasks() -> list[dict]:
+    """The catalog's tasks as dicts with `id`, `qk_pattern`, `ov_transformation`."""
+    try:
+        from .synth import load_catalog  # type: ignore
+
+        catalog = load_catalog()
+        tasks = getattr(catalog, "tasks", catalog)
+        if isinstance(tasks, dict):
+            tasks = list(tasks.values())
+        out = []
+        for t in tasks:
+            get = (lambda k: t[k]) if isinstance(t, dict) else (lambda k: getattr(t, k))
+            out.append({"id": get("id"), "qk_pattern": get("qk_pattern"), "ov_transformation": get("ov_transformation")})
+        return out
+    except Exception:
+        raw = json.loads((data_dir() / "catalog.json").read_text())
+        return [{k: t[k] for k in ("id", "qk_pattern", "ov_transformation")} for t in raw["tasks"]]
+
+
+def parse_combos(spec) -> tuple[tuple[str, str], ...]:
+    """"same-person:superclass,matching-person:country" -> (("same-person", "superclass"), ...)."""
+    if not spec:
+        return ()
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    combos = []
+    for item in items:
+        item = item.strip()
+        if not item:
+            continue
+        if item.count(":") != 1:
+            raise ValueError(f"combo {item!r} is not 'qk_pattern:ov_transformation'")
+        qk, ov = (s.strip() for s in item.split(":"))
+        combos.append((qk, ov))
+    return tuple(combos)
+
+
+def split_tasks(exclude_combos) -> tuple[list[str], list[str]]:
+    """(training task ids, held-out task ids) for a set of excluded (QK pattern, OV) combinations."""
+    combos = set(parse_combos(exclude_combos))
+    tasks = load_tasks()
+    known = {(t["qk_pattern"], t["ov_transformation"]) for t in tasks}
+    unknown = combos - known
+    if unknown:
+        raise ValueError(f"unknown combos {sorted(unknown)}; known: {sorted(known)}")
+    train_ids = [t["id"] for t in tasks if (t["qk_pattern"], t["ov_transformation"]) not in combos]
+    held = [t["id"] for t in tasks if (t["qk_pattern"], t["ov_transformation"]) in combos]
+    kept = [t for t in tasks if t["id"] in set(train_ids)]
+    for qk, ov in combos:
+        if not any(t["qk_pattern"] == qk for t in kept) or not any(t["ov_transformation"] == ov for t in kept):
+            raise ValueError(f"excluding {qk}:{ov} removes the pattern or the transformation from training")
+    return train_ids, held
+
+
+def knowledge_sentences() -> list[str]:
+    """Plain sentences stating the relations the tasks use (superclass, capability, country, opposite, order)."""
+    lex = json.loads((data_dir() / "lexicon.json").read_text())
+    out = []
+    for name, obj in lex["objects"].items():
+        if obj.get("superclass"):
+            out.append(f"The {name} is a kind of {obj['superclass']}.")
+        if obj.get("capability"):
+            out.append(f"The {name} is the thing that can {obj['capability']}.")
+    for country, cities in lex["countries"].items():
+        for city in cities:
+            out.append(f"{city} is the city in {country}.")
+    for a, b in lex["adjective_opposites"]:
+        out.append(f"The opposite of {a} is {b}.")
+        out.append(f"The opposite of {b} is {a}.")
+    for domain in lex["ordinal_domains"]:
+        seq, unit = domain["sequence"], domain["unit"]
+        for x, y in zip(seq, seq[1:]):
+            out.append(f"{x} is the {unit} just before {y}.")
+            out.append(f"{y} is the {unit} just after {x}.")
+    return out
+
+
+def unbracket_spans(text: str) -> tuple[str, list[tuple[int, int]]]:
+    """The sample as the model reads it (`[ answer ]` written as `answer`) and the answers' character spans."""
+    from .synth import unbracket  # type: ignore
+
+    plain, spans = unbracket(text)
+    return plain, [(a, b) for a, b, *_ in spans]
+
+
+def unbracket_text(text: str) -> str:
+    return unbracket_spans(text)[0]
+
+
+def generate_samples(seed: int, samples_per_task: int, tasks=None, lines: int = 8) -> list[dict]:
+    from .synth import generate  # type: ignore
+
+    return generate(seed=seed, samples_per_task=samples_per_task, tasks=tasks, lines=lines)
+
+
+def sample_stream(cfg: TrainConfig, task_ids: list[str] | None, rng: random.Random) -> Iterator[tuple]:
+    """(unbracketed sample, answer spans) forever: generator seeds 1000 + 100000 * seed + k, chunks shuffled."""
+    k = 0
+    while True:
+        seed = TRAIN_SEED_BASE + 100_000 * cfg.seed + k
+        records = generate_samples(seed, cfg.samples_per_task, task_ids, cfg.lines)
+        texts = [unbracket_spans(r["texts"]) for r in records]
+        rng.shuffle(texts)
+        yield from texts
+        k += 1
+
+
+class Batcher:
+    """Rows = one sample at position 0 + knowledge sentences filling up to the batch's padded length.
+
+    Samples are grouped by length (`bucket_batches` batches at a time), so a batch is about as long as its
+    samples: attention (and DCMHA's composition) costs grow with the square of the length."""
+
+    def __init__(self, tokenizer, samples: Iterable[str], cfg: TrainConfig, rng: random.Random):
+        self.tok, self.samples, self.cfg, self.rng = tokenizer, iter(samples), cfg, rng
+        self.knowledge = [self.tok(s + "\n")["input_ids"] for s in knowledge_sentences()]
+        self.order: list[int] = []
+
+    def _knowledge_ids(self, n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            if not self.order:
+                self.order = list(range(len(self.knowledge)))
+                self.rng.shuffle(self.order)
+            out.extend(self.knowledge[self.order.pop()])
+        return out[:n]
+
+    def _refill(self) -> None:
+        """Draw `bucket_batches` batches' worth of samples, group them by length, shuffle the batch order."""
+        B = self.cfg.batch_size
+        pool = [self._encode(next(self.samples)) for _ in range(B * max(1, self.cfg.bucket_batches))]
+        pool.sort(key=lambda r: len(r[0]))
+        batches = [pool[i : i + B] for i in range(0, len(pool), B)]
+        self.rng.shuffle(batches)
+        self.pending = batches
+
+    def _encode(self, sample) -> tuple[list[int], list[bool]]:
+        """Token ids and, per token, whether it belongs to an answer (lines 3-8)."""
+        text, spans = (sample, []) if isinstance(sample, str) else sample
+        enc = self.tok(text, return_offsets_mapping=True)
+        answer = [any(a <= start < b for a, b in spans) for start, _ in enc["offset_mapping"]]
+        return enc["input_ids"], answer
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [batch, pos], answer mask [batch, pos]: the token is an answer token)."""
+        if not getattr(self, "pending", None):
+            self._refill()
+        rows = self.pending.pop()
+        m = self.cfg.pad_multiple
+        width = min(self.cfg.n_ctx, -(-max(len(r[0]) for r in rows) // m) * m)
+        ids = [r[0][:width] + self._knowledge_ids(width - len(r[0][:width])) for r in rows]
+        answer = [r[1][:width] + [False] * (width - len(r[1][:width])) for r in rows]
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(answer, dtype=torch.bool)
+
+    def __iter__(self):
+        return self
+
+
+# --------------------------------------------------------------------------------------------------
+# Optimiser and schedule
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup over warmup_frac of the steps, then cosine decay to min_lr_frac of the peak."""
+    warmup = max(1, round(cfg.warmup_frac * cfg.steps))
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, cfg.steps - warmup))
+    return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
+
+
+# --------------------------------------------------------------------------------------------------
+# Training
+def train(
+    cfg: TrainConfig,
+    out_dir=None,
+    texts: Iterable[str] | None = None,
+    progress: bool = True,
+    log_file=None,
+    command: str | None = None,
+    evaluate_after: bool = True,
+) -> tuple[HookedDCFormer, dict]:
+    """Train one model; returns (model, recipe). `texts` replaces the generated corpus (for tests)."""
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    tokenizer = build_tokenizer()
+    model = HookedDCFormer(cfg.model_config(len(tokenizer)), tokenizer=tokenizer)
+    opt = make_optimizer(model, cfg)
+    train_ids, held_ids = split_tasks(cfg.exclude_combos)
+    samples = iter(texts) if texts is not None else sample_stream(cfg, train_ids if cfg.exclude_combos else None, rng)
+    batches = Batcher(tokenizer, samples, cfg, rng)
+    log = open(log_file, "a") if log_file else None
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(range(cfg.steps), desc=f"train {cfg.arch}", disable=not progress, dynamic_ncols=True)
+    start = time.time()
+    tokens_seen, losses, history, steps_done, stopped_early = 0, [], [], 0, False
+    model.train()
+    answer_losses: list[float] = []
+    for step in bar:
+        x, answer = next(batches)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        per_token = model(x, return_type="loss", loss_per_token=True)  # [batch, pos - 1], predicts x[:, 1:]
+        is_answer = answer[:, 1:].to(per_token.dtype)
+        weights = 1.0 + cfg.answer_weight * is_answer
+        loss = (per_token * weights).sum() / weights.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        tokens_seen += x.numel()
+        with torch.no_grad():
+            losses.append(per_token.mean().item())
+            if is_answer.sum() > 0:
+                answer_losses.append(((per_token * is_answer).sum() / is_answer.sum()).item())
+        steps_done = step + 1
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr_at(step, cfg):.2e}")
+        if steps_done % cfg.log_every == 0 or steps_done == cfg.steps:
+            recent = sum(losses[-cfg.log_every :]) / len(losses[-cfg.log_every :])
+            entry = {"step": steps_done, "loss": round(recent, 4), "lr": lr_at(step, cfg),
+                     "tokens": tokens_seen, "elapsed_s": round(time.time() - start, 1)}
+            if answer_losses:
+                tail_a = answer_losses[-cfg.log_every :]
+                entry["answer_loss"] = round(sum(tail_a) / len(tail_a), 4)
+            history.append(entry)
+            if log:
+                log.write(json.dumps(entry) + "\n")
+                log.flush()
+        if cfg.max_minutes is not None and time.time() - start > 60 * cfg.max_minutes and steps_done < cfg.steps:
+            stopped_early = True
+            break
+    bar.close()
+    wall = time.time() - start
+    model.eval()
+    tail = losses[-min(len(losses), cfg.log_every) :]
+    recipe = {
+        "name": cfg.model_config(len(tokenizer)).model_name,
+        "command": command,
+        "seed": cfg.seed,
+        "steps": steps_done,
+        "steps_planned": cfg.steps,
+        "stopped_early": stopped_early,
+        "tokens_seen": tokens_seen,
+        "final_loss": round(sum(tail) / len(tail), 4),
+        "final_loss_note": f"mean next-token loss (all tokens, unweighted) over the last {len(tail)} steps",
+        "final_answer_loss": round(sum(answer_losses[-len(tail):]) / len(answer_losses[-len(tail):]), 4)
+        if answer_losses else None,
+        "first_loss": round(losses[0], 4),
+        "wall_time_s": round(wall, 1),
+        "torch_version": torch.__version__,
+        "threads": cfg.threads,
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "train_config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()},
+        "data": {
+            "generation_seeds": f"{TRAIN_SEED_BASE + 100_000 * cfg.seed} + k, k = 0..{(steps_done * cfg.batch_size) // max(1, 74 * cfg.samples_per_task)}"
+            if texts is None else "texts given by the caller",
+            "train_tasks": len(train_ids),
+            "excluded_combos": [f"{a}:{b}" for a, b in parse_combos(cfg.exclude_combos)],
+            "held_out_tasks": held_ids,
+        },
+        "history": history,
+    }
+    if log:
+        log.close()
+    if evaluate_after and texts is None:
+        try:
+            recipe["accuracy"] = accuracy_report(model, held_ids)
+        except ImportError as e:
+            recipe["accuracy"] = {"error": f"evaluator not available: {e}"}
+    if out_dir is not None:
+        save(model, recipe, out_dir)
+    return model, recipe
+
+
+def save(model: HookedDCFormer, recipe: dict, out_dir) -> None:
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    (out_dir / "recipe.json").write_text(json.dumps(recipe, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation (uses helper dcinterp.synth.evaluate)
+def released_records() -> list[dict]:
+    path = data_dir() / "synthetic_dataset.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _accuracy(df, task_ids=None) -> dict:
+    if task_ids is not None:
+        df = df[df["task"].isin(set(task_ids))]
+    answers = len(df)
+    samples = df.groupby(["task", "sample"]).ngroups if "sample" in df.columns else None
+    out = {"accuracy": round(float(df["correct"].mean()), 4) if answers else None, "answers": int(answers)}
+    if samples is not None:
+        out["samples"] = int(samples)
+    out["correct"] = int(df["correct"].sum())
+    return out
+
+
+def accuracy_report(model: HookedDCFormer, held_task_ids=(), batch_size: int = 16) -> dict:
+    """Accuracy on the released file, a fresh held-out set (seed 0, 12 per task) and the small test set."""
+    from .synth.evaluate import evaluate  # type: ignore
+
+    sets = {
+        "released": released_records(),
+        f"generated_seed{EVAL_SEED}": generate_samples(EVAL_SEED, 12),
+        "test_set": generate_samples(TEST_SET["seed"], TEST_SET["samples_per_task"]),
+    }
+    report = {}
+    for name, records in sets.items():
+        with torch.no_grad():
+            df = evaluate(model, records, batch_size=batch_size, progress=False)
+        entry = _accuracy(df)
+        entry["per_task"] = {t: round(float(g["correct"].mean()), 3) for t, g in df.groupby("task", sort=False)}
+        for column in ("qk_pattern", "ov_transformation"):
+            entry[f"by_{column}"] = {k: round(float(g["correct"].mean()), 3) for k, g in df.groupby(column)}
+        if held_task_ids:
+            entry["held_out_combos"] = _accuracy(df, held_task_ids)
+        else:  # the same tasks, for comparison with a model trained without them
+            entry["default_combo_tasks"] = _accuracy(df, split_tasks(",".join(DEFAULT_EXCLUDED_COMBOS))[1])
+        report[name] = entry
+    report["test_set"]["definition"] = (
+        f"generate(seed={TEST_SET['seed']}, samples_per_task={TEST_SET['samples_per_task']}), "
+        "accuracy per answer (6 per sample) from dcinterp.synth.evaluate"
+    )
+    return report
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line
+def parse_args(argv=None) -> argparse.Namespace:
+    d = TrainConfig()
+    p = argparse.ArgumentParser(prog="python -m dcinterp.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", choices=("dcmha", "mha", "both"), default="both")
+    p.add_argument("--out", default="runs", help="directory; each model goes to OUT/<name>")
+    p.add_argument("--name-suffix", default="", help="appended to the model names, e.g. '-heldout'")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--warmup-frac", type=float, default=d.warmup_frac)
+    p.add_argument("--n-layers", type=int, default=d.n_layers)
+    p.add_argument("--d-model", type=int, default=d.d_model)
+    p.add_argument("--n-heads", type=int, default=d.n_heads)
+    p.add_argument("--d-head", type=int, default=d.d_head)
+    p.add_argument("--d-mlp", type=int, default=d.d_mlp)
+    p.add_argument("--window-size", type=int, default=d.window_size)
+    p.add_argument("--rotary-pct", type=float, default=d.rotary_pct)
+    p.add_argument("--samples-per-task", type=int, default=d.samples_per_task)
+    p.add_argument("--answer-weight", type=float, default=d.answer_weight)
+    p.add_argument("--exclude-combos", default="",
+                   help="comma-separated qk_pattern:ov_transformation combinations left out of training "
+                        f"(e.g. {','.join(DEFAULT_EXCLUDED_COMBOS)})")
+    p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument("--max-minutes", type=float, default=None)
+    p.add_argument("--no-eval", action="store_true", help="skip the accuracy evaluation after training")
+    p.add_argument("--eval-only", action="store_true",
+                   help="do not train: evaluate OUT/<name> and write the accuracies into its recipe.json")
+    p.add_argument("--log-dir", default=None, help="write a JSON-lines loss log per model here")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    command = "python -m dcinterp.train " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    arches = ("dcmha", "mha") if args.arch == "both" else (args.arch,)
+    for arch in arches:
+        name = ARCH_NAMES[arch] + args.name_suffix
+        out_dir = Path(args.out) / name
+        if args.eval_only:
+            torch.set_num_threads(args.threads)
+            model = HookedDCFormer.from_pretrained(out_dir)
+            recipe = json.loads((out_dir / "recipe.json").read_text())
+            _, held = split_tasks(args.exclude_combos or recipe["data"].get("excluded_combos") or ())
+            recipe["accuracy"] = accuracy_report(model, held)
+            (out_dir / "recipe.json").write_text(json.dumps(recipe, indent=2) + "\n")
+            print(json.dumps({name: summarize(recipe)}, indent=2))
+            continue
+        cfg = TrainConfig(
+            arch=arch, steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
+            warmup_frac=args.warmup_frac, n_layers=args.n_layers, d_model=args.d_model, n_heads=args.n_heads,
+            d_head=args.d_head, d_mlp=args.d_mlp, window_size=args.window_size, rotary_pct=args.rotary_pct,
+            samples_per_task=args.samples_per_task, answer_weight=args.answer_weight, exclude_combos=tuple(f"{a}:{b}" for a, b in parse_combos(args.exclude_combos)),
+            threads=args.threads, max_minutes=args.max_minutes,
+        )
+        log_file = None
+        if args.log_dir:
+            Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+            log_file = Path(args.log_dir) / f"{name}.jsonl"
+        _, recipe = train(cfg, out_dir=out_dir, progress=not args.no_progress, log_file=log_file,
+                          command=command, evaluate_after=not args.no_eval)
+        recipe["name"] = name
+        (out_dir / "recipe.json").write_text(json.dumps(recipe, indent=2) + "\n")
+        print(json.dumps({name: summarize(recipe)}, indent=2))
+
+
+def summarize(recipe: dict) -> dict:
+    out = {k: recipe.get(k) for k in ("steps", "tokens_seen", "final_loss", "wall_time_s")}
+    acc = recipe.get("accuracy") or {}
+    for name, entry in acc.items():
+        if isinstance(entry, dict) and "accuracy" in entry:
+            out[f"acc_{name}"] = entry["accuracy"]
+            if "held_out_combos" in entry:
+                out[f"acc_{name}_held_out_combos"] = entry["held_out_combos"]["accuracy"]
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""dcinterp.train and dcinterp.tokenizer: the tokenizer covers the lexicon, the trainer learns, the shipped
+models load by name and reproduce the accuracy recorded in their recipe.json."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from dcinterp import HookedDCFormer
+from dcinterp.loading import EMBEDDED_DIR
+from dcinterp.tokenizer import build_tokenizer, released_texts, split_words, unknown_words
+from dcinterp.train import (
+    DEFAULT_EXCLUDED_COMBOS,
+    TEST_SET,
+    TrainConfig,
+    knowledge_sentences,
+    lr_at,
+    split_tasks,
+    train,
+    unbracket_text,
+)
+
+SHIPPED = ("dcpythia-synth", "pythia-synth")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def test_released_samples_tokenize_without_unknown_words(tokenizer):
+    texts = released_texts()
+    assert len(texts) == 888
+    assert unknown_words(tokenizer, texts) == {}
+    assert unknown_words(tokenizer, [unbracket_text(t) for t in texts]) == {}
+    assert unknown_words(tokenizer, knowledge_sentences()) == {}
+
+
+def test_generated_samples_tokenize_without_unknown_words(tokenizer):
+    from dcinterp.synth import generate
+
+    assert unknown_words(tokenizer, [r["texts"] for r in generate(seed=3, samples_per_task=3)]) == {}
+
+
+def test_pretokenization_and_offsets(tokenizer):
+    text = "\n< Ruth's T-shirt is in Washington, D.C at 11 o'clock. >.\n"
+    enc = tokenizer(text, return_offsets_mapping=True)
+    pieces = [text[a:b] for a, b in enc["offset_mapping"]]
+    assert pieces == split_words(text)
+    assert pieces[:8] == ["\n", "<", "Ruth", "'", "s", "T", "-", "shirt"]
+    assert ["Washington", ",", "D", ".", "C"] == pieces[10:15]
+    assert ["o", "'", "clock"] == pieces[17:20]
+    assert tokenizer.unk_token_id not in enc["input_ids"]
+    assert enc["input_ids"][0] == tokenizer.convert_tokens_to_ids("\n")  # no BOS added
+
+
+def test_schedule_follows_appendix_c():
+    cfg = TrainConfig(steps=1000, lr=1e-3)
+    assert lr_at(0, cfg) == pytest.approx(1e-4)  # 1% warmup: 10 steps
+    assert lr_at(9, cfg) == pytest.approx(1e-3)
+    assert lr_at(999, cfg) == pytest.approx(1e-4, rel=1e-3)  # cosine to 10%
+    assert lr_at(505, cfg) == pytest.approx(0.55e-3, rel=1e-2)
+
+
+def test_excluded_combos_keep_every_pattern_and_transformation():
+    train_ids, held = split_tasks(",".join(DEFAULT_EXCLUDED_COMBOS))
+    assert len(train_ids) + len(held) == 74 and len(held) == 8
+    assert not set(train_ids) & set(held)
+    with pytest.raises(ValueError):
+        split_tasks("same-person:no-such-transformation")
+
+
+TINY = dict(n_layers=2, d_model=32, n_heads=2, d_head=16, d_mlp=64, batch_size=4, lr=3e-3, threads=1,
+            samples_per_task=1, log_every=5, window_size=32)
+
+
+def test_trainer_loss_falls_and_is_deterministic():
+    cfg = TrainConfig(arch="dcmha", steps=30, seed=0, **TINY)
+    model, recipe = train(cfg, progress=False, evaluate_after=False)
+    losses = [h["loss"] for h in recipe["history"]]
+    assert recipe["steps"] == 30 and len(losses) == 6
+    assert losses[-1] < losses[0] - 1.0, losses
+    assert recipe["final_loss"] < recipe["first_loss"] - 1.5
+    again, _ = train(TrainConfig(arch="dcmha", steps=3, seed=1, **TINY), progress=False, evaluate_after=False)
+    twice, _ = train(TrainConfig(arch="dcmha", steps=3, seed=1, **TINY), progress=False, evaluate_after=False)
+    for (name, a), (_, b) in zip(again.state_dict().items(), twice.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_trainer_mha_twin_has_the_same_size_but_no_dcmha():
+    cfg = TrainConfig(arch="mha", steps=2, **TINY)
+    model, recipe = train(cfg, progress=False, evaluate_after=False)
+    assert model.cfg.use_dcmha is False and model.cfg.use_qk_norm and model.cfg.parallel_residual
+    assert model.cfg.window_type == "LG" and model.cfg.rotary_pct == 0.25
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_model_loads_by_name_and_meets_recorded_accuracy(name):
+    from dcinterp.synth import generate
+    from dcinterp.synth.evaluate import evaluate
+
+    assert (EMBEDDED_DIR / name / "model.safetensors").stat().st_size < 10 * 2**20
+    recipe = json.loads((EMBEDDED_DIR / name / "recipe.json").read_text())
+    model = HookedDCFormer.from_pretrained(name)
+    assert model.tokenizer is not None and model.cfg.use_dcmha == (name == "dcpythia-synth")
+    records = generate(seed=TEST_SET["seed"], samples_per_task=TEST_SET["samples_per_task"])
+    torch.manual_seed(0)
+    random.seed(0)
+    df = evaluate(model, records, batch_size=16, progress=False)
+    recorded = recipe["accuracy"]["test_set"]
+    assert len(df) == recorded["answers"] == 6 * len(records)
+    # the same answers right, up to a near-tie flipped by float rounding on another machine
+    assert abs(int(df["correct"].sum()) - recorded["correct"]) <= 2, (int(df["correct"].sum()), recorded)
