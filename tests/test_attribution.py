@@ -4,7 +4,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import dcinterp
 from dcinterp import DCFormerConfig, HookedDCFormer
 from dcinterp.attribution import head_ablation, head_attribution, head_baseline, target_value
 
@@ -125,7 +124,6 @@ def synthetic_prompts(model, n: int = 8) -> tuple[torch.Tensor, torch.Tensor, to
     return tokens, lengths - 1, torch.tensor(ids)
 
 
-@pytest.mark.skipif("dcpythia-synth" not in dcinterp.embedded_models(), reason="embedded dcpythia-synth not there yet")
 def test_top_head_ablation_beats_median_head_on_embedded_model():
     model = HookedDCFormer.from_pretrained("dcpythia-synth")
     tokens, positions, answers = synthetic_prompts(model)

@@ -8,7 +8,6 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-import dcinterp
 from dcinterp import DCFormerConfig, HookedDCFormer, plotting
 from dcinterp.attribution import head_attribution
 from dcinterp.circuits import head_diversity
@@ -120,11 +119,10 @@ def test_no_pyplot_state():
     assert plt.get_fignums() == []
 
 
-@pytest.mark.skipif("dcpythia-synth" not in dcinterp.embedded_models(), reason="embedded dcpythia-synth not there yet")
 def test_embedded_model_figures():
     """The App. G case study on the embedded model: find the top head, then Fig. 7 and 8 for it, and Fig. 5."""
     model = HookedDCFormer.from_pretrained("dcpythia-synth")
-    prompt = "< Michelle has a burger. Helen has a papaya. Carol has a cannon. >. Michelle has a kind of ["
+    prompt = "\n< Michelle has a burger. Helen has a papaya. Carol has a cannon. >. Michelle has a kind of"
     tokens = model.to_tokens(prompt)
     words = model.to_str_tokens(prompt)
     with torch.no_grad():
@@ -142,6 +140,5 @@ def test_embedded_model_figures():
                                           composition_map(model, tokens, layer, query, key)}),
           "embedded_composition_map", ["source head j"])
     results = {"dcpythia-synth": head_diversity(model)}
-    if "pythia-synth" in dcinterp.embedded_models():
-        results["pythia-synth"] = head_diversity(HookedDCFormer.from_pretrained("pythia-synth"))
+    results["pythia-synth"] = head_diversity(HookedDCFormer.from_pretrained("pythia-synth"))
     check(plotting.plot_head_diversity(results), "embedded_head_diversity", ["number of principal components"])
