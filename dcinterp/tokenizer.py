@@ -19,18 +19,12 @@ import re
 import string
 from pathlib import Path
 
+from .synth.catalog import data_dir
+
 SPECIAL_TOKENS = ("[UNK]", "[PAD]", "[BOS]", "[EOS]")
 # One token: a newline, a run of word characters, or one other non-space character.
 TOKEN_PATTERN = r"\n|\w+|[^\w\s]"
 _TOKEN_RE = re.compile(TOKEN_PATTERN)
-
-
-def data_dir() -> Path:
-    """The folder with lexicon.json, catalog.json and the released synthetic_dataset.jsonl
-    (`dcinterp/_synthetic_tasks` in an installed wheel, `synthetic_tasks/` in a checkout)."""
-    package_dir = Path(__file__).resolve().parent
-    installed = package_dir / "_synthetic_tasks"
-    return installed if installed.is_dir() else package_dir.parent / "synthetic_tasks"
 
 
 def split_words(text: str) -> list[str]:

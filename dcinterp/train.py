@@ -46,7 +46,8 @@ import torch
 
 from .config import DCFormerConfig
 from .model import HookedDCFormer
-from .tokenizer import build_tokenizer, data_dir
+from .synth.catalog import data_dir
+from .tokenizer import build_tokenizer
 
 ARCH_NAMES = {"dcmha": "dcpythia-synth", "mha": "pythia-synth"}
 TRAIN_SEED_BASE = 1000  # generation seeds below this are reserved for evaluation sets
