@@ -17,7 +17,9 @@ from pathlib import Path
 
 import yaml
 
-NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+# `notebooks/` of a checkout, or the copy an installed wheel carries.
+_INSTALLED = Path(__file__).resolve().parent / "_notebooks"
+NOTEBOOK_DIR = _INSTALLED if _INSTALLED.is_dir() else Path(__file__).resolve().parent.parent / "notebooks"
 
 
 def available() -> list[Path]:
