@@ -42,10 +42,13 @@ def run_notebook(notebook, parameters: dict | None = None, out=None, cwd=None, t
     import papermill
 
     notebook = resolve(str(notebook))
+    parameters = dict(parameters or {})
+    if notebook.parent == _INSTALLED:  # not in a checkout: figures go to ./figures, not into site-packages
+        parameters.setdefault("figures_dir", str(Path.cwd() / "figures"))
     out = Path(out) if out is not None else Path("out/notebooks") / notebook.name
     out.parent.mkdir(parents=True, exist_ok=True)
     papermill.execute_notebook(
-        str(notebook), str(out), parameters=parameters or {}, cwd=str(cwd or notebook.parent),
+        str(notebook), str(out), parameters=parameters, cwd=str(cwd or notebook.parent),
         kernel_name="python3", progress_bar=False, request_save_on_cell_execute=False, execution_timeout=timeout,
     )
     return out
