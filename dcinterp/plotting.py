@@ -232,10 +232,11 @@ def plot_attention_distributions(
     heads); below, one panel per chosen head with its attention over the keys before and after composition.
     """
     n_keys = dist.before.shape[1]
-    labels = list(str_tokens[:n_keys]) if str_tokens is not None else [str(i) for i in range(n_keys)]
+    labels = [t.replace("\n", "\\n") for t in str_tokens[:n_keys]] if str_tokens is not None else \
+        [str(i) for i in range(n_keys)]
     has_w = dist.w_k1 is not None
     n_rows = len(dist.heads) + has_w
-    fig = Figure(figsize=(max(6.0, 0.38 * n_keys + 2), 1.9 * n_rows + 1.0), layout="constrained")
+    fig = Figure(figsize=(min(18.0, max(6.0, 0.38 * n_keys + 2)), 1.9 * n_rows + 1.0), layout="constrained")
     axes = fig.subplots(n_rows, 1, sharex=True, squeeze=False)
     axes = axes[:, 0]
     x = np.arange(n_keys)
@@ -257,7 +258,7 @@ def plot_attention_distributions(
         ax.set_ylabel(what)
         ax.set_title(f"L{dist.layer}H{head}", fontsize=10, loc="left")
         ax.legend(fontsize=7, loc="best")
-    axes[-1].set_xticks(x, labels, rotation=60, ha="right", rotation_mode="anchor", fontsize=8)
+    axes[-1].set_xticks(x, labels, rotation=60, ha="right", rotation_mode="anchor", fontsize=8 if n_keys <= 40 else 6)
     axes[-1].set_xlabel("key token")
     query = labels[dist.query_pos] if dist.query_pos < len(labels) else str(dist.query_pos)
     fig.suptitle(title or f"Layer {dist.layer}: attention from query {query!r} (pos {dist.query_pos})")
