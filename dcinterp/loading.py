@@ -212,11 +212,7 @@ def load_tokenizer(directory: Path):
 # --------------------------------------------------------------------------------------------------
 # The authors' DCPythia / DCFormer releases
 def config_from_official(raw: dict, source: Path) -> DCFormerConfig:
-    def need(key):
-        if key not in raw:
-            raise CheckpointError(f"{source}: missing key {key!r}")
-        return raw[key]
-
+    need = _required(raw, source)
     is_pythia = raw["model_type"] == "dcpythia"
     n_heads = need("n_head")
     if raw.get("n_local_heads", n_heads) != n_heads:
@@ -312,11 +308,7 @@ def convert_official(take: "_Taker", cfg: DCFormerConfig) -> dict[str, Tensor]:
 # --------------------------------------------------------------------------------------------------
 # Hugging Face GPT-NeoX (Pythia), the MHA baseline
 def config_from_gpt_neox(raw: dict, source: Path) -> DCFormerConfig:
-    def need(key):
-        if key not in raw:
-            raise CheckpointError(f"{source}: missing key {key!r}")
-        return raw[key]
-
+    need = _required(raw, source)
     if raw.get("hidden_act", "gelu") != "gelu":
         raise CheckpointError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only 'gelu')")
     if raw.get("attention_bias", True) is False:
@@ -376,6 +368,16 @@ def convert_gpt_neox(take: "_Taker", cfg: DCFormerConfig) -> dict[str, Tensor]:
         out[dst + "mlp.b_out"] = take(src + "mlp.dense_4h_to_h.bias")
     take.finish()
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _required(raw: dict, source: Path):
+    """need(key): raw[key], or a CheckpointError naming the config file and the key."""
+    def need(key):
+        if key not in raw:
+            raise CheckpointError(f"{source}: missing key {key!r}")
+        return raw[key]
+
+    return need
 
 
 class _Taker:

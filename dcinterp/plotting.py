@@ -40,6 +40,12 @@ def _symmetric_limit(values: np.ndarray) -> float:
     return limit if limit > 0 else 1.0
 
 
+def _diverging(ax, values: np.ndarray):
+    """A heatmap centred on zero (blue negative, red positive); returns the image for a colorbar."""
+    limit = _symmetric_limit(values)
+    return ax.imshow(values, cmap=DIVERGING, vmin=-limit, vmax=limit, aspect="auto")
+
+
 def _head_ticks(ax, n: int, axis: str, labels: Sequence[str] | None = None, max_ticks: int = 40) -> None:
     step = max(1, int(np.ceil(n / max_ticks)))
     ticks = list(range(0, n, step))
@@ -54,8 +60,9 @@ def _fmt(value: float) -> str:
     return f"{value:.2f}" if value == 0 or abs(value) >= 0.005 else f"{value:.0e}"
 
 
-def _annotate(ax, values: np.ndarray, limit: float, fontsize: int = 7) -> None:
-    """Write each cell's value on a heatmap drawn with a symmetric colour scale of +-limit."""
+def _annotate(ax, values: np.ndarray, fontsize: int = 7) -> None:
+    """Write each cell's value on a heatmap drawn by `_diverging`, in white on the dark cells."""
+    limit = _symmetric_limit(values)
     for (row, col), value in np.ndenumerate(values):
         ax.text(col, row, _fmt(value), ha="center", va="center", fontsize=fontsize,
                 color="white" if abs(value) > 0.6 * limit else "black")
@@ -75,8 +82,7 @@ def plot_head_attribution(
     n_layers, n_heads = values.shape
     fig = Figure(figsize=(max(5.0, 0.32 * n_heads + 2.5), max(3.5, 0.28 * n_layers + 1.8)), layout="constrained")
     ax = fig.subplots()
-    limit = _symmetric_limit(values)
-    image = ax.imshow(values, cmap=DIVERGING, vmin=-limit, vmax=limit, aspect="auto")
+    image = _diverging(ax, values)
     fig.colorbar(image, ax=ax, label=label)
     order = np.argsort(-values, axis=None)[:top_k]
     top = []
@@ -176,8 +182,7 @@ def plot_compose_breakdown(
     grid = fig.add_gridspec(2, 3, width_ratios=[rank + 1.5, max(n_heads, 4) * 0.6, 9], height_ratios=[3, 1])
 
     ax1 = fig.add_subplot(grid[:, 0])
-    limit = _symmetric_limit(w1)
-    image = ax1.imshow(w1, cmap=DIVERGING, vmin=-limit, vmax=limit, aspect="auto")
+    image = _diverging(ax1, w1)
     fig.colorbar(image, ax=ax1, location="bottom", shrink=0.9)
     ax1.set_xticks(range(rank), [str(r) for r in range(rank)])
     _head_ticks(ax1, n_heads, "y")
@@ -186,8 +191,7 @@ def plot_compose_breakdown(
     ax1.set_title(f"w_{side}1 (head x rank)", fontsize=10)
 
     ax2 = fig.add_subplot(grid[0, 1])
-    limit = _symmetric_limit(w2)
-    image = ax2.imshow(w2, cmap=DIVERGING, vmin=-limit, vmax=limit, aspect="auto")
+    image = _diverging(ax2, w2)
     fig.colorbar(image, ax=ax2, location="bottom", shrink=0.9)
     ax2.set_yticks(range(rank), [str(r) for r in range(rank)])
     _head_ticks(ax2, n_heads, "x")
@@ -197,24 +201,22 @@ def plot_compose_breakdown(
 
     ax4 = fig.add_subplot(grid[1, 1])
     hidden = _np(b.before)[None] @ w1  # [1, rank]: what w_{side}1 gathers from all heads
-    limit = _symmetric_limit(hidden)
-    ax4.imshow(hidden, cmap=DIVERGING, vmin=-limit, vmax=limit, aspect="auto")
-    _annotate(ax4, hidden, limit, fontsize=8)
+    _diverging(ax4, hidden)
+    _annotate(ax4, hidden, fontsize=8)
     ax4.set_xticks(range(rank), [str(r) for r in range(rank)])
     ax4.set_yticks([])
     ax4.set_xlabel("rank r")
     ax4.set_title(f"A @ w_{side}1 (gathered)", fontsize=10)
 
     ax3 = fig.add_subplot(grid[:, 2])
-    limit = _symmetric_limit(columns)
-    image = ax3.imshow(columns, cmap=DIVERGING, vmin=-limit, vmax=limit, aspect="auto")
+    image = _diverging(ax3, columns)
     fig.colorbar(image, ax=ax3, label="attention weight" if b.stage == "post" else "attention score")
     ax3.set_xticks(range(6), [names[0], "+ O_qp", "+ O_qg", "+ O_kp", "+ O_kg", "= A'"])
     _head_ticks(ax3, n_heads, "y", [f"L{b.layer}H{h}" for h in range(n_heads)])
     ax3.set_xlabel("before composition, branch outputs, composed")
     ax3.set_ylabel("head")
     if n_heads <= 40:
-        _annotate(ax3, columns, limit)
+        _annotate(ax3, columns)
     pair = f"{_quote(query_token) or f'pos {b.query_pos}'} -> {_quote(key_token) or f'pos {b.key_pos}'}"
     fig.suptitle(title or f"Layer {b.layer} {b.stage}-compose of the attention {pair} "
                  f"(query pos {b.query_pos}, key pos {b.key_pos})")
