@@ -238,8 +238,8 @@ class Attention(nn.Module):
         k = self.hook_rot_k(apply_rotary(k, cfg.rotary_dim, cfg.rotary_base))
 
         scores = self.hook_attn_scores(torch.einsum("bthe,bshe->bhts", q, k) / math.sqrt(cfg.d_head))
-        dyn = self.dynamic_weights(x) if cfg.use_dcmha else None
         if cfg.use_dcmha:
+            dyn = self.dynamic_weights(x)
             if self.pre_compose is not None:
                 scores = self.pre_compose(scores, *dyn["pre"])
             scores = self.hook_composed_scores(scores)
