@@ -53,6 +53,7 @@ ARCH_NAMES = {"dcmha": "dcpythia-synth", "mha": "pythia-synth"}
 TRAIN_SEED_BASE = 1000  # generation seeds below this are reserved for evaluation sets
 EVAL_SEED = 0  # the held-out generated evaluation set
 TEST_SET = {"seed": EVAL_SEED, "samples_per_task": 2}  # the small fixed set tests/test_train.py checks
+PROBE_SAMPLES_PER_TASK = 4  # the accuracy logged every `eval_every` steps
 DEFAULT_EXCLUDED_COMBOS = (
     "same-person:superclass",
     "matching-person:country",
@@ -87,12 +88,14 @@ class TrainConfig:
     samples_per_task: int = 4  # per generator call (one call = one generation seed)
     lines: int = 8
     exclude_combos: tuple[str, ...] = ()
+    tasks: tuple[str, ...] = ()  # train on these task ids only (default: all 74, less exclude_combos)
     pad_multiple: int = 16
     answer_weight: float = 20.0  # extra loss weight of the answer tokens (lines 3-8); 0 = plain LM loss
     bucket_batches: int = 8  # batches drawn at once and grouped by sample length (less padding, less T^2)
     threads: int = 1  # one thread: on a shared 2-core machine two OpenMP threads spin-wait and run slower
     max_minutes: float | None = None  # stop early (and say so in the recipe) when the wall time runs out
     log_every: int = 25
+    eval_every: int = 0  # every N steps, log the accuracy on a small generated set of the training tasks
 
     def model_config(self, d_vocab: int) -> DCFormerConfig:
         return DCFormerConfig(
@@ -308,7 +311,13 @@ def train(
     model = HookedDCFormer(cfg.model_config(len(tokenizer)), tokenizer=tokenizer)
     opt = make_optimizer(model, cfg)
     train_ids, held_ids = split_tasks(cfg.exclude_combos)
-    samples = iter(texts) if texts is not None else sample_stream(cfg, train_ids if cfg.exclude_combos else None, rng)
+    if cfg.tasks:
+        train_ids = [t for t in train_ids if t in set(cfg.tasks)]
+        if not train_ids:
+            raise ValueError(f"tasks {list(cfg.tasks)} are all excluded by {list(cfg.exclude_combos)}")
+    samples = iter(texts) if texts is not None else sample_stream(
+        cfg, train_ids if cfg.exclude_combos or cfg.tasks else None, rng)
+    probe = generate_samples(EVAL_SEED, PROBE_SAMPLES_PER_TASK, train_ids) if cfg.eval_every else None
     batches = Batcher(tokenizer, samples, cfg, rng)
     log = open(log_file, "a") if log_file else None
 
@@ -345,6 +354,8 @@ def train(
             if answer_losses:
                 tail_a = answer_losses[-cfg.log_every :]
                 entry["answer_loss"] = round(sum(tail_a) / len(tail_a), 4)
+            if probe is not None and steps_done % cfg.eval_every == 0:
+                entry["eval_accuracy"] = probe_accuracy(model, probe)
             history.append(entry)
             if log:
                 log.write(json.dumps(entry) + "\n")
@@ -375,9 +386,10 @@ def train(
         "n_params": sum(p.numel() for p in model.parameters()),
         "train_config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()},
         "data": {
-            "generation_seeds": f"{TRAIN_SEED_BASE + 100_000 * cfg.seed} + k, k = 0..{(steps_done * cfg.batch_size) // max(1, 74 * cfg.samples_per_task)}"
+            "generation_seeds": f"{TRAIN_SEED_BASE + 100_000 * cfg.seed} + k, k = 0..{(steps_done * cfg.batch_size) // max(1, len(train_ids) * cfg.samples_per_task)}"
             if texts is None else "texts given by the caller",
             "train_tasks": len(train_ids),
+            "tasks": list(cfg.tasks) or "all",
             "excluded_combos": [f"{a}:{b}" for a, b in parse_combos(cfg.exclude_combos)],
             "held_out_tasks": held_ids,
         },
@@ -406,6 +418,17 @@ def save(model: HookedDCFormer, recipe: dict, out_dir) -> None:
 def released_records() -> list[dict]:
     path = data_dir() / "synthetic_dataset.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def probe_accuracy(model: HookedDCFormer, records: list[dict]) -> float:
+    """Accuracy on `records` (the `eval_every` probe: seed EVAL_SEED, PROBE_SAMPLES_PER_TASK per training task)."""
+    from .synth.evaluate import evaluate  # type: ignore
+
+    model.eval()
+    with torch.no_grad():
+        df = evaluate(model, records, batch_size=16, progress=False)
+    model.train()
+    return round(float(df["correct"].mean()), 4)
 
 
 def _accuracy(df, task_ids=None) -> dict:
@@ -474,6 +497,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--exclude-combos", default="",
                    help="comma-separated qk_pattern:ov_transformation combinations left out of training "
                         f"(e.g. {','.join(DEFAULT_EXCLUDED_COMBOS)})")
+    p.add_argument("--tasks", default="",
+                   help="train on these tasks only: 'task10,task14', '10,14' or '8-15' (default: all)")
+    p.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help=f"log the accuracy on a generated probe set (seed {EVAL_SEED}, "
+                        f"{PROBE_SAMPLES_PER_TASK} samples per training task) every N steps")
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--max-minutes", type=float, default=None)
     p.add_argument("--no-eval", action="store_true", help="skip the accuracy evaluation after training")
@@ -488,6 +516,13 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     command = "python -m dcinterp.train " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     arches = ("dcmha", "mha") if args.arch == "both" else (args.arch,)
+    try:
+        from .synth import load_catalog
+        from .synth.generate import parse_task_ids
+
+        task_ids = parse_task_ids(args.tasks, load_catalog()) if args.tasks else []
+    except ValueError as e:
+        sys.exit(f"python -m dcinterp.train: --tasks: {e}")
     for arch in arches:
         name = ARCH_NAMES[arch] + args.name_suffix
         out_dir = Path(args.out) / name
@@ -505,7 +540,7 @@ def main(argv=None) -> None:
             warmup_frac=args.warmup_frac, n_layers=args.n_layers, d_model=args.d_model, n_heads=args.n_heads,
             d_head=args.d_head, d_mlp=args.d_mlp, window_size=args.window_size, rotary_pct=args.rotary_pct,
             samples_per_task=args.samples_per_task, answer_weight=args.answer_weight, exclude_combos=tuple(f"{a}:{b}" for a, b in parse_combos(args.exclude_combos)),
-            threads=args.threads, max_minutes=args.max_minutes,
+            tasks=tuple(task_ids), eval_every=args.eval_every, threads=args.threads, max_minutes=args.max_minutes,
         )
         log_file = None
         if args.log_dir:

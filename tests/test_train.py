@@ -112,3 +112,27 @@ def test_shipped_model_loads_by_name_and_meets_recorded_accuracy(name):
     assert len(df) == recorded["answers"] == 6 * len(records)
     # the same answers right, up to a near-tie flipped by float rounding on another machine
     assert abs(int(df["correct"].sum()) - recorded["correct"]) <= 2, (int(df["correct"].sum()), recorded)
+
+
+def test_trainer_on_a_task_subset_logs_the_probe_accuracy():
+    from dcinterp.synth import generate
+    from dcinterp.synth.evaluate import evaluate
+    from dcinterp.train import PROBE_SAMPLES_PER_TASK
+
+    cfg = TrainConfig(arch="mha", steps=10, seed=0, tasks=("task10", "task57"), eval_every=5, **TINY)
+    model, recipe = train(cfg, progress=False, evaluate_after=False)
+    assert recipe["data"]["train_tasks"] == 2 and recipe["data"]["tasks"] == ["task10", "task57"]
+    logged = [h["eval_accuracy"] for h in recipe["history"]]
+    assert len(logged) == 2 and all(0 <= a <= 1 for a in logged)
+    probe = generate(seed=0, samples_per_task=PROBE_SAMPLES_PER_TASK, tasks=["task10", "task57"])
+    df = evaluate(model, probe, progress=False)
+    assert set(df["task"]) == {"task10", "task57"}
+    assert logged[-1] == round(float(df["correct"].mean()), 4)
+
+
+def test_train_cli_rejects_an_unknown_task(capsys):
+    from dcinterp.train import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--tasks", "task10,task99", "--steps", "1", "--out", "/nonexistent"])
+    assert "task99" in str(exit_info.value)
