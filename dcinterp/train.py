@@ -522,7 +522,8 @@ def main(argv=None) -> None:
 
         task_ids = parse_task_ids(args.tasks, load_catalog()) if args.tasks else []
     except ValueError as e:
-        sys.exit(f"python -m dcinterp.train: --tasks: {e}")
+        print(f"python -m dcinterp.train: error: --tasks: {e}", file=sys.stderr)
+        sys.exit(2)
     for arch in arches:
         name = ARCH_NAMES[arch] + args.name_suffix
         out_dir = Path(args.out) / name
@@ -555,6 +556,9 @@ def main(argv=None) -> None:
 
 def summarize(recipe: dict) -> dict:
     out = {k: recipe.get(k) for k in ("steps", "tokens_seen", "final_loss", "wall_time_s")}
+    probes = [h["eval_accuracy"] for h in recipe.get("history", []) if "eval_accuracy" in h]
+    if probes:
+        out["probe_accuracy"] = probes[-1]
     acc = recipe.get("accuracy") or {}
     for name, entry in acc.items():
         if isinstance(entry, dict) and "accuracy" in entry:

@@ -135,4 +135,6 @@ def test_train_cli_rejects_an_unknown_task(capsys):
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--tasks", "task10,task99", "--steps", "1", "--out", "/nonexistent"])
-    assert "task99" in str(exit_info.value)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "task99" in err and len(err.splitlines()) == 1
