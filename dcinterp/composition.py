@@ -82,6 +82,13 @@ def _single_prompt(model: HookedDCFormer, tokens, batch_index: int) -> Int[Tenso
     return tokens[None] if tokens.ndim == 1 else tokens[batch_index : batch_index + 1]
 
 
+def _prompt_stage_activations(model: HookedDCFormer, tokens, layer: int, stage: str, batch_index: int):
+    """(the chosen prompt [1, pos], its stage_activations in float32 on the CPU), after checking the stage."""
+    _check_stage(model, stage)
+    prompt = _single_prompt(model, tokens, batch_index)
+    return prompt, {k: v.float().cpu() for k, v in stage_activations(model, prompt, layer, stage).items()}
+
+
 @torch.no_grad()
 def stage_activations(
     model: HookedDCFormer, tokens: Int[Tensor, "1 pos"], layer: int, stage: Stage
@@ -115,9 +122,7 @@ def compose_breakdown(
     Everything is returned in float32 on the CPU. `tokens` is one prompt [pos] or a batch (then
     `batch_index` picks the prompt; only that prompt is run).
     """
-    _check_stage(model, stage)
-    prompt = _single_prompt(model, tokens, batch_index)
-    acts = {k: v.float().cpu() for k, v in stage_activations(model, prompt, layer, stage).items()}
+    prompt, acts = _prompt_stage_activations(model, tokens, layer, stage, batch_index)
     t, s = query_pos % prompt.shape[1], key_pos % prompt.shape[1]
     H, R = model.cfg.n_heads, model.cfg.dcmha_rank
     weights = {  # [head, rank] for the projections, [head] for the gates; zeros where a branch is off
@@ -165,9 +170,7 @@ def composition_maps_along_keys(
     include_identity: bool = True,
 ) -> Float[Tensor, "key head head"]:
     """W for (query_pos, s) at every key s <= query_pos, from one run: how the composition varies along the sequence."""
-    _check_stage(model, stage)
-    prompt = _single_prompt(model, tokens, batch_index)
-    acts = {k: v.float().cpu() for k, v in stage_activations(model, prompt, layer, stage).items()}
+    prompt, acts = _prompt_stage_activations(model, tokens, layer, stage, batch_index)
     t = query_pos % prompt.shape[1]
     H = model.cfg.n_heads
     maps = torch.eye(H).expand(t + 1, H, H).clone() if include_identity else torch.zeros(t + 1, H, H)

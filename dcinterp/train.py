@@ -119,21 +119,10 @@ class TrainConfig:
 # Catalog, knowledge sentences, samples
 def load_tasks() -> list[dict]:
     """The catalog's tasks as dicts with `id`, `qk_pattern`, `ov_transformation`."""
-    try:
-        from .synth import load_catalog  # type: ignore
+    from .synth import load_catalog
 
-        catalog = load_catalog()
-        tasks = getattr(catalog, "tasks", catalog)
-        if isinstance(tasks, dict):
-            tasks = list(tasks.values())
-        out = []
-        for t in tasks:
-            get = (lambda k: t[k]) if isinstance(t, dict) else (lambda k: getattr(t, k))
-            out.append({"id": get("id"), "qk_pattern": get("qk_pattern"), "ov_transformation": get("ov_transformation")})
-        return out
-    except Exception:
-        raw = json.loads((data_dir() / "catalog.json").read_text())
-        return [{k: t[k] for k in ("id", "qk_pattern", "ov_transformation")} for t in raw["tasks"]]
+    return [{"id": t.id, "qk_pattern": t.qk_pattern, "ov_transformation": t.ov_transformation}
+            for t in load_catalog().tasks.values()]
 
 
 def parse_combos(spec) -> tuple[tuple[str, str], ...]:
