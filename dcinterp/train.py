@@ -20,6 +20,12 @@ with the answer tokens of lines 3-8 weighted 1 + `answer_weight` (default 20): w
 are ~3% of the tokens and the random persons and items of the facts dominate the gradient (a plain-loss run
 learned markedly slower, see docs/training.md). With row filling there is no padding to mask.
 
+`compact_until` turns on a curriculum: at step 0 every sample is written with compact facts ("Ruth cat." for
+"Ruth has a cat.", "cat Ruth." for "The cat is Ruth's.", same lines, queries and answers), and the share of such
+samples falls linearly to 0 at that fraction of the steps. With the person next to its item, a previous-token
+head suffices to bind them. On task10 alone, a 2-layer model with a 4-token local window stays at chance on the
+released format for 2,750 steps without it and is at 96% after 1,000 steps with it (docs/training.md).
+
 `exclude_combos` ("same-person:superclass,matching-person:country") leaves the tasks with those (QK pattern,
 OV transformation) combinations out of the training corpus, for the held-out composition study (paper
 Sec. 4.3); every pattern and transformation must still occur in another task.
@@ -40,7 +46,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -91,6 +97,7 @@ class TrainConfig:
     tasks: tuple[str, ...] = ()  # train on these task ids only (default: all 74, less exclude_combos)
     pad_multiple: int = 16
     answer_weight: float = 20.0  # extra loss weight of the answer tokens (lines 3-8); 0 = plain LM loss
+    compact_until: float = 0.0  # compact-facts curriculum: share of compact samples falls 1 -> 0 by this fraction
     bucket_batches: int = 8  # batches drawn at once and grouped by sample length (less padding, less T^2)
     threads: int = 1  # one thread: on a shared 2-core machine two OpenMP threads spin-wait and run slower
     max_minutes: float | None = None  # stop early (and say so in the recipe) when the wall time runs out
@@ -194,18 +201,50 @@ def unbracket_text(text: str) -> str:
     return unbracket_spans(text)[0]
 
 
-def generate_samples(seed: int, samples_per_task: int, tasks=None, lines: int = 8) -> list[dict]:
+def generate_samples(seed: int, samples_per_task: int, tasks=None, lines: int = 8, catalog=None) -> list[dict]:
     from .synth import generate  # type: ignore
 
-    return generate(seed=seed, samples_per_task=samples_per_task, tasks=tasks, lines=lines)
+    return generate(seed=seed, samples_per_task=samples_per_task, tasks=tasks, lines=lines, catalog=catalog)
 
 
-def sample_stream(cfg: TrainConfig, task_ids: list[str] | None, rng: random.Random) -> Iterator[tuple]:
-    """(unbracketed sample, answer spans) forever: generator seeds 1000 + 100000 * seed + k, chunks shuffled."""
+def compact_catalog(catalog):
+    """The catalog with every context fact written bare, `{person} {item}.` or `{item} {person}.`, in the order
+    of the task's own syntax ("Ruth has a cat." -> "Ruth cat.", "The cat is Ruth's." -> "cat Ruth.")."""
+
+    def compact(syntax):
+        if syntax.shape.name != "context":
+            return syntax
+        person_first = syntax.fact.index("{person}") < syntax.fact.index("{item")
+        return dataclasses.replace(syntax, fact="{person} {item}." if person_first else "{item} {person}.")
+
+    tasks = {task_id: dataclasses.replace(task, syntax=compact(task.syntax)) for task_id, task in catalog.tasks.items()}
+    return dataclasses.replace(catalog, tasks=tasks)
+
+
+def compact_share_at(step: int, cfg: TrainConfig) -> float:
+    """The probability that a training sample is written with compact facts: 1 at step 0, 0 from
+    `compact_until` of the steps on (0 turns the curriculum off)."""
+    end = cfg.compact_until * cfg.steps
+    return max(0.0, 1.0 - step / end) if end > 0 else 0.0
+
+
+def sample_stream(cfg: TrainConfig, task_ids: list[str] | None, rng: random.Random,
+                  compact_share: Callable[[], float] = lambda: 0.0) -> Iterator[tuple]:
+    """(unbracketed sample, answer spans) forever: generator seeds 1000 + 100000 * seed + k, chunks shuffled.
+
+    Each sample is written with compact facts with probability `compact_share()` (the same lines, see
+    `compact_catalog`), else in the released format."""
+    from .synth import load_catalog
+
+    released, compact = load_catalog(), None
     k = 0
     while True:
         seed = TRAIN_SEED_BASE + 100_000 * cfg.seed + k
         records = generate_samples(seed, cfg.samples_per_task, task_ids, cfg.lines)
+        if compact_share() > 0:
+            compact = compact or compact_catalog(released)
+            short = generate_samples(seed, cfg.samples_per_task, task_ids, cfg.lines, catalog=compact)
+            records = [s if rng.random() < compact_share() else r for r, s in zip(records, short)]
         texts = [unbracket_spans(r["texts"]) for r in records]
         rng.shuffle(texts)
         yield from texts
@@ -304,8 +343,9 @@ def train(
         train_ids = [t for t in train_ids if t in set(cfg.tasks)]
         if not train_ids:
             raise ValueError(f"tasks {list(cfg.tasks)} are all excluded by {list(cfg.exclude_combos)}")
+    step_now = 0
     samples = iter(texts) if texts is not None else sample_stream(
-        cfg, train_ids if cfg.exclude_combos or cfg.tasks else None, rng)
+        cfg, train_ids if cfg.exclude_combos or cfg.tasks else None, rng, lambda: compact_share_at(step_now, cfg))
     probe = generate_samples(EVAL_SEED, PROBE_SAMPLES_PER_TASK, train_ids) if cfg.eval_every else None
     batches = Batcher(tokenizer, samples, cfg, rng)
     log = open(log_file, "a") if log_file else None
@@ -318,6 +358,7 @@ def train(
     model.train()
     answer_losses: list[float] = []
     for step in bar:
+        step_now = step
         x, answer = next(batches)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -483,6 +524,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rotary-pct", type=float, default=d.rotary_pct)
     p.add_argument("--samples-per-task", type=int, default=d.samples_per_task)
     p.add_argument("--answer-weight", type=float, default=d.answer_weight)
+    p.add_argument("--compact-until", type=float, default=d.compact_until,
+                   help="compact-facts curriculum: the share of samples written 'Ruth cat.' for 'Ruth has a cat.' "
+                        "falls from 1 to 0 by this fraction of the steps (0: off)")
     p.add_argument("--exclude-combos", default="",
                    help="comma-separated qk_pattern:ov_transformation combinations left out of training "
                         f"(e.g. {','.join(DEFAULT_EXCLUDED_COMBOS)})")
@@ -529,7 +573,8 @@ def main(argv=None) -> None:
             arch=arch, steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
             warmup_frac=args.warmup_frac, n_layers=args.n_layers, d_model=args.d_model, n_heads=args.n_heads,
             d_head=args.d_head, d_mlp=args.d_mlp, window_size=args.window_size, rotary_pct=args.rotary_pct,
-            samples_per_task=args.samples_per_task, answer_weight=args.answer_weight, exclude_combos=tuple(f"{a}:{b}" for a, b in parse_combos(args.exclude_combos)),
+            samples_per_task=args.samples_per_task, answer_weight=args.answer_weight,
+            compact_until=args.compact_until, exclude_combos=tuple(f"{a}:{b}" for a, b in parse_combos(args.exclude_combos)),
             tasks=tuple(task_ids), eval_every=args.eval_every, threads=args.threads, max_minutes=args.max_minutes,
         )
         log_file = None

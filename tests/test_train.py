@@ -14,8 +14,12 @@ from dcinterp.train import (
     DEFAULT_EXCLUDED_COMBOS,
     TEST_SET,
     TrainConfig,
+    compact_catalog,
+    compact_share_at,
+    generate_samples,
     knowledge_sentences,
     lr_at,
+    sample_stream,
     split_tasks,
     train,
     unbracket_text,
@@ -61,6 +65,44 @@ def test_schedule_follows_appendix_c():
     assert lr_at(9, cfg) == pytest.approx(1e-3)
     assert lr_at(999, cfg) == pytest.approx(1e-4, rel=1e-3)  # cosine to 10%
     assert lr_at(505, cfg) == pytest.approx(0.55e-3, rel=1e-2)
+
+
+def test_compact_facts_rewrite_only_the_facts():
+    from dcinterp.synth import load_catalog
+
+    catalog = load_catalog()
+    compact = compact_catalog(catalog)
+    tasks = ["task0", "task1", "task17", "task41", "task49", "task57"]
+    released = generate_samples(7, 2, tasks)
+    short = generate_samples(7, 2, tasks, catalog=compact)
+    for r, s in zip(released, short):
+        for line, compact_line in zip(r["texts"].strip().split("\n"), s["texts"].strip().split("\n")):
+            if not line.startswith("<"):  # list lines have no persons: unchanged
+                assert compact_line == line
+                continue
+            facts, query = line[2:].split(" >. ")
+            compact_facts, compact_query = compact_line[2:].split(" >. ")
+            assert compact_query == query
+            people = [w for w in split_words(facts) if w in catalog.lexicon.people]
+            assert [w for w in split_words(compact_facts) if w in catalog.lexicon.people] == people
+            for fact in compact_facts.rstrip(".").split(". "):  # "Ruth cat" or "cat Ruth": a person and an item
+                person_first = fact.split()[0] in catalog.lexicon.people
+                person = fact.split()[0] if person_first else fact.split()[-1]
+                item = fact.removeprefix(person + " ") if person_first else fact.removesuffix(" " + person)
+                assert person in people and item.lower() in facts.lower() and person not in item
+    assert "Ruth cat." not in "".join(r["texts"] for r in released)  # sanity: the two formats differ
+    assert released != short
+
+
+def test_compact_share_falls_to_zero_and_the_stream_follows_it():
+    cfg = TrainConfig(steps=100, compact_until=0.5, samples_per_task=1, tasks=("task10",))
+    assert compact_share_at(0, cfg) == 1.0 and compact_share_at(25, cfg) == 0.5
+    assert compact_share_at(50, cfg) == 0.0 and compact_share_at(99, cfg) == 0.0
+    assert compact_share_at(0, TrainConfig(compact_until=0.0)) == 0.0
+    for share in (1.0, 0.0):
+        stream = sample_stream(cfg, ["task10"], random.Random(0), lambda: share)
+        first_facts = [next(stream)[0].split("< ")[1].split(".")[0] for _ in range(3)]  # "Ruth has a cat"
+        assert all((" has " in fact) == (share == 0.0) for fact in first_facts), first_facts
 
 
 def test_excluded_combos_keep_every_pattern_and_transformation():
