@@ -97,6 +97,7 @@ class TrainConfig:
     tasks: tuple[str, ...] = ()  # train on these task ids only (default: all 74, less exclude_combos)
     pad_multiple: int = 16
     answer_weight: float = 20.0  # extra loss weight of the answer tokens (lines 3-8); 0 = plain LM loss
+    tied_init: bool = False  # initialise the unembedding as the embedding's transpose (then trained apart)
     compact_until: float = 0.0  # compact-facts curriculum: share of compact samples falls 1 -> 0 by this fraction
     bucket_batches: int = 8  # batches drawn at once and grouped by sample length (less padding, less T^2)
     threads: int = 1  # one thread: on a shared 2-core machine two OpenMP threads spin-wait and run slower
@@ -337,6 +338,9 @@ def train(
     rng = random.Random(cfg.seed)
     tokenizer = build_tokenizer()
     model = HookedDCFormer(cfg.model_config(len(tokenizer)), tokenizer=tokenizer)
+    if cfg.tied_init:
+        with torch.no_grad():
+            model.W_U.copy_(model.W_E.T)
     opt = make_optimizer(model, cfg)
     train_ids, held_ids = split_tasks(cfg.exclude_combos)
     if cfg.tasks:
@@ -524,6 +528,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rotary-pct", type=float, default=d.rotary_pct)
     p.add_argument("--samples-per-task", type=int, default=d.samples_per_task)
     p.add_argument("--answer-weight", type=float, default=d.answer_weight)
+    p.add_argument("--tied-init", action="store_true",
+                   help="initialise the unembedding as the embedding's transpose (the two are still trained apart)")
     p.add_argument("--compact-until", type=float, default=d.compact_until,
                    help="compact-facts curriculum: the share of samples written 'Ruth cat.' for 'Ruth has a cat.' "
                         "falls from 1 to 0 by this fraction of the steps (0: off)")
@@ -574,7 +580,7 @@ def main(argv=None) -> None:
             warmup_frac=args.warmup_frac, n_layers=args.n_layers, d_model=args.d_model, n_heads=args.n_heads,
             d_head=args.d_head, d_mlp=args.d_mlp, window_size=args.window_size, rotary_pct=args.rotary_pct,
             samples_per_task=args.samples_per_task, answer_weight=args.answer_weight,
-            compact_until=args.compact_until, exclude_combos=tuple(f"{a}:{b}" for a, b in parse_combos(args.exclude_combos)),
+            compact_until=args.compact_until, tied_init=args.tied_init, exclude_combos=tuple(f"{a}:{b}" for a, b in parse_combos(args.exclude_combos)),
             tasks=tuple(task_ids), eval_every=args.eval_every, threads=args.threads, max_minutes=args.max_minutes,
         )
         log_file = None

@@ -130,6 +130,14 @@ def test_trainer_loss_falls_and_is_deterministic():
         assert torch.equal(a, b), name
 
 
+def test_tied_init_starts_the_unembedding_at_the_embedding_transpose():
+    tiny = {**TINY, "lr": 1e-12}
+    tied, _ = train(TrainConfig(steps=1, tied_init=True, **tiny), progress=False, evaluate_after=False)
+    untied, _ = train(TrainConfig(steps=1, **tiny), progress=False, evaluate_after=False)
+    assert torch.allclose(tied.W_U, tied.W_E.T, atol=1e-6)
+    assert not torch.allclose(untied.W_U, untied.W_E.T, atol=1e-2)
+
+
 def test_trainer_mha_twin_has_the_same_size_but_no_dcmha():
     cfg = TrainConfig(arch="mha", steps=2, **TINY)
     model, recipe = train(cfg, progress=False, evaluate_after=False)
