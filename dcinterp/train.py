@@ -23,8 +23,9 @@ learned markedly slower, see docs/training.md). With row filling there is no pad
 `compact_until` turns on a curriculum: at step 0 every sample is written with compact facts ("Ruth cat." for
 "Ruth has a cat.", "cat Ruth." for "The cat is Ruth's.", same lines, queries and answers), and the share of such
 samples falls linearly to 0 at that fraction of the steps. With the person next to its item, a previous-token
-head suffices to bind them. On task10 alone, a 2-layer model with a 4-token local window stays at chance on the
-released format for 2,750 steps without it and is at 96% after 1,000 steps with it (docs/training.md).
+head suffices to bind them. On task10 alone, a 2-layer model with a 4-token local window and `tied_init` stays
+at chance on the released format for 2,750 steps without it and is at 96% after 1,000 steps with it
+(docs/training.md).
 
 `exclude_combos` ("same-person:superclass,matching-person:country") leaves the tasks with those (QK pattern,
 OV transformation) combinations out of the training corpus, for the held-out composition study (paper
