@@ -19,7 +19,7 @@ import re
 import string
 from pathlib import Path
 
-from .synth.catalog import data_dir
+from .synth import data_dir, read_jsonl
 
 SPECIAL_TOKENS = ("[UNK]", "[PAD]", "[BOS]", "[EOS]")
 # One token: a newline, a run of word characters, or one other non-space character.
@@ -119,8 +119,7 @@ def build_tokenizer(directory: Path | None = None, extra_texts=()):
 def released_texts(directory: Path | None = None) -> list[str]:
     """The `texts` of the released synthetic_dataset.jsonl (888 samples), bracketed as released."""
     directory = Path(directory) if directory is not None else data_dir()
-    path = directory / "synthetic_dataset.jsonl"
-    return [json.loads(line)["texts"] for line in path.read_text().splitlines() if line.strip()]
+    return [record["texts"] for record in read_jsonl(directory / "synthetic_dataset.jsonl")]
 
 
 def unknown_words(tokenizer, texts) -> dict[str, int]:

@@ -4,7 +4,7 @@
 
 writes `<out>/dcpythia-synth/` (DCMHA) and `<out>/pythia-synth/` (MHA twin): config.json, model.safetensors,
 the word-level tokenizer (dcinterp.tokenizer) and recipe.json (command, seed, steps, tokens seen, final loss,
-wall time, torch version and, when the evaluator is available, accuracies). From Python:
+wall time, torch version and the accuracies). From Python:
 
     from dcinterp.train import TrainConfig, train
     model, recipe = train(TrainConfig(arch="dcmha"), out_dir="runs/dcpythia-synth")
@@ -53,7 +53,9 @@ import torch
 
 from .config import DCFormerConfig
 from .model import HookedDCFormer
-from .synth.catalog import data_dir
+from .synth import data_dir, generate, load_catalog, read_jsonl, unbracket
+from .synth.evaluate import RELEASED_DATA, accuracy_by, evaluate
+from .synth.generate import parse_task_ids
 from .tokenizer import build_tokenizer
 
 ARCH_NAMES = {"dcmha": "dcpythia-synth", "mha": "pythia-synth"}
@@ -126,14 +128,6 @@ class TrainConfig:
 
 # --------------------------------------------------------------------------------------------------
 # Catalog, knowledge sentences, samples
-def load_tasks() -> list[dict]:
-    """The catalog's tasks as dicts with `id`, `qk_pattern`, `ov_transformation`."""
-    from .synth import load_catalog
-
-    return [{"id": t.id, "qk_pattern": t.qk_pattern, "ov_transformation": t.ov_transformation}
-            for t in load_catalog().tasks.values()]
-
-
 def parse_combos(spec) -> tuple[tuple[str, str], ...]:
     """"same-person:superclass,matching-person:country" -> (("same-person", "superclass"), ...)."""
     if not spec:
@@ -154,18 +148,16 @@ def parse_combos(spec) -> tuple[tuple[str, str], ...]:
 def split_tasks(exclude_combos) -> tuple[list[str], list[str]]:
     """(training task ids, held-out task ids) for a set of excluded (QK pattern, OV) combinations."""
     combos = set(parse_combos(exclude_combos))
-    tasks = load_tasks()
-    known = {(t["qk_pattern"], t["ov_transformation"]) for t in tasks}
+    tasks = list(load_catalog().tasks.values())
+    known = {(t.qk_pattern, t.ov_transformation) for t in tasks}
     unknown = combos - known
     if unknown:
         raise ValueError(f"unknown combos {sorted(unknown)}; known: {sorted(known)}")
-    train_ids = [t["id"] for t in tasks if (t["qk_pattern"], t["ov_transformation"]) not in combos]
-    held = [t["id"] for t in tasks if (t["qk_pattern"], t["ov_transformation"]) in combos]
-    kept = [t for t in tasks if t["id"] in set(train_ids)]
+    kept = [t for t in tasks if (t.qk_pattern, t.ov_transformation) not in combos]
     for qk, ov in combos:
-        if not any(t["qk_pattern"] == qk for t in kept) or not any(t["ov_transformation"] == ov for t in kept):
+        if not any(t.qk_pattern == qk for t in kept) or not any(t.ov_transformation == ov for t in kept):
             raise ValueError(f"excluding {qk}:{ov} removes the pattern or the transformation from training")
-    return train_ids, held
+    return [t.id for t in kept], [t.id for t in tasks if t not in kept]
 
 
 def knowledge_sentences() -> list[str]:
@@ -193,20 +185,12 @@ def knowledge_sentences() -> list[str]:
 
 def unbracket_spans(text: str) -> tuple[str, list[tuple[int, int]]]:
     """The sample as the model reads it (`[ answer ]` written as `answer`) and the answers' character spans."""
-    from .synth import unbracket  # type: ignore
-
     plain, spans = unbracket(text)
     return plain, [(a, b) for a, b, *_ in spans]
 
 
 def unbracket_text(text: str) -> str:
     return unbracket_spans(text)[0]
-
-
-def generate_samples(seed: int, samples_per_task: int, tasks=None, lines: int = 8, catalog=None) -> list[dict]:
-    from .synth import generate  # type: ignore
-
-    return generate(seed=seed, samples_per_task=samples_per_task, tasks=tasks, lines=lines, catalog=catalog)
 
 
 def compact_catalog(catalog):
@@ -236,16 +220,14 @@ def sample_stream(cfg: TrainConfig, task_ids: list[str] | None, rng: random.Rand
 
     Each sample is written with compact facts with probability `compact_share()` (the same lines, see
     `compact_catalog`), else in the released format."""
-    from .synth import load_catalog
-
     released, compact = load_catalog(), None
     k = 0
     while True:
         seed = TRAIN_SEED_BASE + 100_000 * cfg.seed + k
-        records = generate_samples(seed, cfg.samples_per_task, task_ids, cfg.lines)
+        records = generate(seed, cfg.samples_per_task, task_ids, lines=cfg.lines, catalog=released)
         if compact_share() > 0:
             compact = compact or compact_catalog(released)
-            short = generate_samples(seed, cfg.samples_per_task, task_ids, cfg.lines, catalog=compact)
+            short = generate(seed, cfg.samples_per_task, task_ids, lines=cfg.lines, catalog=compact)
             records = [s if rng.random() < compact_share() else r for r, s in zip(records, short)]
         texts = [unbracket_spans(r["texts"]) for r in records]
         rng.shuffle(texts)
@@ -351,7 +333,7 @@ def train(
     step_now = 0
     samples = iter(texts) if texts is not None else sample_stream(
         cfg, train_ids if cfg.exclude_combos or cfg.tasks else None, rng, lambda: compact_share_at(step_now, cfg))
-    probe = generate_samples(EVAL_SEED, PROBE_SAMPLES_PER_TASK, train_ids) if cfg.eval_every else None
+    probe = generate(EVAL_SEED, PROBE_SAMPLES_PER_TASK, train_ids) if cfg.eval_every else None
     batches = Batcher(tokenizer, samples, cfg, rng)
     log = open(log_file, "a") if log_file else None
 
@@ -433,10 +415,7 @@ def train(
     if log:
         log.close()
     if evaluate_after and texts is None:
-        try:
-            recipe["accuracy"] = accuracy_report(model, held_ids)
-        except ImportError as e:
-            recipe["accuracy"] = {"error": f"evaluator not available: {e}"}
+        recipe["accuracy"] = accuracy_report(model, held_ids)
     if out_dir is not None:
         save(model, recipe, out_dir)
     return model, recipe
@@ -449,16 +428,9 @@ def save(model: HookedDCFormer, recipe: dict, out_dir) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Evaluation (uses helper dcinterp.synth.evaluate)
-def released_records() -> list[dict]:
-    path = data_dir() / "synthetic_dataset.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
+# Evaluation (dcinterp.synth.evaluate)
 def probe_accuracy(model: HookedDCFormer, records: list[dict]) -> float:
     """Accuracy on `records` (the `eval_every` probe: seed EVAL_SEED, PROBE_SAMPLES_PER_TASK per training task)."""
-    from .synth.evaluate import evaluate  # type: ignore
-
     model.eval()
     with torch.no_grad():
         df = evaluate(model, records, batch_size=16, progress=False)
@@ -480,21 +452,19 @@ def _accuracy(df, task_ids=None) -> dict:
 
 def accuracy_report(model: HookedDCFormer, held_task_ids=(), batch_size: int = 16) -> dict:
     """Accuracy on the released file, a fresh held-out set (seed 0, 12 per task) and the small test set."""
-    from .synth.evaluate import evaluate  # type: ignore
-
     sets = {
-        "released": released_records(),
-        f"generated_seed{EVAL_SEED}": generate_samples(EVAL_SEED, 12),
-        "test_set": generate_samples(TEST_SET["seed"], TEST_SET["samples_per_task"]),
+        "released": read_jsonl(data_dir() / RELEASED_DATA),
+        f"generated_seed{EVAL_SEED}": generate(EVAL_SEED, 12),
+        "test_set": generate(TEST_SET["seed"], TEST_SET["samples_per_task"]),
     }
     report = {}
     for name, records in sets.items():
         with torch.no_grad():
             df = evaluate(model, records, batch_size=batch_size, progress=False)
         entry = _accuracy(df)
-        entry["per_task"] = {t: round(float(g["correct"].mean()), 3) for t, g in df.groupby("task", sort=False)}
-        for column in ("qk_pattern", "ov_transformation"):
-            entry[f"by_{column}"] = {k: round(float(g["correct"].mean()), 3) for k, g in df.groupby(column)}
+        for key, column in (("per_task", "task"), ("by_qk_pattern", "qk_pattern"),
+                            ("by_ov_transformation", "ov_transformation")):
+            entry[key] = {k: round(v, 3) for k, v in accuracy_by(df, column).items()}
         if held_task_ids:
             entry["held_out_combos"] = _accuracy(df, held_task_ids)
         else:  # the same tasks, for comparison with a model trained without them
@@ -557,9 +527,6 @@ def main(argv=None) -> None:
     command = "python -m dcinterp.train " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     arches = ("dcmha", "mha") if args.arch == "both" else (args.arch,)
     try:
-        from .synth import load_catalog
-        from .synth.generate import parse_task_ids
-
         task_ids = parse_task_ids(args.tasks, load_catalog()) if args.tasks else []
     except ValueError as e:
         print(f"python -m dcinterp.train: error: --tasks: {e}", file=sys.stderr)

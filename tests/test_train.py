@@ -16,7 +16,6 @@ from dcinterp.train import (
     TrainConfig,
     compact_catalog,
     compact_share_at,
-    generate_samples,
     knowledge_sentences,
     lr_at,
     sample_stream,
@@ -68,13 +67,13 @@ def test_schedule_follows_appendix_c():
 
 
 def test_compact_facts_rewrite_only_the_facts():
-    from dcinterp.synth import load_catalog
+    from dcinterp.synth import generate, load_catalog
 
     catalog = load_catalog()
     compact = compact_catalog(catalog)
     tasks = ["task0", "task1", "task17", "task41", "task49", "task57"]
-    released = generate_samples(7, 2, tasks)
-    short = generate_samples(7, 2, tasks, catalog=compact)
+    released = generate(7, 2, tasks)
+    short = generate(7, 2, tasks, catalog=compact)
     for r, s in zip(released, short):
         for line, compact_line in zip(r["texts"].strip().split("\n"), s["texts"].strip().split("\n")):
             if not line.startswith("<"):  # list lines have no persons: unchanged
