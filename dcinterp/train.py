@@ -47,13 +47,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, NoReturn
 
 import torch
 
 from .config import DCFormerConfig
 from .model import HookedDCFormer
 from .synth import data_dir, generate, load_catalog, read_jsonl, unbracket
+from .synth.catalog import OV_TRANSFORMATIONS, QK_PATTERNS
 from .synth.evaluate import RELEASED_DATA, accuracy_by, evaluate
 from .synth.generate import parse_task_ids
 from .tokenizer import build_tokenizer
@@ -150,9 +151,10 @@ def split_tasks(exclude_combos) -> tuple[list[str], list[str]]:
     combos = set(parse_combos(exclude_combos))
     tasks = list(load_catalog().tasks.values())
     known = {(t.qk_pattern, t.ov_transformation) for t in tasks}
-    unknown = combos - known
-    if unknown:
-        raise ValueError(f"unknown combos {sorted(unknown)}; known: {sorted(known)}")
+    if combos - known:
+        qk, ov = min(combos - known)
+        raise ValueError(f"no task combines {qk}:{ov} (QK patterns: {', '.join(QK_PATTERNS)}; "
+                         f"OV transformations: {', '.join(OV_TRANSFORMATIONS)})")
     kept = [t for t in tasks if (t.qk_pattern, t.ov_transformation) not in combos]
     for qk, ov in combos:
         if not any(t.qk_pattern == qk for t in kept) or not any(t.ov_transformation == ov for t in kept):
@@ -522,6 +524,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def usage_error(message: str) -> NoReturn:
+    print(f"python -m dcinterp.train: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     command = "python -m dcinterp.train " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
@@ -529,8 +536,11 @@ def main(argv=None) -> None:
     try:
         task_ids = parse_task_ids(args.tasks, load_catalog()) if args.tasks else []
     except ValueError as e:
-        print(f"python -m dcinterp.train: error: --tasks: {e}", file=sys.stderr)
-        sys.exit(2)
+        usage_error(f"--tasks: {e}")
+    try:
+        split_tasks(args.exclude_combos)
+    except ValueError as e:
+        usage_error(f"--exclude-combos: {e}")
     for arch in arches:
         name = ARCH_NAMES[arch] + args.name_suffix
         out_dir = Path(args.out) / name

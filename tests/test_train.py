@@ -187,3 +187,15 @@ def test_train_cli_rejects_an_unknown_task(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert "task99" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("combos", ["same-person:nothing", "same-person", "odd-one-out:prev"])
+def test_train_cli_rejects_bad_excluded_combos(capsys, tmp_path, combos):
+    from dcinterp.train import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--exclude-combos", combos, "--steps", "1", "--out", str(tmp_path / "runs")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("python -m dcinterp.train: error: --exclude-combos:") and len(err.splitlines()) == 1
+    assert not (tmp_path / "runs").exists()
