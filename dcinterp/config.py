@@ -16,7 +16,8 @@ import torch
 COMPOSE_STAGES = ("pre", "post")
 COMPOSE_BRANCHES = ("qp", "kp", "qg", "kg")
 
-# Which layers are local (sliding window) in each of the released layouts; the pattern repeats.
+# Which layers are local (sliding window) in each of the released layouts; the pattern repeats. A window_type
+# may also be any other pattern of L (local) and G (global) layers, e.g. "LGG".
 WINDOW_PATTERNS = {
     "LG": "LG",
     "LGLL": "LGLL",
@@ -48,7 +49,7 @@ class DCFormerConfig:
     rotary_base: float = 10000.0
     use_qk_norm: bool = True  # RMSNorm with scale over the head dim on q and k, before rotary
     window_size: int | None = None
-    window_type: str | None = None  # "LG", "LGLL", "LGL6" (local/global layer patterns) or None: all global
+    window_type: str | None = None  # "LG", "LGLL", "LGL6", another L/G pattern ("LGG"), or None: all global
 
     # DCMHA. use_dcmha=False gives plain MHA (Pythia / Transformer++ baselines).
     use_dcmha: bool = True
@@ -75,8 +76,9 @@ class DCFormerConfig:
             raise ValueError(f"normalization_type must be 'LN' or 'RMS', not {self.normalization_type!r}")
         if self.act_fn not in ("gelu", "swiglu"):
             raise ValueError(f"act_fn must be 'gelu' or 'swiglu', not {self.act_fn!r}")
-        if self.window_type is not None and self.window_type not in WINDOW_PATTERNS:
-            raise ValueError(f"window_type must be one of {sorted(WINDOW_PATTERNS)} or None, not {self.window_type!r}")
+        if self.window_type is not None and not set(self.window_pattern) <= {"L", "G"}:
+            raise ValueError(f"window_type must be one of {sorted(WINDOW_PATTERNS)}, a pattern of L (local) and G "
+                             f"(global) layers, or None, not {self.window_type!r}")
         if self.window_type is not None and not self.window_size:
             raise ValueError(f"window_type {self.window_type!r} needs a window_size")
         for stage in self.compose_stages:
@@ -107,11 +109,14 @@ class DCFormerConfig:
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
+    @property
+    def window_pattern(self) -> str:
+        """Local (L) and global (G) layers, repeated over the depth; "G" when there are no local layers."""
+        return WINDOW_PATTERNS.get(self.window_type, self.window_type or "G")
+
     def layer_window(self, layer: int) -> int | None:
         """The sliding-window size of a layer, or None for a global layer."""
-        if self.window_type is None:
-            return None
-        pattern = WINDOW_PATTERNS[self.window_type]
+        pattern = self.window_pattern
         return self.window_size if pattern[layer % len(pattern)] == "L" else None
 
     def to_dict(self) -> dict:

@@ -498,6 +498,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--d-head", type=int, default=d.d_head)
     p.add_argument("--d-mlp", type=int, default=d.d_mlp)
     p.add_argument("--window-size", type=int, default=d.window_size)
+    p.add_argument("--window-type", default=d.window_type,
+                   help="local (L) / global (G) layer pattern, repeated over the depth: LG, LGG, G (all global); "
+                        "default %(default)s")
     p.add_argument("--rotary-pct", type=float, default=d.rotary_pct)
     p.add_argument("--samples-per-task", type=int, default=d.samples_per_task)
     p.add_argument("--answer-weight", type=float, default=d.answer_weight)
@@ -524,6 +527,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def config_from_args(args: argparse.Namespace, arch: str, task_ids: list[str]) -> TrainConfig:
+    return TrainConfig(
+        arch=arch, steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
+        warmup_frac=args.warmup_frac, n_layers=args.n_layers, d_model=args.d_model, n_heads=args.n_heads,
+        d_head=args.d_head, d_mlp=args.d_mlp, window_size=args.window_size, window_type=args.window_type,
+        rotary_pct=args.rotary_pct, samples_per_task=args.samples_per_task, answer_weight=args.answer_weight,
+        compact_until=args.compact_until, tied_init=args.tied_init,
+        exclude_combos=tuple(f"{a}:{b}" for a, b in parse_combos(args.exclude_combos)), tasks=tuple(task_ids),
+        eval_every=args.eval_every, threads=args.threads, max_minutes=args.max_minutes,
+    )
+
+
 def usage_error(message: str) -> NoReturn:
     print(f"python -m dcinterp.train: error: {message}", file=sys.stderr)
     sys.exit(2)
@@ -541,6 +556,12 @@ def main(argv=None) -> None:
         split_tasks(args.exclude_combos)
     except ValueError as e:
         usage_error(f"--exclude-combos: {e}")
+    configs = {arch: config_from_args(args, arch, task_ids) for arch in arches}
+    try:
+        for cfg in configs.values():
+            cfg.model_config(d_vocab=1)  # DCFormerConfig checks the size and the window pattern
+    except ValueError as e:
+        usage_error(str(e))
     for arch in arches:
         name = ARCH_NAMES[arch] + args.name_suffix
         out_dir = Path(args.out) / name
@@ -553,19 +574,11 @@ def main(argv=None) -> None:
             (out_dir / "recipe.json").write_text(json.dumps(recipe, indent=2) + "\n")
             print(json.dumps({name: summarize(recipe)}, indent=2))
             continue
-        cfg = TrainConfig(
-            arch=arch, steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
-            warmup_frac=args.warmup_frac, n_layers=args.n_layers, d_model=args.d_model, n_heads=args.n_heads,
-            d_head=args.d_head, d_mlp=args.d_mlp, window_size=args.window_size, rotary_pct=args.rotary_pct,
-            samples_per_task=args.samples_per_task, answer_weight=args.answer_weight,
-            compact_until=args.compact_until, tied_init=args.tied_init, exclude_combos=tuple(f"{a}:{b}" for a, b in parse_combos(args.exclude_combos)),
-            tasks=tuple(task_ids), eval_every=args.eval_every, threads=args.threads, max_minutes=args.max_minutes,
-        )
         log_file = None
         if args.log_dir:
             Path(args.log_dir).mkdir(parents=True, exist_ok=True)
             log_file = Path(args.log_dir) / f"{name}.jsonl"
-        _, recipe = train(cfg, out_dir=out_dir, progress=not args.no_progress, log_file=log_file,
+        _, recipe = train(configs[arch], out_dir=out_dir, progress=not args.no_progress, log_file=log_file,
                           command=command, evaluate_after=not args.no_eval)
         recipe["name"] = name
         (out_dir / "recipe.json").write_text(json.dumps(recipe, indent=2) + "\n")

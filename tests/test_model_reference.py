@@ -31,6 +31,17 @@ def test_fixture_configs_are_read_as_documented():
     assert [dcformer.layer_window(l) for l in range(4)] == [8, None, 8, 8]
 
 
+
+def test_window_type_is_a_released_layout_or_any_local_global_pattern():
+    from dcinterp.config import DCFormerConfig
+
+    size = dict(n_layers=5, d_model=8, n_heads=2, d_head=4, d_mlp=16, d_vocab=10, n_ctx=32, window_size=4)
+    assert [DCFormerConfig(**size, window_type="LGLL").layer_window(l) for l in range(5)] == [4, None, 4, 4, 4]
+    assert [DCFormerConfig(**size, window_type="LGG").layer_window(l) for l in range(5)] == [4, None, None, 4, None]
+    assert [DCFormerConfig(**size).layer_window(l) for l in range(5)] == [None] * 5
+    with pytest.raises(ValueError, match="'LXG'"):
+        DCFormerConfig(**size, window_type="LXG")
+
 # Random weights amplify rounding from layer to layer, so the bound is on the mean relative error.
 @pytest.mark.parametrize("dtype, tol", [(torch.float16, 0.02), (torch.bfloat16, 0.10)])
 @pytest.mark.parametrize("name", ["dcpythia-tiny", "dcformer-tiny"])

@@ -199,3 +199,15 @@ def test_train_cli_rejects_bad_excluded_combos(capsys, tmp_path, combos):
     err = capsys.readouterr().err.strip()
     assert err.startswith("python -m dcinterp.train: error: --exclude-combos:") and len(err.splitlines()) == 1
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("args, named", [(["--window-type", "LXG"], "'LXG'"), (["--window-size", "0"], "window_size")])
+def test_train_cli_rejects_a_bad_model_shape_before_writing(capsys, tmp_path, args, named):
+    from dcinterp.train import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--steps", "1", "--out", str(tmp_path / "runs")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("python -m dcinterp.train: error:") and named in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "runs").exists()
