@@ -113,7 +113,8 @@ def test_excluded_combos_keep_every_pattern_and_transformation():
 
 
 TINY = dict(n_layers=2, d_model=32, n_heads=2, d_head=16, d_mlp=64, batch_size=4, lr=3e-3, threads=1,
-            samples_per_task=1, log_every=5, window_size=32)
+            samples_per_task=1, log_every=5, window_size=32, window_type="LG", rotary_pct=0.25, tied_init=False,
+            compact_until=0.0)
 
 
 def test_trainer_loss_falls_and_is_deterministic():
@@ -131,17 +132,20 @@ def test_trainer_loss_falls_and_is_deterministic():
 
 def test_tied_init_starts_the_unembedding_at_the_embedding_transpose():
     tiny = {**TINY, "lr": 1e-12}
-    tied, _ = train(TrainConfig(steps=1, tied_init=True, **tiny), progress=False, evaluate_after=False)
+    tied, _ = train(TrainConfig(steps=1, **{**tiny, "tied_init": True}), progress=False, evaluate_after=False)
     untied, _ = train(TrainConfig(steps=1, **tiny), progress=False, evaluate_after=False)
     assert torch.allclose(tied.W_U, tied.W_E.T, atol=1e-6)
     assert not torch.allclose(untied.W_U, untied.W_E.T, atol=1e-2)
 
 
 def test_trainer_mha_twin_has_the_same_size_but_no_dcmha():
-    cfg = TrainConfig(arch="mha", steps=2, **TINY)
-    model, recipe = train(cfg, progress=False, evaluate_after=False)
-    assert model.cfg.use_dcmha is False and model.cfg.use_qk_norm and model.cfg.parallel_residual
-    assert model.cfg.window_type == "LG" and model.cfg.rotary_pct == 0.25
+    configs = {arch: TrainConfig(arch=arch, **TINY).model_config(d_vocab=100).to_dict() for arch in ("dcmha", "mha")}
+    assert configs["dcmha"]["use_dcmha"] is True and configs["mha"]["use_dcmha"] is False
+    same = lambda cfg: {k: v for k, v in cfg.items() if k not in ("use_dcmha", "model_name")}
+    assert same(configs["dcmha"]) == same(configs["mha"])
+    assert configs["mha"]["use_qk_norm"] and configs["mha"]["parallel_residual"]
+    model, _ = train(TrainConfig(arch="mha", steps=2, **TINY), progress=False, evaluate_after=False)
+    assert model.cfg.use_dcmha is False and not hasattr(model.blocks[0].attn, "W_dyn_in")
 
 
 @pytest.mark.parametrize("name", SHIPPED)
