@@ -31,7 +31,6 @@ def test_fixture_configs_are_read_as_documented():
     assert [dcformer.layer_window(l) for l in range(4)] == [8, None, 8, 8]
 
 
-
 def test_window_type_is_a_released_layout_or_any_local_global_pattern():
     from dcinterp.config import DCFormerConfig
 
@@ -41,6 +40,7 @@ def test_window_type_is_a_released_layout_or_any_local_global_pattern():
     assert [DCFormerConfig(**size).layer_window(l) for l in range(5)] == [None] * 5
     with pytest.raises(ValueError, match="'LXG'"):
         DCFormerConfig(**size, window_type="LXG")
+
 
 # Random weights amplify rounding from layer to layer, so the bound is on the mean relative error.
 @pytest.mark.parametrize("dtype, tol", [(torch.float16, 0.02), (torch.bfloat16, 0.10)])
