@@ -27,6 +27,9 @@ head suffices to bind them. On task10 alone, a 2-layer model with a 4-token loca
 at chance on the released format for 2,750 steps without it and is at 96% after 1,000 steps with it
 (docs/training.md).
 
+`focus_tasks` with `focus_until` is a curriculum over tasks: the first `focus_until` of the steps draw samples
+of the focus tasks only, the rest of all the training tasks.
+
 `exclude_combos` ("same-person:superclass,matching-person:country") leaves the tasks with those (QK pattern,
 OV transformation) combinations out of the training corpus, for the held-out composition study (paper
 Sec. 4.3); every pattern and transformation must still occur in another task.
@@ -103,6 +106,8 @@ class TrainConfig:
     answer_weight: float = 20.0  # extra loss weight of the answer tokens (lines 3-8); 0 = plain LM loss
     tied_init: bool = False  # initialise the unembedding as the embedding's transpose (then trained apart)
     compact_until: float = 0.0  # compact-facts curriculum: share of compact samples falls 1 -> 0 by this fraction
+    focus_tasks: tuple[str, ...] = ()  # task curriculum: train on these tasks only ...
+    focus_until: float = 0.0  # ... for this fraction of the steps, then on all the training tasks
     bucket_batches: int = 8  # batches drawn at once and grouped by sample length (less padding, less T^2)
     threads: int = 1  # one thread: on a shared 2-core machine two OpenMP threads spin-wait and run slower
     max_minutes: float | None = None  # stop early (and say so in the recipe) when the wall time runs out
@@ -217,19 +222,21 @@ def compact_share_at(step: int, cfg: TrainConfig) -> float:
 
 
 def sample_stream(cfg: TrainConfig, task_ids: list[str] | None, rng: random.Random,
-                  compact_share: Callable[[], float] = lambda: 0.0) -> Iterator[tuple]:
+                  compact_share: Callable[[], float] = lambda: 0.0,
+                  focus: Callable[[], bool] = lambda: False) -> Iterator[tuple]:
     """(unbracketed sample, answer spans) forever: generator seeds 1000 + 100000 * seed + k, chunks shuffled.
 
     Each sample is written with compact facts with probability `compact_share()` (the same lines, see
-    `compact_catalog`), else in the released format."""
+    `compact_catalog`), else in the released format. While `focus()`, the samples are of `cfg.focus_tasks` only."""
     released, compact = load_catalog(), None
     k = 0
     while True:
         seed = TRAIN_SEED_BASE + 100_000 * cfg.seed + k
-        records = generate(seed, cfg.samples_per_task, task_ids, lines=cfg.lines, catalog=released)
+        ids = list(cfg.focus_tasks) if focus() else task_ids
+        records = generate(seed, cfg.samples_per_task, ids, lines=cfg.lines, catalog=released)
         if compact_share() > 0:
             compact = compact or compact_catalog(released)
-            short = generate(seed, cfg.samples_per_task, task_ids, lines=cfg.lines, catalog=compact)
+            short = generate(seed, cfg.samples_per_task, ids, lines=cfg.lines, catalog=compact)
             records = [s if rng.random() < compact_share() else r for r, s in zip(records, short)]
         texts = [unbracket_spans(r["texts"]) for r in records]
         rng.shuffle(texts)
@@ -332,9 +339,12 @@ def train(
         train_ids = [t for t in train_ids if t in set(cfg.tasks)]
         if not train_ids:
             raise ValueError(f"tasks {list(cfg.tasks)} are all excluded by {list(cfg.exclude_combos)}")
+    if set(cfg.focus_tasks) - set(train_ids):
+        raise ValueError(f"focus tasks {sorted(set(cfg.focus_tasks) - set(train_ids))} are not training tasks")
     step_now = 0
     samples = iter(texts) if texts is not None else sample_stream(
-        cfg, train_ids if cfg.exclude_combos or cfg.tasks else None, rng, lambda: compact_share_at(step_now, cfg))
+        cfg, train_ids if cfg.exclude_combos or cfg.tasks else None, rng, lambda: compact_share_at(step_now, cfg),
+        lambda: step_now < cfg.focus_until * cfg.steps)
     probe = generate(EVAL_SEED, PROBE_SAMPLES_PER_TASK, train_ids) if cfg.eval_every else None
     batches = Batcher(tokenizer, samples, cfg, rng)
     log = open(log_file, "a") if log_file else None
@@ -509,6 +519,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compact-until", type=float, default=d.compact_until,
                    help="compact-facts curriculum: the share of samples written 'Ruth cat.' for 'Ruth has a cat.' "
                         "falls from 1 to 0 by this fraction of the steps (0: off)")
+    p.add_argument("--focus-tasks", default="",
+                   help="task curriculum: train on these tasks only ('10,11') for --focus-until of the steps")
+    p.add_argument("--focus-until", type=float, default=d.focus_until)
     p.add_argument("--exclude-combos", default="",
                    help="comma-separated qk_pattern:ov_transformation combinations left out of training "
                         f"(e.g. {','.join(DEFAULT_EXCLUDED_COMBOS)})")
@@ -527,13 +540,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def config_from_args(args: argparse.Namespace, arch: str, task_ids: list[str]) -> TrainConfig:
+def config_from_args(args: argparse.Namespace, arch: str, task_ids: list[str], focus_ids: list[str]) -> TrainConfig:
     return TrainConfig(
         arch=arch, steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
         warmup_frac=args.warmup_frac, n_layers=args.n_layers, d_model=args.d_model, n_heads=args.n_heads,
         d_head=args.d_head, d_mlp=args.d_mlp, window_size=args.window_size, window_type=args.window_type,
         rotary_pct=args.rotary_pct, samples_per_task=args.samples_per_task, answer_weight=args.answer_weight,
-        compact_until=args.compact_until, tied_init=args.tied_init,
+        compact_until=args.compact_until, tied_init=args.tied_init, focus_tasks=tuple(focus_ids),
+        focus_until=args.focus_until,
         exclude_combos=tuple(f"{a}:{b}" for a, b in parse_combos(args.exclude_combos)), tasks=tuple(task_ids),
         eval_every=args.eval_every, threads=args.threads, max_minutes=args.max_minutes,
     )
@@ -553,10 +567,17 @@ def main(argv=None) -> None:
     except ValueError as e:
         usage_error(f"--tasks: {e}")
     try:
-        split_tasks(args.exclude_combos)
+        train_ids, _ = split_tasks(args.exclude_combos)
     except ValueError as e:
         usage_error(f"--exclude-combos: {e}")
-    configs = {arch: config_from_args(args, arch, task_ids) for arch in arches}
+    try:
+        focus_ids = parse_task_ids(args.focus_tasks, load_catalog()) if args.focus_tasks else []
+    except ValueError as e:
+        usage_error(f"--focus-tasks: {e}")
+    outside = [t for t in focus_ids if t not in train_ids or (task_ids and t not in task_ids)]
+    if outside:
+        usage_error(f"--focus-tasks: {', '.join(outside)} not among the training tasks")
+    configs = {arch: config_from_args(args, arch, task_ids, focus_ids) for arch in arches}
     try:
         for cfg in configs.values():
             cfg.model_config(d_vocab=1)  # DCFormerConfig checks the size and the window pattern

@@ -104,6 +104,15 @@ def test_compact_share_falls_to_zero_and_the_stream_follows_it():
         assert all((" has " in fact) == (share == 0.0) for fact in first_facts), first_facts
 
 
+def test_focus_tasks_alone_while_focused_then_all_tasks():
+    cfg = TrainConfig(samples_per_task=1, focus_tasks=("task56",))
+    for focused in (True, False):
+        stream = sample_stream(cfg, ["task10", "task56"], random.Random(0), focus=lambda: focused)
+        shapes = {"list" if text.lstrip().startswith("There are") else "context" for text, _ in
+                  (next(stream) for _ in range(8))}
+        assert shapes == ({"list"} if focused else {"list", "context"})
+
+
 def test_excluded_combos_keep_every_pattern_and_transformation():
     train_ids, held = split_tasks(",".join(DEFAULT_EXCLUDED_COMBOS))
     assert len(train_ids) + len(held) == 74 and len(held) == 8
@@ -205,8 +214,13 @@ def test_train_cli_rejects_bad_excluded_combos(capsys, tmp_path, combos):
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("args, named", [(["--window-type", "LXG"], "'LXG'"), (["--window-size", "0"], "window_size")])
-def test_train_cli_rejects_a_bad_model_shape_before_writing(capsys, tmp_path, args, named):
+@pytest.mark.parametrize("args, named", [
+    (["--window-type", "LXG"], "'LXG'"),
+    (["--window-size", "0"], "window_size"),
+    (["--focus-tasks", "2,3", "--exclude-combos", "same-person:superclass"], "task2, task3"),
+    (["--focus-tasks", "10", "--tasks", "11"], "task10"),
+])
+def test_train_cli_rejects_bad_settings_before_writing(capsys, tmp_path, args, named):
     from dcinterp.train import main
 
     with pytest.raises(SystemExit) as exit_info:
