@@ -167,6 +167,20 @@ def split_tasks(exclude_combos) -> tuple[list[str], list[str]]:
     return [t.id for t in kept], [t.id for t in tasks if t not in kept]
 
 
+def training_tasks(cfg: TrainConfig) -> tuple[list[str], list[str]]:
+    """(training task ids, held-out task ids): all 74 less `exclude_combos`, then only `tasks` if given; the
+    focus tasks must be among the training tasks."""
+    train_ids, held_ids = split_tasks(cfg.exclude_combos)
+    if cfg.tasks:
+        train_ids = [t for t in train_ids if t in set(cfg.tasks)]
+        if not train_ids:
+            raise ValueError(f"tasks {list(cfg.tasks)} are all excluded by {list(cfg.exclude_combos)}")
+    outside = [t for t in cfg.focus_tasks if t not in train_ids]
+    if outside:
+        raise ValueError(f"--focus-tasks: {', '.join(outside)} not among the training tasks")
+    return train_ids, held_ids
+
+
 def knowledge_sentences() -> list[str]:
     """Plain sentences stating the relations the tasks use (superclass, capability, country, opposite, order)."""
     lex = json.loads((data_dir() / "lexicon.json").read_text())
@@ -334,13 +348,7 @@ def train(
         with torch.no_grad():
             model.W_U.copy_(model.W_E.T)
     opt = make_optimizer(model, cfg)
-    train_ids, held_ids = split_tasks(cfg.exclude_combos)
-    if cfg.tasks:
-        train_ids = [t for t in train_ids if t in set(cfg.tasks)]
-        if not train_ids:
-            raise ValueError(f"tasks {list(cfg.tasks)} are all excluded by {list(cfg.exclude_combos)}")
-    if set(cfg.focus_tasks) - set(train_ids):
-        raise ValueError(f"focus tasks {sorted(set(cfg.focus_tasks) - set(train_ids))} are not training tasks")
+    train_ids, held_ids = training_tasks(cfg)
     step_now = 0
     samples = iter(texts) if texts is not None else sample_stream(
         cfg, train_ids if cfg.exclude_combos or cfg.tasks else None, rng, lambda: compact_share_at(step_now, cfg),
@@ -562,25 +570,24 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     command = "python -m dcinterp.train " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     arches = ("dcmha", "mha") if args.arch == "both" else (args.arch,)
+    catalog = load_catalog()
     try:
-        task_ids = parse_task_ids(args.tasks, load_catalog()) if args.tasks else []
+        task_ids = parse_task_ids(args.tasks, catalog) if args.tasks else []
     except ValueError as e:
         usage_error(f"--tasks: {e}")
     try:
-        train_ids, _ = split_tasks(args.exclude_combos)
+        split_tasks(args.exclude_combos)
     except ValueError as e:
         usage_error(f"--exclude-combos: {e}")
     try:
-        focus_ids = parse_task_ids(args.focus_tasks, load_catalog()) if args.focus_tasks else []
+        focus_ids = parse_task_ids(args.focus_tasks, catalog) if args.focus_tasks else []
     except ValueError as e:
         usage_error(f"--focus-tasks: {e}")
-    outside = [t for t in focus_ids if t not in train_ids or (task_ids and t not in task_ids)]
-    if outside:
-        usage_error(f"--focus-tasks: {', '.join(outside)} not among the training tasks")
     configs = {arch: config_from_args(args, arch, task_ids, focus_ids) for arch in arches}
     try:
         for cfg in configs.values():
             cfg.model_config(d_vocab=1)  # DCFormerConfig checks the size and the window pattern
+            training_tasks(cfg)
     except ValueError as e:
         usage_error(str(e))
     for arch in arches:
