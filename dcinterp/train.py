@@ -1,7 +1,8 @@
 """Train small DCPythia-architecture models (DCMHA, and a plain-MHA twin) on the synthetic-task catalog.
 
-    python -m dcinterp.train --arch both --out dcinterp/checkpoints --steps 4000 --batch-size 8 --lr 3e-3 --seed 0
+    python -m dcinterp.train --arch both --out dcinterp/checkpoints --eval-every 1000
 
+(the defaults are the shipped recipe: 3 layers, local-global-global, 10,000 steps of batch 16, both curricula)
 writes `<out>/dcpythia-synth/` (DCMHA) and `<out>/pythia-synth/` (MHA twin): config.json, model.safetensors,
 the word-level tokenizer (dcinterp.tokenizer) and recipe.json (command, seed, steps, tokens seen, final loss,
 wall time, torch version and the accuracies). From Python:
@@ -78,25 +79,26 @@ DEFAULT_EXCLUDED_COMBOS = (
 @dataclass
 class TrainConfig:
     arch: str = "dcmha"  # "dcmha" or "mha"
-    steps: int = 4000
+    steps: int = 10000
     seed: int = 0
-    batch_size: int = 8
+    batch_size: int = 16
     lr: float = 3e-3
     warmup_frac: float = 0.01  # App. C: 1% warmup
     min_lr_frac: float = 0.1  # App. C: cosine decay to 10% of the peak
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
-    # model size (DCPythia layout: LN, parallel residual, GELU MLP, QK-norm, rotary 1/4, local/global layers)
-    n_layers: int = 4
-    d_model: int = 128
+    # model size (DCPythia layout: LN, parallel residual, GELU MLP, QK-norm, local/global layers); the
+    # defaults are the shipped recipe: a 4-token local layer, then two global ones (docs/training.md)
+    n_layers: int = 3
+    d_model: int = 64
     n_heads: int = 4
-    d_head: int = 32
-    d_mlp: int = 512
+    d_head: int = 16
+    d_mlp: int = 256
     n_ctx: int = 512
-    window_size: int = 64
-    window_type: str | None = "LG"
-    rotary_pct: float = 0.25
+    window_size: int = 4
+    window_type: str | None = "LGG"
+    rotary_pct: float = 1.0
     # data
     samples_per_task: int = 4  # per generator call (one call = one generation seed)
     lines: int = 8
@@ -104,10 +106,10 @@ class TrainConfig:
     tasks: tuple[str, ...] = ()  # train on these task ids only (default: all 74, less exclude_combos)
     pad_multiple: int = 16
     answer_weight: float = 20.0  # extra loss weight of the answer tokens (lines 3-8); 0 = plain LM loss
-    tied_init: bool = False  # initialise the unembedding as the embedding's transpose (then trained apart)
-    compact_until: float = 0.0  # compact-facts curriculum: share of compact samples falls 1 -> 0 by this fraction
-    focus_tasks: tuple[str, ...] = ()  # task curriculum: train on these tasks only ...
-    focus_until: float = 0.0  # ... for this fraction of the steps, then on all the training tasks
+    tied_init: bool = True  # initialise the unembedding as the embedding's transpose (then trained apart)
+    compact_until: float = 0.5  # compact-facts curriculum: share of compact samples falls 1 -> 0 by this fraction
+    focus_tasks: tuple[str, ...] = ("task10", "task11")  # task curriculum: train on these tasks only ...
+    focus_until: float = 0.25  # ... for this fraction of the steps, then on all the training tasks
     bucket_batches: int = 8  # batches drawn at once and grouped by sample length (less padding, less T^2)
     threads: int = 1  # one thread: on a shared 2-core machine two OpenMP threads spin-wait and run slower
     max_minutes: float | None = None  # stop early (and say so in the recipe) when the wall time runs out
@@ -177,7 +179,7 @@ def training_tasks(cfg: TrainConfig) -> tuple[list[str], list[str]]:
             raise ValueError(f"tasks {list(cfg.tasks)} are all excluded by {list(cfg.exclude_combos)}")
     outside = [t for t in cfg.focus_tasks if t not in train_ids]
     if outside:
-        raise ValueError(f"--focus-tasks: {', '.join(outside)} not among the training tasks")
+        raise ValueError(f"focus tasks (--focus-tasks) {', '.join(outside)} not among the training tasks")
     return train_ids, held_ids
 
 
@@ -241,12 +243,13 @@ def sample_stream(cfg: TrainConfig, task_ids: list[str] | None, rng: random.Rand
     """(unbracketed sample, answer spans) forever: generator seeds 1000 + 100000 * seed + k, chunks shuffled.
 
     Each sample is written with compact facts with probability `compact_share()` (the same lines, see
-    `compact_catalog`), else in the released format. While `focus()`, the samples are of `cfg.focus_tasks` only."""
+    `compact_catalog`), else in the released format. While `focus()`, the samples are of `cfg.focus_tasks` only
+    (if there are any)."""
     released, compact = load_catalog(), None
     k = 0
     while True:
         seed = TRAIN_SEED_BASE + 100_000 * cfg.seed + k
-        ids = list(cfg.focus_tasks) if focus() else task_ids
+        ids = list(cfg.focus_tasks) if cfg.focus_tasks and focus() else task_ids
         records = generate(seed, cfg.samples_per_task, ids, lines=cfg.lines, catalog=released)
         if compact_share() > 0:
             compact = compact or compact_catalog(released)
@@ -522,13 +525,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rotary-pct", type=float, default=d.rotary_pct)
     p.add_argument("--samples-per-task", type=int, default=d.samples_per_task)
     p.add_argument("--answer-weight", type=float, default=d.answer_weight)
-    p.add_argument("--tied-init", action="store_true",
+    p.add_argument("--tied-init", action=argparse.BooleanOptionalAction, default=d.tied_init,
                    help="initialise the unembedding as the embedding's transpose (the two are still trained apart)")
     p.add_argument("--compact-until", type=float, default=d.compact_until,
                    help="compact-facts curriculum: the share of samples written 'Ruth cat.' for 'Ruth has a cat.' "
                         "falls from 1 to 0 by this fraction of the steps (0: off)")
-    p.add_argument("--focus-tasks", default="",
-                   help="task curriculum: train on these tasks only ('10,11') for --focus-until of the steps")
+    p.add_argument("--focus-tasks", default=None,
+                   help="task curriculum: train on these tasks only for --focus-until of the steps; '' for none "
+                        f"(default: {','.join(t.removeprefix('task') for t in d.focus_tasks)}, none with --tasks)")
     p.add_argument("--focus-until", type=float, default=d.focus_until)
     p.add_argument("--exclude-combos", default="",
                    help="comma-separated qk_pattern:ov_transformation combinations left out of training "
@@ -579,8 +583,11 @@ def main(argv=None) -> None:
         split_tasks(args.exclude_combos)
     except ValueError as e:
         usage_error(f"--exclude-combos: {e}")
+    focus_spec = args.focus_tasks
+    if focus_spec is None:  # the recipe's curriculum is for the whole catalog, not for a --tasks subset
+        focus_spec = "" if args.tasks else ",".join(TrainConfig().focus_tasks)
     try:
-        focus_ids = parse_task_ids(args.focus_tasks, catalog) if args.focus_tasks else []
+        focus_ids = parse_task_ids(focus_spec, catalog) if focus_spec else []
     except ValueError as e:
         usage_error(f"--focus-tasks: {e}")
     configs = {arch: config_from_args(args, arch, task_ids, focus_ids) for arch in arches}

@@ -1,6 +1,7 @@
 """dcinterp.train and dcinterp.tokenizer: the tokenizer covers the lexicon, the trainer learns, the shipped
 models load by name and reproduce the accuracy recorded in their recipe.json."""
 
+import dataclasses
 import json
 import random
 
@@ -111,6 +112,9 @@ def test_focus_tasks_alone_while_focused_then_all_tasks():
         shapes = {"list" if text.lstrip().startswith("There are") else "context" for text, _ in
                   (next(stream) for _ in range(8))}
         assert shapes == ({"list"} if focused else {"list", "context"})
+    no_focus = sample_stream(dataclasses.replace(cfg, focus_tasks=()), ["task10", "task56"], random.Random(0),
+                             focus=lambda: True)
+    assert {next(no_focus)[0].lstrip().startswith("There are") for _ in range(8)} == {True, False}
 
 
 def test_excluded_combos_keep_every_pattern_and_transformation():
@@ -123,7 +127,7 @@ def test_excluded_combos_keep_every_pattern_and_transformation():
 
 TINY = dict(n_layers=2, d_model=32, n_heads=2, d_head=16, d_mlp=64, batch_size=4, lr=3e-3, threads=1,
             samples_per_task=1, log_every=5, window_size=32, window_type="LG", rotary_pct=0.25, tied_init=False,
-            compact_until=0.0)
+            compact_until=0.0, focus_tasks=())
 
 
 def test_trainer_loss_falls_and_is_deterministic():
@@ -229,3 +233,17 @@ def test_train_cli_rejects_bad_settings_before_writing(capsys, tmp_path, args, n
     err = capsys.readouterr().err.strip()
     assert err.startswith("python -m dcinterp.train: error:") and named in err and len(err.splitlines()) == 1
     assert not (tmp_path / "runs").exists()
+
+
+def test_train_cli_defaults_are_the_train_config_defaults(capsys, tmp_path):
+    from dcinterp.train import config_from_args, main, parse_args
+
+    args = parse_args([])
+    assert config_from_args(args, "dcmha", [], list(TrainConfig().focus_tasks)) == TrainConfig()
+    assert parse_args(["--no-tied-init"]).tied_init is False
+    # the recipe's task curriculum is for the whole catalog: a --tasks subset trains without it
+    main(["--tasks", "20", "--arch", "mha", "--steps", "1", "--no-eval", "--no-progress",
+          "--n-layers", "1", "--d-model", "16", "--n-heads", "2", "--d-head", "8", "--d-mlp", "32",
+          "--out", str(tmp_path)])
+    recipe = json.loads((tmp_path / "pythia-synth" / "recipe.json").read_text())
+    assert recipe["train_config"]["focus_tasks"] == [] and recipe["data"]["tasks"] == ["task20"]
