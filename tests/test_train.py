@@ -180,6 +180,17 @@ def test_shipped_model_loads_by_name_and_meets_recorded_accuracy(name):
     assert abs(int(df["correct"].sum()) - recorded["correct"]) <= 2, (int(df["correct"].sum()), recorded)
 
 
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_model_was_trained_with_the_default_recipe(name):
+    """`python -m dcinterp.train` with no settings rebuilds the shipped models."""
+    recipe = json.loads((EMBEDDED_DIR / name / "recipe.json").read_text())
+    default = dataclasses.asdict(TrainConfig(arch=recipe["train_config"]["arch"]))
+    run_settings = {"threads", "max_minutes", "log_every", "eval_every"}  # how it ran, not what it learned
+    differs = {k: (v, default[k]) for k, v in recipe["train_config"].items()
+               if k not in run_settings and json.loads(json.dumps(default[k])) != v}
+    assert not differs and not recipe["stopped_early"]
+
+
 def test_trainer_on_a_task_subset_logs_the_probe_accuracy():
     from dcinterp.synth import generate
     from dcinterp.synth.evaluate import evaluate
