@@ -2,10 +2,10 @@
 
     python -m dcinterp.train --arch both --out dcinterp/checkpoints --eval-every 1000
 
-(the defaults are the shipped recipe: 3 layers, local-global-global, 10,000 steps of batch 16, both curricula)
-writes `<out>/dcpythia-synth/` (DCMHA) and `<out>/pythia-synth/` (MHA twin): config.json, model.safetensors,
-the word-level tokenizer (dcinterp.tokenizer) and recipe.json (command, seed, steps, tokens seen, final loss,
-wall time, torch version and the accuracies). From Python:
+rebuilds the shipped models (the defaults are their recipe: 3 layers, local-global-global, 10,000 steps of
+batch 16, both curricula below). It writes `<out>/dcpythia-synth/` (DCMHA) and `<out>/pythia-synth/` (MHA
+twin): config.json, model.safetensors, the word-level tokenizer (dcinterp.tokenizer) and recipe.json (command,
+seed, steps, tokens seen, final loss, wall time, torch version and the accuracies). From Python:
 
     from dcinterp.train import TrainConfig, train
     model, recipe = train(TrainConfig(arch="dcmha"), out_dir="runs/dcpythia-synth")
