@@ -391,10 +391,18 @@ class HookedDCFormer(HookedRootModule):
     # ----------------------------------------------------------------------------------------------
     # Weights
     @torch.no_grad()
-    def init_weights(self, std: float = 0.02) -> None:
-        """Initialise for training: normal(std) projections, the official DCMHA initialisation."""
+    def init_weights(self, std: float = 0.02, identity_compose: bool = False) -> None:
+        """Initialise for training: normal(std) projections, the official DCMHA initialisation.
+
+        The parameters a plain-MHA model has too are drawn first, in its order, and DCMHA's dynamic-weight
+        projections (`W_dyn_*`) last: a DCMHA model and its `use_dcmha=False` twin seeded alike start from the
+        same shared weights. `identity_compose` starts the compose at the identity: the second factor of the
+        low-rank projections (`qw2`, `kw2`) and the gates are zero, so every branch output is 0 and the model
+        computes what its MHA twin does."""
         cfg = self.cfg
-        for name, p in self.named_parameters():
+        named = list(self.named_parameters())
+        named = [np for np in named if "W_dyn" not in np[0]] + [np for np in named if "W_dyn" in np[0]]
+        for name, p in named:
             if name.endswith((".w",)):
                 p.fill_(1.0)
             elif name.split(".")[-1].startswith("b"):
@@ -404,8 +412,12 @@ class HookedDCFormer(HookedRootModule):
             elif name.endswith("W_dyn_out"):
                 H, R = cfg.n_heads, cfg.dcmha_rank
                 p.normal_(0, 0.02 / (math.sqrt(2 * H * R) * (H + R)))
+                if identity_compose:
+                    p[:, :, R:].zero_()  # w2 = 0 (not w1 as well: at w1 = w2 = 0 neither has a gradient)
             elif name.endswith("W_dyn_gate"):
                 p.normal_(0, 0.05 * math.sqrt(2 / (cfg.n_heads + cfg.d_model)))
+                if identity_compose:
+                    p.zero_()
             elif name.endswith(("W_O", "W_out")):
                 p.normal_(0, std / math.sqrt(2 * cfg.n_layers))
             else:

@@ -31,6 +31,12 @@ at chance on the released format for 2,750 steps without it and is at 96% after 
 `focus_tasks` with `focus_until` is a curriculum over tasks: the first `focus_until` of the steps draw samples
 of the focus tasks only, the rest of all the training tasks.
 
+`compose_from` (DCMHA only) starts the compose at the identity (the dynamic-weight output and gate projections
+`W_dyn_out`, `W_dyn_gate` at zero) and holds every `W_dyn_*` parameter still until that fraction of the steps:
+until then the DCMHA model computes, and learns, exactly what its MHA twin of the same seed does (the shared
+parameters are initialised alike, `HookedDCFormer.init_weights`), then the compose trains from the identity.
+With 0 the compose starts at the official random initialisation and trains from step 0 (docs/training.md).
+
 `exclude_combos` ("same-person:superclass,matching-person:country") leaves the tasks with those (QK pattern,
 OV transformation) combinations out of the training corpus, for the held-out composition study (paper
 Sec. 4.3); every pattern and transformation must still occur in another task.
@@ -110,6 +116,7 @@ class TrainConfig:
     compact_until: float = 0.5  # compact-facts curriculum: share of compact samples falls 1 -> 0 by this fraction
     focus_tasks: tuple[str, ...] = ("task10", "task11")  # task curriculum: train on these tasks only ...
     focus_until: float = 0.25  # ... for this fraction of the steps, then on all the training tasks
+    compose_from: float = 0.25  # DCMHA: the compose is the identity (trains as its MHA twin) until this fraction
     bucket_batches: int = 8  # batches drawn at once and grouped by sample length (less padding, less T^2)
     threads: int = 1  # one thread: on a shared 2-core machine two OpenMP threads spin-wait and run slower
     max_minutes: float | None = None  # stop early (and say so in the recipe) when the wall time runs out
@@ -346,10 +353,12 @@ def train(
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     tokenizer = build_tokenizer()
-    model = HookedDCFormer(cfg.model_config(len(tokenizer)), tokenizer=tokenizer)
+    model = HookedDCFormer(cfg.model_config(len(tokenizer)), tokenizer=tokenizer, init=False)
+    model.init_weights(identity_compose=cfg.compose_from > 0)
     if cfg.tied_init:
         with torch.no_grad():
             model.W_U.copy_(model.W_E.T)
+    compose_params = [p for name, p in model.named_parameters() if "W_dyn" in name]  # none for MHA
     opt = make_optimizer(model, cfg)
     train_ids, held_ids = training_tasks(cfg)
     step_now = 0
@@ -369,6 +378,9 @@ def train(
     answer_losses: list[float] = []
     for step in bar:
         step_now = step
+        compose_trains = step >= cfg.compose_from * cfg.steps
+        for p in compose_params:  # a parameter without a gradient is left alone by AdamW (no decay)
+            p.requires_grad_(compose_trains)
         x, answer = next(batches)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -534,6 +546,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="task curriculum: train on these tasks only for --focus-until of the steps; '' for none "
                         f"(default: {','.join(t.removeprefix('task') for t in d.focus_tasks)}, none with --tasks)")
     p.add_argument("--focus-until", type=float, default=d.focus_until)
+    p.add_argument("--compose-from", type=float, default=d.compose_from,
+                   help="DCMHA: the compose is the identity, and the model trains as its MHA twin, until this "
+                        "fraction of the steps (0: the official random initialisation, trained from the start)")
     p.add_argument("--exclude-combos", default="",
                    help="comma-separated qk_pattern:ov_transformation combinations left out of training "
                         f"(e.g. {','.join(DEFAULT_EXCLUDED_COMBOS)})")
@@ -559,7 +574,7 @@ def config_from_args(args: argparse.Namespace, arch: str, task_ids: list[str], f
         d_head=args.d_head, d_mlp=args.d_mlp, window_size=args.window_size, window_type=args.window_type,
         rotary_pct=args.rotary_pct, samples_per_task=args.samples_per_task, answer_weight=args.answer_weight,
         compact_until=args.compact_until, tied_init=args.tied_init, focus_tasks=tuple(focus_ids),
-        focus_until=args.focus_until,
+        focus_until=args.focus_until, compose_from=args.compose_from,
         exclude_combos=tuple(f"{a}:{b}" for a, b in parse_combos(args.exclude_combos)), tasks=tuple(task_ids),
         eval_every=args.eval_every, threads=args.threads, max_minutes=args.max_minutes,
     )

@@ -161,6 +161,28 @@ def test_trainer_mha_twin_has_the_same_size_but_no_dcmha():
     assert model.cfg.use_dcmha is False and not hasattr(model.blocks[0].attn, "W_dyn_in")
 
 
+def test_dcmha_learns_as_its_mha_twin_until_compose_from():
+    """The twins start from the same shared weights; with the compose held at the identity the DCMHA model
+    computes and learns exactly what the MHA model does, and from `compose_from` on its compose trains."""
+    def run(arch, compose_from):
+        cfg = TrainConfig(arch=arch, steps=6, seed=0, **{**TINY, "compose_from": compose_from})
+        return train(cfg, progress=False, evaluate_after=False)[0]
+
+    mha = dict(run("mha", 0.5).named_parameters())
+    held = dict(run("dcmha", 1.0).named_parameters())
+    trained = dict(run("dcmha", 0.5).named_parameters())
+    for name, p in mha.items():
+        assert torch.equal(held[name], p), name
+    assert not torch.equal(trained["blocks.0.attn.W_Q"], mha["blocks.0.attn.W_Q"])
+    rank = TrainConfig().model_config(d_vocab=100).dcmha_rank
+    for layer in range(TINY["n_layers"]):
+        w2, gate = (f"blocks.{layer}.attn.{name}" for name in ("W_dyn_out", "W_dyn_gate"))
+        assert not held[w2][:, :, rank:].any() and not held[gate].any()
+        assert trained[w2][:, :, rank:].abs().min() > 0 and trained[gate].abs().min() > 0  # every branch trains
+    official = HookedDCFormer(TrainConfig(**TINY).model_config(d_vocab=100))
+    assert official.blocks[0].attn.W_dyn_out.abs().min() > 0  # the default init is the official random one
+
+
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_model_loads_by_name_and_meets_recorded_accuracy(name):
     from dcinterp.synth import generate
