@@ -400,9 +400,8 @@ class HookedDCFormer(HookedRootModule):
         low-rank projections (`qw2`, `kw2`) and the gates are zero, so every branch output is 0 and the model
         computes what its MHA twin does."""
         cfg = self.cfg
-        named = list(self.named_parameters())
-        named = [np for np in named if "W_dyn" not in np[0]] + [np for np in named if "W_dyn" in np[0]]
-        for name, p in named:
+        mha_first = sorted(self.named_parameters(), key=lambda named: "W_dyn" in named[0])  # a stable sort
+        for name, p in mha_first:
             if name.endswith((".w",)):
                 p.fill_(1.0)
             elif name.split(".")[-1].startswith("b"):

@@ -31,10 +31,10 @@ at chance on the released format for 2,750 steps without it and is at 96% after 
 `focus_tasks` with `focus_until` is a curriculum over tasks: the first `focus_until` of the steps draw samples
 of the focus tasks only, the rest of all the training tasks.
 
-`compose_from` (DCMHA only) starts the compose at the identity (the dynamic-weight output and gate projections
-`W_dyn_out`, `W_dyn_gate` at zero) and holds every `W_dyn_*` parameter still until that fraction of the steps:
-until then the DCMHA model computes, and learns, exactly what its MHA twin of the same seed does (the shared
-parameters are initialised alike, `HookedDCFormer.init_weights`), then the compose trains from the identity.
+`compose_from` (DCMHA only) starts the compose at the identity (the second factor of the low-rank projections and
+the gates at zero, `init_weights(identity_compose=True)`) and holds every `W_dyn_*` parameter still until that
+fraction of the steps: until then the DCMHA model computes, and learns, exactly what its MHA twin of the same
+seed does (the shared parameters are initialised alike), then the compose trains from the identity.
 With 0 the compose starts at the official random initialisation and trains from step 0 (docs/training.md).
 
 `exclude_combos` ("same-person:superclass,matching-person:country") leaves the tasks with those (QK pattern,
