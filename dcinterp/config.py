@@ -64,8 +64,9 @@ class DCFormerConfig:
     default_prepend_bos: bool = False  # to_tokens adds only what the tokenizer adds itself
     dtype: str = "float32"
 
-    # Read by TransformerLens' ActivationCache.
+    # Read by TransformerLens' ActivationCache and utilities; set by loading, never saved.
     attn_only: bool = field(default=False, init=False, repr=False)
+    device: str | None = field(default=None, init=False, repr=False)  # where the forward starts (the embedding)
 
     def __post_init__(self) -> None:
         self.compose_stages = tuple(self.compose_stages)

@@ -24,6 +24,7 @@ from .model import HookedDCFormer
 
 EMBEDDED_DIR = Path(__file__).parent / "checkpoints"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+LEGACY_KEYS = {"W_E": "embed.W_E", "W_U": "unembed.W_U"}  # dcinterp checkpoints saved before embed/unembed
 
 
 class CheckpointError(ValueError):
@@ -45,6 +46,7 @@ def load_pretrained(path_or_name, dtype=None, device=None) -> HookedDCFormer:
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{config_file}: {e}") from None
         state, origin = read_state_dict(directory)
+        state = {LEGACY_KEYS.get(k, k): v for k, v in state.items()}
     elif model_type in converters:
         cfg = config_from_official(raw, config_file) if model_type != "gpt_neox" else config_from_gpt_neox(raw, config_file)
         state, origin = read_state_dict(directory)
@@ -63,7 +65,9 @@ def load_pretrained(path_or_name, dtype=None, device=None) -> HookedDCFormer:
     check_state_dict(state, origin, model, directory)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
     model.tokenizer = load_tokenizer(directory)
-    return model.to(device) if device is not None else model
+    model = model.to(device) if device is not None else model
+    model.cfg.device = str(model.W_E.device)
+    return model.eval().requires_grad_(False)  # inference: no autograd graph over the weights
 
 
 def save_pretrained(model: HookedDCFormer, directory) -> None:
@@ -255,8 +259,8 @@ def convert_official(take: "_Taker", cfg: DCFormerConfig) -> dict[str, Tensor]:
     H, E, D = cfg.n_heads, cfg.d_head, cfg.d_model
     take.ignore(lambda key: any(part in key for part in OFFICIAL_IGNORED))
     out = {
-        "W_E": take("tok_embeddings.weight"),
-        "W_U": take("output.weight").T,
+        "embed.W_E": take("tok_embeddings.weight"),
+        "unembed.W_U": take("output.weight").T,
         "ln_final.w": take("norm.weight"),
     }
     if cfg.normalization_type == "LN":
@@ -344,8 +348,8 @@ def convert_gpt_neox(take: "_Taker", cfg: DCFormerConfig) -> dict[str, Tensor]:
     H, E, D = cfg.n_heads, cfg.d_head, cfg.d_model
     take.ignore(lambda key: key.endswith(NEOX_IGNORED))
     out = {
-        "W_E": take("gpt_neox.embed_in.weight"),
-        "W_U": take("embed_out.weight").T,
+        "embed.W_E": take("gpt_neox.embed_in.weight"),
+        "unembed.W_U": take("embed_out.weight").T,
         "ln_final.w": take("gpt_neox.final_layer_norm.weight"),
         "ln_final.b": take("gpt_neox.final_layer_norm.bias"),
     }

@@ -316,6 +316,28 @@ class TransformerBlock(nn.Module):
         return self.hook_resid_post(resid_mid + mlp_out)
 
 
+class Embed(nn.Module):
+    """Token embedding, as TransformerLens' `Embed` (`model.embed.W_E`)."""
+
+    def __init__(self, cfg: DCFormerConfig):
+        super().__init__()
+        self.W_E = nn.Parameter(torch.empty(cfg.d_vocab, cfg.d_model))
+
+    def forward(self, tokens: Int[Tensor, "b p"]) -> Float[Tensor, "b p d"]:
+        return self.W_E[tokens]
+
+
+class Unembed(nn.Module):
+    """Unembedding (no bias in DCFormer or Pythia), as TransformerLens' `Unembed` (`model.unembed.W_U`)."""
+
+    def __init__(self, cfg: DCFormerConfig):
+        super().__init__()
+        self.W_U = nn.Parameter(torch.empty(cfg.d_model, cfg.d_vocab))
+
+    def forward(self, resid: Float[Tensor, "b p d"]) -> Float[Tensor, "b p v"]:
+        return resid @ self.W_U
+
+
 def attention_mask(n: int, window: int | None, device, dtype=torch.float32) -> Float[Tensor, "t s"]:
     """Additive mask: 0 where query t may see key s (s <= t, and t - window < s for a local layer), else -inf."""
     t = torch.arange(n, device=device)[:, None]
@@ -337,11 +359,11 @@ class HookedDCFormer(HookedRootModule):
         super().__init__()
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.W_E = nn.Parameter(torch.empty(cfg.d_vocab, cfg.d_model))
+        self.embed = Embed(cfg)
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
         self.blocks = nn.ModuleList(TransformerBlock(cfg, layer) for layer in range(cfg.n_layers))
         self.ln_final = Norm(cfg.d_model, cfg.normalization_type, cfg.norm_eps)
-        self.W_U = nn.Parameter(torch.empty(cfg.d_model, cfg.d_vocab))
+        self.unembed = Unembed(cfg)
         if init:
             self.init_weights()
         self.setup()
@@ -359,7 +381,7 @@ class HookedDCFormer(HookedRootModule):
         tokens = tokens.to(self.W_E.device)
         n = tokens.shape[1]
         masks = {}
-        resid = self.hook_embed(self.W_E[tokens])
+        resid = self.hook_embed(self.embed(tokens))
         for block in self.blocks[:stop_at_layer]:
             window = block.attn.window
             if window not in masks:
@@ -367,7 +389,7 @@ class HookedDCFormer(HookedRootModule):
             resid = block(resid, masks[window])
         if stop_at_layer is not None:
             return resid
-        logits = self.ln_final(resid) @ self.W_U
+        logits = self.unembed(self.ln_final(resid))
         if return_type == "logits":
             return logits
         loss = lm_cross_entropy(logits, tokens, per_token=loss_per_token)
@@ -400,7 +422,9 @@ class HookedDCFormer(HookedRootModule):
         low-rank projections (`qw2`, `kw2`) and the gates are zero, so every branch output is 0 and the model
         computes what its MHA twin does."""
         cfg = self.cfg
-        mha_first = sorted(self.named_parameters(), key=lambda named: "W_dyn" in named[0])  # a stable sort
+        # A stable sort into the order of the first releases (embedding and unembedding, then the blocks).
+        embeddings = ("embed.W_E", "unembed.W_U")
+        mha_first = sorted(self.named_parameters(), key=lambda named: ("W_dyn" in named[0], named[0] not in embeddings))
         for name, p in mha_first:
             if name.endswith((".w",)):
                 p.fill_(1.0)
@@ -421,6 +445,14 @@ class HookedDCFormer(HookedRootModule):
                 p.normal_(0, std / math.sqrt(2 * cfg.n_layers))
             else:
                 p.normal_(0, std)
+
+    @property
+    def W_E(self) -> Float[Tensor, "d_vocab d_model"]:
+        return self.embed.W_E
+
+    @property
+    def W_U(self) -> Float[Tensor, "d_model d_vocab"]:
+        return self.unembed.W_U
 
     def _stack(self, name: str) -> Tensor:
         return torch.stack([getattr(block.attn, name) for block in self.blocks])

@@ -237,10 +237,19 @@ def test_weight_helpers_have_transformer_lens_shapes(pythia):
     assert (cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head, cfg.d_vocab) == (L, H, D, E, 97)
 
 
-def test_loss_and_backward(pythia, tokens):
-    loss = pythia(tokens, return_type="loss")
-    assert loss.ndim == 0 and loss.item() > 0
-    loss.backward()
-    grads = [p.grad for p in pythia.parameters()]
-    assert all(g is not None and torch.isfinite(g).all() for g in grads)
-    pythia.zero_grad(set_to_none=True)
+def test_loaded_models_are_frozen_for_inference(pythia, tokens):
+    assert not pythia.training and not any(p.requires_grad for p in pythia.parameters())
+    assert not pythia(tokens).requires_grad  # a plain forward keeps no autograd graph
+
+
+def test_loss_and_backward_after_unfreezing(pythia, tokens):
+    pythia.train().requires_grad_(True)  # what fine-tuning a loaded model takes
+    try:
+        loss = pythia(tokens, return_type="loss")
+        assert loss.ndim == 0 and loss.item() > 0
+        loss.backward()
+        grads = [p.grad for p in pythia.parameters()]
+        assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    finally:
+        pythia.zero_grad(set_to_none=True)
+        pythia.eval().requires_grad_(False)

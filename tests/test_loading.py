@@ -179,7 +179,7 @@ def test_wrong_shape(tmp_path):
         HookedDCFormer.from_pretrained(copy_fixture("dcpythia-tiny", tmp_path, state))
     state = official_state("dcpythia-tiny")
     state["tok_embeddings.weight"] = torch.zeros(90, 32)
-    with pytest.raises(CheckpointError, match=r"'W_E' has shape \(90, 32\), expected \(97, 32\)"):
+    with pytest.raises(CheckpointError, match=r"'embed.W_E' has shape \(90, 32\), expected \(97, 32\)"):
         HookedDCFormer.from_pretrained(copy_fixture("dcpythia-tiny", tmp_path, state))
 
 
