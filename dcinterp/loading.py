@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import pickle
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file as load_safetensors
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file as save_safetensors
-from torch import Tensor
+from torch import Tensor, nn
 
 from .config import DCFormerConfig
 from .model import HookedDCFormer
@@ -33,40 +34,57 @@ class CheckpointError(ValueError):
 
 # --------------------------------------------------------------------------------------------------
 # Entry points
-def load_pretrained(path_or_name, dtype=None, device=None) -> HookedDCFormer:
+def load_pretrained(path_or_name, dtype=None, device=None, device_map=None, max_memory=None,
+                    offload_folder=None) -> HookedDCFormer:
+    """Build the model on the meta device, then stream the weights into it one tensor at a time.
+
+    Each tensor is read from the memory-mapped checkpoint, converted once into `dtype` and copied straight to
+    the device it will live on (`device`, or the one `device_map` gives its module): peak memory is the
+    weights in their target dtype plus one tensor, and nothing stays mapped. With a `device_map` the model is
+    dispatched with accelerate (blocks across GPUs, CPU or disk offload); the forward moves activations.
+    """
     directory = resolve_checkpoint(path_or_name)
     config_file = directory / "config.json"
     raw = read_json(config_file)
     model_type = raw.get("model_type")
-    converters = {"dcpythia": convert_official, "dcformer": convert_official, "gpt_neox": convert_gpt_neox}
     dtype = resolve_dtype(dtype)
     if model_type == "dcinterp":
         try:
             cfg = DCFormerConfig.from_dict({k: v for k, v in raw.items() if k != "model_type"}, source=str(config_file))
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{config_file}: {e}") from None
-        state, origin = read_state_dict(directory)
-        state = {LEGACY_KEYS.get(k, k): v for k, v in state.items()}
-    elif model_type in converters:
-        cfg = config_from_official(raw, config_file) if model_type != "gpt_neox" else config_from_gpt_neox(raw, config_file)
-        state, origin = read_state_dict(directory)
-        take = _Taker(state, origin, directory)
-        try:
-            state = converters[model_type](take, cfg)
-        except RuntimeError as e:  # a reshape that does not fit: the weight's shape disagrees with config.json
-            raise CheckpointError(f"{origin[take.last]}: weight {take.last!r} does not fit config.json ({e})") from None
+        convert = convert_own
+    elif model_type in ("dcpythia", "dcformer"):
+        cfg, convert = config_from_official(raw, config_file), convert_official
+    elif model_type == "gpt_neox":
+        cfg, convert = config_from_gpt_neox(raw, config_file), convert_gpt_neox
     else:
-        known = ["dcinterp", *converters]
+        known = ["dcinterp", "dcpythia", "dcformer", "gpt_neox"]
         raise CheckpointError(f"{config_file}: unknown model_type {model_type!r} (known: {', '.join(known)})")
     cfg.dtype = str(dtype).removeprefix("torch.")
 
     with torch.device("meta"):
         model = HookedDCFormer(cfg, init=False)
-    check_state_dict(state, origin, model, directory)
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    if device_map is not None and device is not None:
+        raise ValueError("pass either device or device_map, not both")
+    if device_map is None:
+        device_map = {"": resolve_device(device or "cpu")}
+    else:
+        device_map = plan_device_map(model, device_map, max_memory, dtype)
+    warn_if_half_on_cpu(dtype, device_map)
+
+    with CheckpointFiles(directory) as files:
+        take = _Taker(files)
+        placer = _Placer(model, dtype, device_map, offload_folder, directory)
+        try:
+            for key, value in convert(take, cfg):
+                placer.put(key, value, files.origin(take.last))
+        except RuntimeError as e:  # a reshape that does not fit: the weight's shape disagrees with config.json
+            raise CheckpointError(f"{files.origin(take.last)}: weight {take.last!r} does not fit config.json ({e})") from None
+        take.finish()
+        placer.finish()
     model.tokenizer = load_tokenizer(directory)
-    model = model.to(device) if device is not None else model
-    model.cfg.device = str(model.W_E.device)
+    dispatch(model, device_map, offload_folder)
     return model.eval().requires_grad_(False)  # inference: no autograd graph over the weights
 
 
@@ -109,6 +127,146 @@ def resolve_dtype(dtype) -> torch.dtype:
     return names[str(dtype).removeprefix("torch.")]
 
 
+def available_devices() -> list[str]:
+    devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if torch.backends.mps.is_available():
+        devices.append("mps")
+    return devices
+
+
+def resolve_device(device) -> torch.device:
+    """A torch.device that exists here, or one ValueError line naming it and what is available."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r} (available: {', '.join(available_devices())})") from None
+    if resolved.type == "cuda" and resolved.index is None and torch.cuda.is_available():
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    if resolved.type != "cpu" and str(resolved) not in available_devices():
+        raise ValueError(f"device {str(device)!r} is not available here (available: {', '.join(available_devices())})")
+    return resolved
+
+
+def warn_if_half_on_cpu(dtype: torch.dtype, device_map: dict) -> None:
+    if dtype in (torch.float16, torch.bfloat16) and any(str(d) in ("cpu", "disk") for d in device_map.values()):
+        warnings.warn(f"{str(dtype).removeprefix('torch.')} on the CPU: most CPUs run half-precision matmuls "
+                      f"hundreds of times slower than float32; load with dtype=torch.float32 to compute on the CPU",
+                      stacklevel=4)
+
+
+# --------------------------------------------------------------------------------------------------
+# Placement: one device, or a device_map across GPUs, the CPU and the disk (accelerate)
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def plan_device_map(model: HookedDCFormer, device_map, max_memory, dtype: torch.dtype) -> dict[str, object]:
+    """A dict {module name: device} covering every parameter, from a strategy name as Hugging Face takes it
+    ("auto", "balanced", "balanced_low_0", "sequential"; blocks are never split) or from the user's dict."""
+    from accelerate.utils import get_balanced_memory, infer_auto_device_map
+
+    if isinstance(device_map, str):
+        if device_map not in DEVICE_MAP_STRATEGIES:
+            raise ValueError(f"device_map {device_map!r}: use one of {', '.join(DEVICE_MAP_STRATEGIES)}, or a dict "
+                             f"from module names to devices")
+        no_split = ["TransformerBlock"]
+        if device_map != "sequential":
+            max_memory = get_balanced_memory(model, max_memory=max_memory, no_split_module_classes=no_split,
+                                             dtype=dtype, low_zero=device_map == "balanced_low_0")
+        device_map = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split,
+                                           dtype=dtype)
+    if not isinstance(device_map, dict):
+        raise ValueError(f"device_map must be a strategy name or a dict, not {type(device_map).__name__}")
+    modules = dict(model.named_modules())
+    placed = {}
+    for name, device in device_map.items():
+        if name not in modules:
+            raise ValueError(f"device_map: {name!r} is not a module of the model (e.g. 'embed', 'blocks.0', "
+                             f"'ln_final', 'unembed')")
+        placed[name] = device if device == "disk" else _accelerate_device(resolve_device(device))
+    for key, _ in model.named_parameters():
+        if _module_device(placed, key) is None:
+            raise ValueError(f"device_map does not place weight {key!r}")
+    return placed
+
+
+def _accelerate_device(device: torch.device):
+    return device.index if device.type == "cuda" else str(device)  # accelerate's own spelling: 0, 1, "cpu"
+
+
+def _module_device(device_map: dict, key: str):
+    """The device of the longest module name in device_map that contains the weight `key`."""
+    parts = key.split(".")
+    for i in range(len(parts), -1, -1):
+        name = ".".join(parts[:i])
+        if name in device_map:
+            return device_map[name]
+    return None
+
+
+def dispatch(model: HookedDCFormer, device_map: dict, offload_folder) -> None:
+    """Attach accelerate's hooks where the model spans several devices (or the disk); set cfg.device."""
+    devices = set(device_map.values())
+    if len(devices) > 1 or "disk" in devices:
+        from accelerate import dispatch_model
+
+        dispatch_model(model, device_map, offload_dir=offload_folder)
+        model._hf_hook.io_same_device = False  # logits stay where the model computes them, as with one device
+        model.hf_device_map = device_map
+        gpus = sorted(d for d in devices if isinstance(d, int))
+        first = device_map.get("embed", _module_device(device_map, "embed.W_E"))
+        main = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
+        model.cfg.device = str(main if first in ("cpu", "disk") else _as_torch_device(first))
+    else:
+        model.cfg.device = str(_as_torch_device(next(iter(devices))))
+    model.cfg.n_devices = len({d for d in devices if d != "disk"})
+
+
+def _as_torch_device(device) -> torch.device:
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+
+
+class _Placer:
+    """Receives converted weights one at a time and puts each, in the target dtype, where it will live."""
+
+    def __init__(self, model: HookedDCFormer, dtype: torch.dtype, device_map: dict, offload_folder, directory: Path):
+        self.model, self.dtype, self.device_map, self.directory = model, dtype, device_map, directory
+        self.expected = dict(model.named_parameters())
+        self.placed: set[str] = set()
+        self.offload_folder, self.offload_index = offload_folder, {}
+        if "disk" in device_map.values() and offload_folder is None:
+            raise ValueError("device_map offloads to 'disk': pass offload_folder=DIR for the offloaded weights")
+
+    def put(self, key: str, value: Tensor, where) -> None:
+        expected = self.expected.get(key)
+        if expected is None:
+            raise CheckpointError(f"{where}: unexpected weight {key!r}")
+        if tuple(value.shape) != tuple(expected.shape):
+            raise CheckpointError(
+                f"{where}: weight {key!r} has shape {tuple(value.shape)}, expected {tuple(expected.shape)}")
+        dtype = self.dtype if value.is_floating_point() else value.dtype
+        device = _module_device(self.device_map, key)
+        if device == "disk":
+            from accelerate.utils import offload_weight
+
+            offload_weight(value.to(dtype), key, self.offload_folder, index=self.offload_index)
+        else:
+            # One fresh tensor in the target dtype and layout: nothing keeps the mapped file alive.
+            tensor = torch.empty(value.shape, dtype=dtype, device=_as_torch_device(device)).copy_(value)
+            module_name, _, name = key.rpartition(".")
+            self.model.get_submodule(module_name)._parameters[name] = nn.Parameter(tensor, requires_grad=False)
+        self.placed.add(key)
+
+    def finish(self) -> None:
+        missing = [k for k in self.expected if k not in self.placed]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise CheckpointError(f"{self.directory}: missing weight {missing[0]!r}{more}")
+        if self.offload_index:
+            from accelerate.utils import save_offload_index
+
+            save_offload_index(self.offload_index, self.offload_folder)
+
+
 # --------------------------------------------------------------------------------------------------
 # Reading files
 def read_json(path: Path) -> dict:
@@ -138,14 +296,62 @@ def weight_files(directory: Path) -> list[Path]:
     raise CheckpointError(f"{directory}: no weights (looked for {', '.join(WEIGHT_FILES)} and their .index.json)")
 
 
-def read_weight_file(path: Path) -> dict[str, Tensor]:
+class CheckpointFiles:
+    """Every weight file of a checkpoint, opened lazily: keys are known up front, a tensor is read when asked.
+
+    safetensors files are read through `safe_open` (one tensor at a time); `.bin` files are memory-mapped
+    (`torch.load(mmap=True, weights_only=True)`), so their pages are file-backed and freed on close.
+    """
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.files: dict[str, Path] = {}
+        self.readers: dict[Path, object] = {}
+        for path in weight_files(directory):
+            reader = open_weight_file(path)
+            self.readers[path] = reader
+            for key in reader.keys():
+                if key in self.files:
+                    raise CheckpointError(f"{path}: key {key!r} is also in {self.files[key].name}")
+                self.files[key] = path
+
+    def keys(self) -> list[str]:
+        return list(self.files)
+
+    def origin(self, key: str):
+        return self.files.get(key, "")
+
+    def get(self, key: str) -> Tensor:
+        path = self.files[key]
+        reader = self.readers[path]
+        if isinstance(reader, dict):
+            return reader[key]
+        try:
+            return reader.get_tensor(key)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{path}: weight {key!r} is not readable ({e})") from None
+
+    def __enter__(self) -> "CheckpointFiles":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.readers.clear()
+
+
+def open_weight_file(path: Path):
+    """A safetensors reader, or the dict of memory-mapped tensors of a `.bin` file."""
     if path.suffix == ".safetensors":
         try:
-            return load_safetensors(str(path))
+            return safe_open(str(path), framework="pt", device="cpu")
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)  # the old pickle format: no mmap
     except pickle.UnpicklingError as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path}: refused to unpickle anything but plain tensors ({first_line})") from None
@@ -155,35 +361,6 @@ def read_weight_file(path: Path) -> dict[str, Tensor]:
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
         raise CheckpointError(f"{path}: not a flat dict of tensors")
     return state
-
-
-def read_state_dict(directory: Path) -> tuple[dict[str, Tensor], dict[str, Path]]:
-    """All weights of a checkpoint, and the file each key came from."""
-    state: dict[str, Tensor] = {}
-    origin: dict[str, Path] = {}
-    for path in weight_files(directory):
-        for key, value in read_weight_file(path).items():
-            if key in state:
-                raise CheckpointError(f"{path}: key {key!r} is also in {origin[key].name}")
-            state[key], origin[key] = value, path
-    return state, origin
-
-
-def check_state_dict(state: dict[str, Tensor], origin: dict, model: HookedDCFormer, directory: Path) -> None:
-    """Same keys and shapes as the model's; `origin` maps a key to the file (or source key) it came from."""
-    expected = model.state_dict()
-    missing = [k for k in expected if k not in state]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"{directory}: missing weight {missing[0]!r}{more}")
-    for key, value in state.items():
-        where = origin.get(key, directory)
-        if key not in expected:
-            raise CheckpointError(f"{where}: unexpected weight {key!r}")
-        if tuple(value.shape) != tuple(expected[key].shape):
-            raise CheckpointError(
-                f"{where}: weight {key!r} has shape {tuple(value.shape)}, expected {tuple(expected[key].shape)}"
-            )
 
 
 def load_tokenizer(directory: Path):
@@ -254,17 +431,21 @@ def config_from_official(raw: dict, source: Path) -> DCFormerConfig:
 OFFICIAL_IGNORED = ("dyn_w_proj.dw_m", "dyn_w_proj.qkw_m", "dyn_w_proj.sw", "pre_proj.w", "post_proj.w", "kv_cache.")
 
 
-def convert_official(take: "_Taker", cfg: DCFormerConfig) -> dict[str, Tensor]:
-    """Official DCPythia/DCFormer keys -> HookedDCFormer keys (weights in TransformerLens layouts)."""
+def convert_own(take: "_Taker", cfg: DCFormerConfig) -> Iterator[tuple[str, Tensor]]:
+    """dcinterp's own format: the model's keys as they are (and the legacy top-level W_E / W_U)."""
+    for key in take.keys():
+        yield LEGACY_KEYS.get(key, key), take(key)
+
+
+def convert_official(take: "_Taker", cfg: DCFormerConfig) -> Iterator[tuple[str, Tensor]]:
+    """Official DCPythia/DCFormer keys -> HookedDCFormer keys (weights in TransformerLens layouts), one at a time."""
     H, E, D = cfg.n_heads, cfg.d_head, cfg.d_model
     take.ignore(lambda key: any(part in key for part in OFFICIAL_IGNORED))
-    out = {
-        "embed.W_E": take("tok_embeddings.weight"),
-        "unembed.W_U": take("output.weight").T,
-        "ln_final.w": take("norm.weight"),
-    }
+    yield "embed.W_E", take("tok_embeddings.weight")
+    yield "unembed.W_U", take("output.weight").T
+    yield "ln_final.w", take("norm.weight")
     if cfg.normalization_type == "LN":
-        out["ln_final.b"] = take("norm.bias")
+        yield "ln_final.b", take("norm.bias")
     for l in range(cfg.n_layers):
         src, dst = f"layers.{l}.", f"blocks.{l}."
         a = src + "attention."
@@ -275,38 +456,36 @@ def convert_official(take: "_Taker", cfg: DCFormerConfig) -> dict[str, Tensor]:
             wq, wk, wv = (take(a + f"w{n}.weight") for n in "qkv")
             biases = [take(a + f"w{n}.bias") for n in "qkv"] if cfg.use_bias else None
         for name, w in zip("QKV", (wq, wk, wv)):
-            out[dst + f"attn.W_{name}"] = w.reshape(H, E, D).transpose(1, 2)
+            yield dst + f"attn.W_{name}", w.reshape(H, E, D).transpose(1, 2)
         if biases is not None:
             for name, b in zip("QKV", biases):
-                out[dst + f"attn.b_{name}"] = b.reshape(H, E)
-            out[dst + "attn.b_O"] = take(a + "wo.bias")
-        out[dst + "attn.W_O"] = take(a + "wo.weight").T.reshape(H, E, D)
+                yield dst + f"attn.b_{name}", b.reshape(H, E)
+            yield dst + "attn.b_O", take(a + "wo.bias")
+        yield dst + "attn.W_O", take(a + "wo.weight").T.reshape(H, E, D)
         if cfg.use_qk_norm:
-            out[dst + "attn.q_norm.w"] = take(a + "q_norm.scale")
-            out[dst + "attn.k_norm.w"] = take(a + "k_norm.scale")
+            yield dst + "attn.q_norm.w", take(a + "q_norm.scale")
+            yield dst + "attn.k_norm.w", take(a + "k_norm.scale")
         if cfg.use_dcmha:
-            out[dst + "attn.W_dyn_in"] = take(a + "dyn_w_proj.dw1").squeeze(1)
-            out[dst + "attn.W_dyn_out"] = take(a + "dyn_w_proj.qkw").squeeze(0)
-            out[dst + "attn.W_dyn_gate"] = take(a + "dyn_w_proj.dd").reshape(D, 4, H)
+            yield dst + "attn.W_dyn_in", take(a + "dyn_w_proj.dw1").squeeze(1)
+            yield dst + "attn.W_dyn_out", take(a + "dyn_w_proj.qkw").squeeze(0)
+            yield dst + "attn.W_dyn_gate", take(a + "dyn_w_proj.dd").reshape(D, 4, H)
         for ln, norm in (("ln1", "attention_norm"), ("ln2", "ffn_norm")):
-            out[dst + f"{ln}.w"] = take(src + f"{norm}.weight")
+            yield dst + f"{ln}.w", take(src + f"{norm}.weight")
             if cfg.normalization_type == "LN":
-                out[dst + f"{ln}.b"] = take(src + f"{norm}.bias")
+                yield dst + f"{ln}.b", take(src + f"{norm}.bias")
         f = src + "feed_forward."
         if cfg.act_fn == "gelu":
-            out[dst + "mlp.W_in"] = take(f + "w1.weight").T
-            out[dst + "mlp.W_out"] = take(f + "w2.weight").T
+            yield dst + "mlp.W_in", take(f + "w1.weight").T
+            yield dst + "mlp.W_out", take(f + "w2.weight").T
             if cfg.use_bias:
-                out[dst + "mlp.b_in"] = take(f + "w1.bias")
-                out[dst + "mlp.b_out"] = take(f + "w2.bias")
+                yield dst + "mlp.b_in", take(f + "w1.bias")
+                yield dst + "mlp.b_out", take(f + "w2.bias")
         else:
-            out[dst + "mlp.W_gate"] = take(f + "w1.weight").T
-            out[dst + "mlp.W_in"] = take(f + "w3.weight").T
-            out[dst + "mlp.W_out"] = take(f + "w2.weight").T
+            yield dst + "mlp.W_gate", take(f + "w1.weight").T
+            yield dst + "mlp.W_in", take(f + "w3.weight").T
+            yield dst + "mlp.W_out", take(f + "w2.weight").T
             if cfg.mgate_dim:
-                out[dst + "mlp.W_mgate"] = take(f + "mg.weight").T
-    take.finish()
-    return {k: v.contiguous() for k, v in out.items()}
+                yield dst + "mlp.W_mgate", take(f + "mg.weight").T
 
 
 # --------------------------------------------------------------------------------------------------
@@ -343,35 +522,31 @@ def config_from_gpt_neox(raw: dict, source: Path) -> DCFormerConfig:
 NEOX_IGNORED = (".attention.bias", ".attention.masked_bias", "rotary_emb.inv_freq")
 
 
-def convert_gpt_neox(take: "_Taker", cfg: DCFormerConfig) -> dict[str, Tensor]:
-    """Hugging Face GPT-NeoX keys -> HookedDCFormer keys."""
+def convert_gpt_neox(take: "_Taker", cfg: DCFormerConfig) -> Iterator[tuple[str, Tensor]]:
+    """Hugging Face GPT-NeoX keys -> HookedDCFormer keys, one at a time."""
     H, E, D = cfg.n_heads, cfg.d_head, cfg.d_model
     take.ignore(lambda key: key.endswith(NEOX_IGNORED))
-    out = {
-        "embed.W_E": take("gpt_neox.embed_in.weight"),
-        "unembed.W_U": take("embed_out.weight").T,
-        "ln_final.w": take("gpt_neox.final_layer_norm.weight"),
-        "ln_final.b": take("gpt_neox.final_layer_norm.bias"),
-    }
+    yield "embed.W_E", take("gpt_neox.embed_in.weight")
+    yield "unembed.W_U", take("embed_out.weight").T
+    yield "ln_final.w", take("gpt_neox.final_layer_norm.weight")
+    yield "ln_final.b", take("gpt_neox.final_layer_norm.bias")
     for l in range(cfg.n_layers):
         src, dst = f"gpt_neox.layers.{l}.", f"blocks.{l}."
         # query_key_value rows are interleaved per head: [head, (q|k|v), d_head].
         qkv = take(src + "attention.query_key_value.weight").reshape(H, 3, E, D)
         qkv_bias = take(src + "attention.query_key_value.bias").reshape(H, 3, E)
         for i, name in enumerate("QKV"):
-            out[dst + f"attn.W_{name}"] = qkv[:, i].transpose(1, 2)
-            out[dst + f"attn.b_{name}"] = qkv_bias[:, i]
-        out[dst + "attn.W_O"] = take(src + "attention.dense.weight").T.reshape(H, E, D)
-        out[dst + "attn.b_O"] = take(src + "attention.dense.bias")
+            yield dst + f"attn.W_{name}", qkv[:, i].transpose(1, 2)
+            yield dst + f"attn.b_{name}", qkv_bias[:, i]
+        yield dst + "attn.W_O", take(src + "attention.dense.weight").T.reshape(H, E, D)
+        yield dst + "attn.b_O", take(src + "attention.dense.bias")
         for ln, norm in (("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm")):
-            out[dst + f"{ln}.w"] = take(src + f"{norm}.weight")
-            out[dst + f"{ln}.b"] = take(src + f"{norm}.bias")
-        out[dst + "mlp.W_in"] = take(src + "mlp.dense_h_to_4h.weight").T
-        out[dst + "mlp.b_in"] = take(src + "mlp.dense_h_to_4h.bias")
-        out[dst + "mlp.W_out"] = take(src + "mlp.dense_4h_to_h.weight").T
-        out[dst + "mlp.b_out"] = take(src + "mlp.dense_4h_to_h.bias")
-    take.finish()
-    return {k: v.contiguous() for k, v in out.items()}
+            yield dst + f"{ln}.w", take(src + f"{norm}.weight")
+            yield dst + f"{ln}.b", take(src + f"{norm}.bias")
+        yield dst + "mlp.W_in", take(src + "mlp.dense_h_to_4h.weight").T
+        yield dst + "mlp.b_in", take(src + "mlp.dense_h_to_4h.bias")
+        yield dst + "mlp.W_out", take(src + "mlp.dense_4h_to_h.weight").T
+        yield dst + "mlp.b_out", take(src + "mlp.dense_4h_to_h.bias")
 
 
 def _required(raw: dict, source: Path):
@@ -385,26 +560,31 @@ def _required(raw: dict, source: Path):
 
 
 class _Taker:
-    """Pops keys from a source state dict, so that whatever is left over at the end is reported."""
+    """Takes keys from the checkpoint's files one at a time, so that whatever is left over at the end is reported."""
 
-    def __init__(self, state: dict[str, Tensor], origin: dict[str, Path], directory: Path):
-        self.state, self.origin, self.directory = dict(state), origin, directory
+    def __init__(self, files: CheckpointFiles):
+        self.files = files
+        self.left = dict.fromkeys(files.keys())
         self.last = ""
 
     def ignore(self, unused) -> None:
-        self.state = {k: v for k, v in self.state.items() if not unused(k)}
+        self.left = {k: None for k in self.left if not unused(k)}
+
+    def keys(self) -> list[str]:
+        return list(self.left)
 
     def has(self, key: str) -> bool:
-        return key in self.state
+        return key in self.left
 
     def __call__(self, key: str) -> Tensor:
-        if key not in self.state:
-            raise CheckpointError(f"{self.directory}: missing weight {key!r}")
+        if key not in self.left:
+            raise CheckpointError(f"{self.files.directory}: missing weight {key!r}")
         self.last = key
-        return self.state.pop(key)
+        del self.left[key]
+        return self.files.get(key)
 
     def finish(self) -> None:
-        if self.state:
-            extra = sorted(self.state)
+        if self.left:
+            extra = sorted(self.left)
             more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-            raise CheckpointError(f"{self.origin[extra[0]]}: unexpected weight {extra[0]!r}{more}")
+            raise CheckpointError(f"{self.files.origin(extra[0])}: unexpected weight {extra[0]!r}{more}")

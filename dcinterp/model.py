@@ -359,6 +359,7 @@ class HookedDCFormer(HookedRootModule):
         super().__init__()
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.cache_memory_fraction: float | None = 0.5  # run_with_cache's guard (see dcinterp.memory)
         self.embed = Embed(cfg)
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
         self.blocks = nn.ModuleList(TransformerBlock(cfg, layer) for layer in range(cfg.n_layers))
@@ -378,7 +379,7 @@ class HookedDCFormer(HookedRootModule):
         stop_at_layer: int | None = None,
     ):
         tokens = self.to_tokens(input) if isinstance(input, (str, list)) else input
-        tokens = tokens.to(self.W_E.device)
+        tokens = tokens.to(self.input_device)
         n = tokens.shape[1]
         masks = {}
         resid = self.hook_embed(self.embed(tokens))
@@ -399,8 +400,20 @@ class HookedDCFormer(HookedRootModule):
             return logits, loss
         return None
 
-    def run_with_cache(self, *args, return_cache_object: bool = True, remove_batch_dim: bool = False, **kwargs):
-        """As `HookedRootModule.run_with_cache`, returning a TransformerLens `ActivationCache`."""
+    def run_with_cache(self, *args, return_cache_object: bool = True, remove_batch_dim: bool = False,
+                       allow_large_cache: bool = False, **kwargs):
+        """As `HookedRootModule.run_with_cache`, returning a TransformerLens `ActivationCache`.
+
+        Before running, the cache is estimated from the shapes (`dcinterp.estimate_cache`); one that would take
+        more than `model.cache_memory_fraction` (default 0.5) of the free memory where it lands is refused with
+        a `CacheTooLarge` line, unless `allow_large_cache=True` (or the fraction is None).
+        """
+        if not allow_large_cache and self.cache_memory_fraction is not None and args:
+            from .memory import check_cache_fits, estimate_cache
+
+            estimate = estimate_cache(self, args[0], kwargs.get("names_filter"), kwargs.get("incl_bwd", False),
+                                      kwargs.get("device"))
+            check_cache_fits(self, estimate, self.cache_memory_fraction)
         out, cache = super().run_with_cache(*args, remove_batch_dim=remove_batch_dim, **kwargs)
         if return_cache_object:
             cache = ActivationCache(cache, self, has_batch_dim=not remove_batch_dim)
@@ -445,6 +458,12 @@ class HookedDCFormer(HookedRootModule):
                 p.normal_(0, std / math.sqrt(2 * cfg.n_layers))
             else:
                 p.normal_(0, std)
+
+    @property
+    def input_device(self) -> torch.device:
+        """Where the forward starts: the embedding's device (its execution device when accelerate offloads it)."""
+        device = self.embed.W_E.device
+        return torch.device(self.cfg.device) if device.type == "meta" and self.cfg.device else device
 
     @property
     def W_E(self) -> Float[Tensor, "d_vocab d_model"]:
@@ -517,7 +536,7 @@ class HookedDCFormer(HookedRootModule):
             ids = [i if i[:1] == [bos] else [bos, *i] for i in ids]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         width = max(len(i) for i in ids)
-        return torch.tensor([i + [pad] * (width - len(i)) for i in ids], device=self.W_E.device)
+        return torch.tensor([i + [pad] * (width - len(i)) for i in ids], device=self.input_device)
 
     def to_string(self, tokens) -> str | list[str]:
         tokenizer = self._need_tokenizer()
@@ -543,11 +562,19 @@ class HookedDCFormer(HookedRootModule):
     # ----------------------------------------------------------------------------------------------
     # Loading and saving (see dcinterp.loading)
     @classmethod
-    def from_pretrained(cls, path_or_name, dtype=None, device=None) -> "HookedDCFormer":
-        """Load a local checkpoint directory (DCPythia, DCFormer, GPT-NeoX/Pythia, dcinterp) or an embedded model."""
+    def from_pretrained(cls, path_or_name, dtype=None, device=None, device_map=None, max_memory=None,
+                        offload_folder=None) -> "HookedDCFormer":
+        """Load a local checkpoint directory (DCPythia, DCFormer, GPT-NeoX/Pythia, dcinterp) or an embedded model.
+
+        The weights stream from the (memory-mapped) files straight into `dtype` on `device`, or across devices
+        with `device_map` ("auto", "balanced", "sequential" or {module name: device}, with `max_memory` as in
+        Hugging Face and `offload_folder` for "disk"). The model comes back in eval mode with its parameters
+        frozen; `model.train().requires_grad_(True)` unfreezes it for fine-tuning.
+        """
         from .loading import load_pretrained
 
-        return load_pretrained(path_or_name, dtype=dtype, device=device)
+        return load_pretrained(path_or_name, dtype=dtype, device=device, device_map=device_map,
+                               max_memory=max_memory, offload_folder=offload_folder)
 
     def save_pretrained(self, directory) -> None:
         """Write `config.json`, `model.safetensors` and the tokenizer (if any) to a directory."""

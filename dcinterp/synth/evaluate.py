@@ -196,23 +196,65 @@ def score_answer(logits: torch.Tensor, token_ids: list[int], positions: tuple[in
 
 def evaluate(model: HookedDCFormer, records, batch_size: int = 8, name: str | None = None,
              progress: bool = True) -> pd.DataFrame:
-    """One forward pass per sample, in right-padded batches of similar length; one row per answer."""
+    """One forward pass per sample, in right-padded batches of similar length; one row per answer.
+
+    Under `torchrun` / `accelerate launch` (an initialised torch.distributed group), each process scores every
+    world_size-th batch and all of them return the whole frame: the batches are the ones a single process
+    forms, so the rows are those one process computes.
+    """
     name = name or model.cfg.model_name
     encoded = encode_all(model, records, name)
     pad_id = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
-    scores: dict[int, list[AnswerScore]] = {}
     # Longest first, so that each batch pads little and a too-large batch fails at once.
     by_length = sorted(range(len(encoded)), key=lambda i: -len(encoded[i].token_ids))
-    with torch.inference_mode(), tqdm(total=len(encoded), desc=name, unit="sample", disable=not progress) as bar:
-        for batch_start in range(0, len(by_length), batch_size):
-            batch = by_length[batch_start:batch_start + batch_size]
+    batches = [by_length[start:start + batch_size] for start in range(0, len(by_length), batch_size)]
+    rank, world_size = distributed_rank_and_size()
+    mine = batches[rank::world_size]
+    scores: dict[int, list[AnswerScore]] = {}
+    with torch.inference_mode(), tqdm(total=sum(map(len, mine)), desc=name, unit="sample",
+                                      disable=not progress) as bar:
+        for batch in mine:
             logits = model(padded_tokens([encoded[i].token_ids for i in batch], pad_id))
             for row, i in enumerate(batch):
                 sample = encoded[i]
                 scores[i] = [score_answer(logits[row], sample.token_ids, positions, model.tokenizer)
                              for positions in sample.answer_tokens]
             bar.update(len(batch))
+    if world_size > 1:
+        import torch.distributed as dist
+
+        gathered: list[dict] = [{} for _ in range(world_size)]
+        dist.all_gather_object(gathered, scores)
+        scores = {i: s for shard in gathered for i, s in shard.items()}
     return results_frame(name, encoded, [scores[i] for i in range(len(encoded))])
+
+
+def distributed_rank_and_size() -> tuple[int, int]:
+    """(rank, world size) of an initialised torch.distributed group, else (0, 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def start_distributed() -> tuple[int, int, str | None]:
+    """Join the process group that `torchrun` / `accelerate launch` set up (NCCL on GPUs, gloo on the CPU).
+
+    Returns (rank, world size, this process's device); (0, 1, None) when not launched that way."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1, None
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        backend, device = "nccl", f"cuda:{local_rank}"
+    else:
+        backend, device = "gloo", "cpu"
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size(), device
 
 
 def evaluate_naive(model: HookedDCFormer, records, name: str | None = None) -> pd.DataFrame:
@@ -352,7 +394,11 @@ def parse_task_selection(text: str) -> set[str]:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    """The `eval` command: 0 on success, 2 (and one line on stderr) for bad input."""
+    """The `eval` command: 0 on success, 2 (and one line on stderr) for bad input.
+
+    Launched with `torchrun --nproc-per-node N` (or `accelerate launch`), the N processes share the samples of
+    each checkpoint; rank 0 prints and writes the same files as one process would."""
+    rank, world_size, rank_device = start_distributed()
     try:
         checkpoints = checkpoints_to_evaluate(args.checkpoint)
         data_path = resolve_data_path(args.data)
@@ -360,22 +406,32 @@ def run_eval(args: argparse.Namespace) -> int:
         for sample in samples:
             parse_sample(sample)  # structural errors before any checkpoint is loaded
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if rank_device is not None and device.startswith(rank_device.split(":")[0]):
+            device = rank_device  # one device per process
         results = []
         for checkpoint, name in zip(checkpoints, checkpoint_names(checkpoints)):
             model = load_checkpoint(checkpoint, args.dtype, device)
-            results.append(evaluate(model, samples, batch_size=args.batch_size, name=name))
+            results.append(evaluate(model, samples, batch_size=args.batch_size, name=name, progress=rank == 0))
             del model
         results = pd.concat(results, ignore_index=True)
         summary = summarize(results)
-        if args.out is not None:
+        if args.out is not None and rank == 0:
             write_outputs(results, summary, args.out)
     except (EvalError, CatalogError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        if rank == 0:
+            print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"{data_path}: {len(samples)} samples, {len(results) // len(checkpoints)} answers")
-    print_table(summary)
-    if args.out is not None:
-        print(f"wrote {args.out / 'results.csv'} and {args.out / 'summary.json'}")
+    finally:
+        if world_size > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    if rank == 0:
+        print(f"{data_path}: {len(samples)} samples, {len(results) // len(checkpoints)} answers"
+              + (f" ({world_size} processes)" if world_size > 1 else ""))
+        print_table(summary)
+        if args.out is not None:
+            print(f"wrote {args.out / 'results.csv'} and {args.out / 'summary.json'}")
     return 0
 
 
