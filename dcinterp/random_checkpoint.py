@@ -140,6 +140,22 @@ def write_random_checkpoint(directory, config: dict, file_format: str = "safeten
     return directory
 
 
+def write_tokenizer(directory, texts: list[str], vocab_size: int = 2048) -> Path:
+    """A byte-level BPE tokenizer (GPT-NeoX style: words carry their leading space, "Ġburger") trained on `texts`,
+    saved as `tokenizer.json` so that prompts can be run through a random checkpoint; ids stay below vocab_size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer)
+    directory = Path(directory)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
 def _random(shape: tuple[int, ...], key: str, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
     values = torch.randn(shape, generator=generator, device=generator.device, dtype=dtype) * 0.02
     if key.endswith(("norm.weight", "norm.scale", "layernorm.weight")):
