@@ -25,17 +25,21 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
-import torch
 from tqdm import tqdm
 
-from .. import loading
-from ..loading import CheckpointError
-from ..model import HookedDCFormer
+from ..cli import check_writable_dir
+from ..devices import check_device
 from .catalog import Catalog, CatalogError, data_dir, load_catalog
 from .generate import parse_task_ids
 from .records import LINES_PER_SAMPLE, DatasetError, read_jsonl, sample_lines, unbracket
+
+if TYPE_CHECKING:  # torch and the model are imported where they are used, so that `eval --help` starts fast
+    import torch
+
+    from ..model import HookedDCFormer
 
 K_SHOTS = tuple(range(2, 8))  # answers on lines 3..8 see 2..7 earlier lines
 DEFAULT_CHECKPOINTS = ("dcpythia-synth", "pythia-synth")
@@ -181,6 +185,8 @@ class AnswerScore:
 
 def score_answer(logits: torch.Tensor, token_ids: list[int], positions: tuple[int, int], tokenizer) -> AnswerScore:
     """Score the answer at token `positions` [start, end) from logits [pos, vocab]: token i is predicted at i - 1."""
+    import torch
+
     start, end = positions
     targets = torch.tensor(token_ids[start:end], device=logits.device)
     logprobs = logits[start - 1:end - 1].float().log_softmax(-1)
@@ -197,6 +203,8 @@ def score_answer(logits: torch.Tensor, token_ids: list[int], positions: tuple[in
 def evaluate(model: HookedDCFormer, records, batch_size: int = 8, name: str | None = None,
              progress: bool = True) -> pd.DataFrame:
     """One forward pass per sample, in right-padded batches of similar length; one row per answer."""
+    import torch
+
     name = name or model.cfg.model_name
     encoded = encode_all(model, records, name)
     pad_id = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
@@ -217,6 +225,8 @@ def evaluate(model: HookedDCFormer, records, batch_size: int = 8, name: str | No
 
 def evaluate_naive(model: HookedDCFormer, records, name: str | None = None) -> pd.DataFrame:
     """The reference: one forward pass per answer, over the tokens up to the answer's end only."""
+    import torch
+
     name = name or model.cfg.model_name
     encoded = encode_all(model, records, name)
     scores = []
@@ -239,6 +249,8 @@ def encode_all(model: HookedDCFormer, records, checkpoint: str) -> list[EncodedS
 
 
 def padded_tokens(sequences: list[list[int]], pad_id: int) -> torch.Tensor:
+    import torch
+
     width = max(len(s) for s in sequences)
     return torch.tensor([s + [pad_id] * (width - len(s)) for s in sequences])
 
@@ -354,12 +366,14 @@ def parse_task_selection(text: str) -> set[str]:
 def run_eval(args: argparse.Namespace) -> int:
     """The `eval` command: 0 on success, 2 (and one line on stderr) for bad input."""
     try:
+        if args.out is not None:
+            check_out_dir(args.out)
+        device = eval_device(args.device)
         checkpoints = checkpoints_to_evaluate(args.checkpoint)
         data_path = resolve_data_path(args.data)
         samples = select_samples(load_samples(data_path), args.tasks, args.limit, data_path)
         for sample in samples:
             parse_sample(sample)  # structural errors before any checkpoint is loaded
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         results = []
         for checkpoint, name in zip(checkpoints, checkpoint_names(checkpoints)):
             model = load_checkpoint(checkpoint, args.dtype, device)
@@ -387,7 +401,9 @@ def main_eval(argv: list[str] | None = None) -> int:
 def checkpoints_to_evaluate(given: list[str] | None) -> list[str]:
     if given:
         return given
-    embedded = [name for name in DEFAULT_CHECKPOINTS if name in loading.embedded_models()]
+    from ..loading import embedded_models
+
+    embedded = [name for name in DEFAULT_CHECKPOINTS if name in embedded_models()]
     if not embedded:
         raise EvalError("no embedded models are shipped yet; pass --checkpoint PATH (a checkpoint directory)")
     return embedded
@@ -400,6 +416,9 @@ def checkpoint_names(checkpoints: list[str]) -> list[str]:
 
 
 def load_checkpoint(checkpoint: str, dtype: str, device: str) -> HookedDCFormer:
+    from ..loading import CheckpointError
+    from ..model import HookedDCFormer
+
     try:
         return HookedDCFormer.from_pretrained(checkpoint, dtype=dtype, device=device)
     except CheckpointError as error:
@@ -423,6 +442,22 @@ def select_samples(samples: list[Sample], tasks: set[str] | None, limit: int | N
     if not samples:
         raise EvalError(f"{source}: no samples to evaluate" + (" of the selected tasks" if tasks else ""))
     return samples
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """EvalError unless `out_dir` is a directory that can be written, or can be created; creates nothing."""
+    try:
+        check_writable_dir(out_dir, "--out")
+    except ValueError as error:
+        raise EvalError(str(error)) from None
+
+
+def eval_device(name: str | None) -> str:
+    """The --device to evaluate on (None: cuda if available, else cpu); EvalError if this machine lacks it."""
+    try:
+        return check_device(name)
+    except ValueError as error:
+        raise EvalError(f"--device: {error}") from None
 
 
 def write_outputs(results: pd.DataFrame, summary: dict, out_dir: Path) -> None:
