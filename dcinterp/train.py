@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, NoReturn
 
+from .cli import Parser
 from .synth import data_dir, generate, load_catalog, read_jsonl, unbracket
 from .synth.catalog import OV_TRANSFORMATIONS, QK_PATTERNS
 from .synth.evaluate import RELEASED_DATA, accuracy_by, evaluate
@@ -532,7 +533,7 @@ def accuracy_report(model: HookedDCFormer, held_task_ids=(), batch_size: int = 1
 # Command line
 def parse_args(argv=None) -> argparse.Namespace:
     d = TrainConfig()
-    p = argparse.ArgumentParser(prog="python -m dcinterp.train", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m dcinterp.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", choices=("dcmha", "mha", "both"), default="both")
     p.add_argument("--out", default="runs", help="directory; each model goes to OUT/<name>")
     p.add_argument("--name-suffix", default="", help="appended to the model names, e.g. '-heldout'")

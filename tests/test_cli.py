@@ -1,6 +1,7 @@
 """The command lines as a new user meets them: every bad input is one line on stderr, exit 2, checked before any work,
 and nothing written; `--help` does not import torch; the notebook runner takes parameters as typed."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,7 @@ from dcinterp.synth import __main__ as synth_cli
 from dcinterp.synth import evaluate
 
 REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
 def unavailable_devices() -> list[str]:
@@ -91,6 +93,14 @@ def test_eval_out_that_cannot_be_written_fails_before_any_work(where, message, t
     assert synth_cli.main(["eval", "--out", str(out), "--limit", "1"]) == 2
     assert one_line(capsys.readouterr().err) == "error: " + message.format(out=out, file=file)
     assert file.read_text() == "keep me\n" and files_under(tmp_path) == ["existing.csv"]
+
+
+def test_the_module_entry_point_gives_one_line_not_a_traceback(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "dcinterp.synth", "eval", "--device", "tpu", "--out",
+                             str(tmp_path / "results")], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert one_line(result.stderr).startswith("error: --device: device 'tpu' is not a torch device; available: cpu")
+    assert files_under(tmp_path) == []
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs a read-only file system (/proc)")
@@ -225,7 +235,7 @@ def test_runner_streams_cells_keeps_kernel_warnings_out_and_writes_next_to_the_n
     result = subprocess.run(
         [sys.executable, "-m", "dcinterp.notebooks", "run", str(notebook), "-p", "message", "a: b\nc",
          "-p", "repeat", "3", "--out", "out/tiny_run.ipynb"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "Executing Cell 2" in result.stdout and "a: b\nca: b\nca: b\n" in result.stdout
     assert "without encryption" not in result.stdout + result.stderr
