@@ -563,7 +563,9 @@ def plot_synthetic_eval(tables: Mapping, title: str | None = None, caption: str 
         ax.set_ylabel(label)
         ax.set_title(f"Accuracy by {label}", fontsize=11)
         bar_axes.append(ax)
-    bar_axes[0].legend(fontsize=8, loc="center right")  # over the person patterns, whose bars are short
+    handles, labels = bar_axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside upper right", ncol=len(labels), fontsize=9,
+               title="bars: accuracy with its interval; dashes: chance", title_fontsize=8)
 
     combinations = tables["combination"]
     maps = [(checkpoint, _combination_grid(combinations, checkpoint, qk_patterns, ov_transformations, "accuracy"))
@@ -575,7 +577,7 @@ def plot_synthetic_eval(tables: Mapping, title: str | None = None, caption: str 
         cmap = colormaps[SEQUENTIAL].with_extremes(bad="0.9")
         image = ax.imshow(values, cmap=cmap, vmin=0, vmax=1, aspect="auto")
         for (r, c), value in np.ndenumerate(values):
-            text = "no task" if np.isnan(value) else f"{value:.0%}\n{100 * low[r, c]:.0f}-{100 * high[r, c]:.0f}"
+            text = "no\nsample" if np.isnan(value) else f"{value:.0%}\n{100 * low[r, c]:.0f}-{100 * high[r, c]:.0f}"
             ax.text(c, r, text, ha="center", va="center", fontsize=7,
                     color="0.4" if np.isnan(value) else ("black" if value > 0.6 else "white"))
         _label_combination_axes(ax, qk_patterns, ov_transformations, left=j == 0)
@@ -595,7 +597,8 @@ def plot_synthetic_eval(tables: Mapping, title: str | None = None, caption: str 
         f"Accuracy per answer (every answer token is the model's top prediction), {interval}. Chance: picking "
         "at random among the line's candidates (1/3; 1/2 for odd-one-out). Bottom: each cell holds the tasks "
         "of one QK pattern (which fact to look up) and one OV transformation (what to answer with it), with the "
-        "accuracy and its interval in percent; grey: no task combines them."))
+        "accuracy and its interval in percent; grey: no sample of that combination in the data (no task of the "
+        "catalog is both prev and a person lookup)."))
     for ax in bar_axes:
         ax.grid(alpha=0.3, axis="x")
     fig.suptitle(title or "Synthetic-task evaluation")

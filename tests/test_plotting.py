@@ -136,7 +136,7 @@ def synthetic_results() -> pd.DataFrame:
 def test_synthetic_eval_figure():
     tables = accuracy_tables(synthetic_results(), n_resamples=200)
     fig = plotting.plot_synthetic_eval(tables)
-    check(fig, "synthetic_eval", ["shots K", "same-person", "superclass", "chance (37%)", "no task",
+    check(fig, "synthetic_eval", ["shots K", "same-person", "superclass", "chance (37%)", "no\nsample",
                                   "dcpythia-synth minus pythia-synth", "bootstrap interval"])
     # the combination heatmaps share one 0-1 scale; the difference map is centred at zero
     images = [ax.images[0] for ax in fig.axes if ax.images]
