@@ -310,9 +310,9 @@ class Batcher:
         return enc["input_ids"], answer
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [batch, pos], answer mask [batch, pos]: the token is an answer token)."""
         import torch
 
-        """(tokens [batch, pos], answer mask [batch, pos]: the token is an answer token)."""
         if not getattr(self, "pending", None):
             self._refill()
         rows = self.pending.pop()
