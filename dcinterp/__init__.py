@@ -1,8 +1,30 @@
-"""dcinterp: an interpretability toolkit for DCFormer (Dynamically Composable Multi-Head Attention)."""
+"""dcinterp: an interpretability toolkit for DCFormer (Dynamically Composable Multi-Head Attention).
 
-from .config import DCFormerConfig
-from .loading import CheckpointError, embedded_models
-from .memory import CacheTooLarge, estimate_cache
-from .model import HookedDCFormer
+The names below are imported on first use, so that the command lines (`python -m dcinterp.synth --help`, ...)
+start without importing torch or transformer_lens.
+"""
+
+from importlib import import_module
+
+_LAZY = {
+    "DCFormerConfig": ".config",
+    "HookedDCFormer": ".model",
+    "CheckpointError": ".loading",
+    "embedded_models": ".loading",
+    "estimate_cache": ".memory",
+    "CacheTooLarge": ".memory",
+}
 
 __all__ = ["DCFormerConfig", "HookedDCFormer", "CheckpointError", "embedded_models", "estimate_cache", "CacheTooLarge"]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -21,6 +21,7 @@ from safetensors.torch import save_file as save_safetensors
 from torch import Tensor, nn
 
 from .config import DCFormerConfig
+from .devices import check_device
 from .model import HookedDCFormer
 
 EMBEDDED_DIR = Path(__file__).parent / "checkpoints"
@@ -127,23 +128,11 @@ def resolve_dtype(dtype) -> torch.dtype:
     return names[str(dtype).removeprefix("torch.")]
 
 
-def available_devices() -> list[str]:
-    devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    if torch.backends.mps.is_available():
-        devices.append("mps")
-    return devices
-
-
 def resolve_device(device) -> torch.device:
     """A torch.device that exists here, or one ValueError line naming it and what is available."""
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"unknown device {device!r} (available: {', '.join(available_devices())})") from None
-    if resolved.type == "cuda" and resolved.index is None and torch.cuda.is_available():
+    resolved = torch.device(check_device(device))
+    if resolved.type == "cuda" and resolved.index is None:
         resolved = torch.device("cuda", torch.cuda.current_device())
-    if resolved.type != "cpu" and str(resolved) not in available_devices():
-        raise ValueError(f"device {str(device)!r} is not available here (available: {', '.join(available_devices())})")
     return resolved
 
 

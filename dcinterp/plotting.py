@@ -1,26 +1,34 @@
 """Figures for the results of `attribution`, `composition`, `circuits` and the synthetic evaluation.
 
-Every function takes results (tensors, dataclasses, dicts), never a model, and returns a figure
+Every function takes results (tensors, dataclasses, DataFrames), never a model, and returns a figure
 (`matplotlib.figure.Figure`, or `plotly.graph_objects.Figure` for the `*_plotly` ones); nothing is shown.
 Figures are built without pyplot (no global state, no open windows): `fig.savefig(path)`, or in a notebook with
 the inline backend (`%matplotlib inline`) end a cell with `fig`.
 Token labels are optional everywhere (`str_tokens`, `query_token`, ...): pass `model.to_str_tokens(prompt)`.
 
-    plot_head_attribution        layer x head heatmap of IG scores, top heads marked
-    plot_composition_maps        H x H composition maps (Fig. 1 style)
-    plot_compose_breakdown       one attention vector through a Compose stage (Fig. 7 style)
-    plot_attention_distributions attention before/after composition and w_k1 along the sequence (Fig. 8)
-    plot_head_diversity          cumulative captured variance of QK / OV circuits, models side by side (Fig. 5)
-    plot_synthetic_eval          synthetic-task accuracy by shots, task, QK pattern, OV transformation (Table 5, Fig. 6)
+Conventions: signed values use a diverging colormap centred at zero, with one scale shared by every panel of a
+figure that shows the same quantity; small heatmaps carry their numbers; each figure ends with a caption line
+(`caption=`; the default says what the figure shows and what to look for).
+
+    plot_head_attribution            layer x head heatmap of IG scores, top heads marked
+    plot_composition_maps            H x H composition maps C = W^T (Fig. 1 style), wrapped into a grid
+    plot_composition_along_sequence  how far the composition map is from the identity, key by key
+    plot_compose_breakdown           one attention vector through a Compose stage (Fig. 7 style)
+    plot_attention_distributions     attention before/after composition and w_k1 along the sequence (Fig. 8)
+    plot_head_diversity              cumulative captured variance of QK / OV circuits, models compared (Fig. 5)
+    plot_synthetic_eval              synthetic-task accuracy with intervals and chance (Table 5, Fig. 6)
 """
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import plotly.graph_objects as go
 import torch
+from matplotlib import colormaps
+from matplotlib.colors import SymLogNorm
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
@@ -29,20 +37,26 @@ from .circuits import HeadDiversity
 from .composition import AttentionDistributions, ComposeBreakdown
 
 DIVERGING = "RdBu_r"
+SEQUENTIAL = "viridis"  # for values in [0, 1] (accuracies)
+MAX_ANNOTATED_CELLS = 200  # heatmaps with more cells than this are not annotated
 
 
 def _np(x) -> np.ndarray:
     return x.detach().float().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=float)
 
 
-def _symmetric_limit(values: np.ndarray) -> float:
-    limit = float(np.nanmax(np.abs(values))) if values.size else 1.0
+def _symmetric_limit(*arrays: np.ndarray) -> float:
+    """The largest |value| over all arrays (1 if they are all zero): the shared limit of a diverging scale."""
+    values = np.concatenate([np.ravel(a) for a in arrays]) if arrays else np.zeros(0)
+    limit = float(np.nanmax(np.abs(values))) if values.size and not np.all(np.isnan(values)) else 1.0
     return limit if limit > 0 else 1.0
 
 
-def _diverging(ax, values: np.ndarray):
+def _diverging(ax, values: np.ndarray, limit: float | None = None, norm=None):
     """A heatmap centred on zero (blue negative, red positive); returns the image for a colorbar."""
-    limit = _symmetric_limit(values)
+    if norm is not None:
+        return ax.imshow(values, cmap=DIVERGING, norm=norm, aspect="auto")
+    limit = limit or _symmetric_limit(values)
     return ax.imshow(values, cmap=DIVERGING, vmin=-limit, vmax=limit, aspect="auto")
 
 
@@ -60,36 +74,71 @@ def _fmt(value: float) -> str:
     return f"{value:.2f}" if value == 0 or abs(value) >= 0.005 else f"{value:.0e}"
 
 
-def _annotate(ax, values: np.ndarray, fontsize: int = 7) -> None:
+def _annotate(ax, values: np.ndarray, fontsize: int = 7, limit: float | None = None, fmt=_fmt) -> None:
     """Write each cell's value on a heatmap drawn by `_diverging`, in white on the dark cells."""
-    limit = _symmetric_limit(values)
+    if values.size > MAX_ANNOTATED_CELLS:
+        return
+    limit = limit or _symmetric_limit(values)
     for (row, col), value in np.ndenumerate(values):
-        ax.text(col, row, _fmt(value), ha="center", va="center", fontsize=fontsize,
-                color="white" if abs(value) > 0.6 * limit else "black")
+        if not np.isnan(value):
+            ax.text(col, row, fmt(value), ha="center", va="center", fontsize=fontsize,
+                    color="white" if abs(value) > 0.6 * limit else "black")
 
 
 def _quote(token: str | None) -> str:
     return "" if token is None else repr(str(token))
 
 
+def token_label(token: str) -> str:
+    """A token as a tick label: line breaks and tabs written out, leading/trailing spaces shown as '·'."""
+    text = str(token).replace("\n", "\\n").replace("\t", "\\t")
+    stripped = text.strip(" ")
+    left, right = len(text) - len(text.lstrip(" ")), len(text) - len(text.rstrip(" "))
+    return "·" * left + stripped + "·" * right if stripped else "·" * len(text)
+
+
+def _caption(fig: Figure, text: str) -> None:
+    """A caption line under the figure (wrapped to its width), laid out by the constrained layout."""
+    width = max(50, int(fig.get_figwidth() * 12))
+    fig.supxlabel(textwrap.fill(text, width), fontsize=9, color="0.2", x=0.01, ha="left")
+
+
 # --------------------------------------------------------------------------------------------------
 # Attribution
 def plot_head_attribution(
-    scores: HeadAttribution | torch.Tensor, top_k: int = 3, title: str | None = None, label: str = "IG score"
+    scores: HeadAttribution | torch.Tensor,
+    top_k: int = 3,
+    title: str | None = None,
+    label: str = "IG score",
+    color_scale: str = "symlog",
+    caption: str | None = None,
 ) -> Figure:
-    """Heatmap of one score per (layer, head), layer 0 at the top; the top_k heads boxed and named L{l}H{h}."""
+    """Heatmap of one score per (layer, head), layer 0 at the top; the top_k heads boxed and named L{l}H{h}.
+
+    `color_scale="symlog"` (default): a symmetric-log diverging scale centred at zero, linear within 1/50 of the
+    largest |score|, so that one dominant head does not wash out the others; "linear" for a plain one. Small
+    grids carry their scores as numbers.
+    """
     values = _np(scores.scores if isinstance(scores, HeadAttribution) else scores)
     n_layers, n_heads = values.shape
-    fig = Figure(figsize=(max(5.0, 0.32 * n_heads + 2.5), max(3.5, 0.28 * n_layers + 1.8)), layout="constrained")
+    limit = _symmetric_limit(values)
+    if color_scale not in ("symlog", "linear"):
+        raise ValueError(f"color_scale={color_scale!r}: expected 'symlog' or 'linear'")
+    norm = SymLogNorm(linthresh=limit / 50, vmin=-limit, vmax=limit, base=10) if color_scale == "symlog" else None
+    fig = Figure(figsize=(max(5.5, 0.45 * n_heads + 3), max(3.8, 0.4 * n_layers + 2.4)), layout="constrained")
     ax = fig.subplots()
-    image = _diverging(ax, values)
-    fig.colorbar(image, ax=ax, label=label)
+    image = _diverging(ax, values, limit, norm)
+    ticks = [-limit, -limit / 10, 0, limit / 10, limit] if color_scale == "symlog" else None
+    fig.colorbar(image, ax=ax, ticks=ticks, format="%.2g",
+                 label=label + (" (symmetric-log scale)" if color_scale == "symlog" else ""))
+    _annotate(ax, values, fontsize=8 if n_heads <= 16 else 6, limit=limit * (0.1 if norm else 1),
+              fmt=lambda v: f"{v:.2g}" if abs(v) < 100 else f"{v:.0f}")
     order = np.argsort(-values, axis=None)[:top_k]
     top = []
     for rank, flat in enumerate(order):
         layer, head = divmod(int(flat), n_heads)
         ax.add_patch(Rectangle((head - 0.5, layer - 0.5), 1, 1, fill=False, edgecolor="black", linewidth=2))
-        ax.text(head, layer, str(rank + 1), ha="center", va="center", fontsize=8, fontweight="bold")
+        ax.text(head - 0.45, layer - 0.45, str(rank + 1), ha="left", va="top", fontsize=7, fontweight="bold")
         top.append(f"{rank + 1}: L{layer}H{head} ({values[layer, head]:.3g})")
     _head_ticks(ax, n_heads, "x")
     _head_ticks(ax, n_layers, "y")
@@ -98,6 +147,9 @@ def plot_head_attribution(
     heading = title or "Head attribution (integrated gradients)"
     lines = [", ".join(top[i : i + 3]) for i in range(0, len(top), 3)]
     ax.set_title("\n".join([heading, *lines]), fontsize=10)
+    _caption(fig, caption or "One score per head: how much the target changes along the path that switches every "
+             "head on at once (the scores add up to the total effect). Red raises the target, blue lowers it; "
+             "boxed: the top heads by score.")
     return fig
 
 
@@ -118,16 +170,25 @@ def plot_head_attribution_plotly(
 
 # --------------------------------------------------------------------------------------------------
 # Composition
+COMPOSITION_MAP_CAPTION = (
+    "Drawn as C = W^T, where W is what composition_map returns (A' = A @ W): row h is the composed head, column j "
+    "the head it draws on, A'_h = sum_j C[h, j] A_j. Red: head h takes on head j's attention, blue: it subtracts "
+    "it; one colour scale for all panels.")
+
+
 def plot_composition_maps(
     maps: torch.Tensor | Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
     titles: Sequence[str] | None = None,
     head_labels: Sequence[str] | None = None,
     suptitle: str | None = None,
+    ncols: int = 4,
+    caption: str | None = None,
 ) -> Figure:
-    """Fig. 1 style: one panel per H x H map W (from `composition_map`, A' = A @ W).
+    """Fig. 1 style: one panel per H x H map W (from `composition_map`, A' = A @ W), `ncols` panels a row.
 
     Drawn as the paper's composition map C = W.T: row h is the composed head, column j the source head,
-    A'_h = sum_j C[h, j] A_j. Lighter is larger.
+    A'_h = sum_j C[h, j] A_j. Diverging colours centred at zero with one scale for all panels; maps of up to
+    8 heads carry their numbers. Pass maps without the identity (`include_identity=False`) to see the mixing.
     """
     if isinstance(maps, torch.Tensor) and maps.ndim == 2:
         maps = [maps]
@@ -136,27 +197,75 @@ def plot_composition_maps(
     maps = [_np(W).T for W in maps]
     titles = titles or [f"map {i}" for i in range(len(maps))]
     n_heads = maps[0].shape[0]
-    size = min(4.5, 1.2 + 0.3 * n_heads)
-    fig = Figure(figsize=(size * len(maps) + 1, size + 0.9), layout="constrained")
-    axes = fig.subplots(1, len(maps), squeeze=False)
-    for ax, C, title in zip(axes[0], maps, titles):
-        image = ax.imshow(C, cmap="viridis")
-        fig.colorbar(image, ax=ax, shrink=0.8)
+    ncols = max(1, min(ncols, len(maps)))
+    nrows = -(-len(maps) // ncols)
+    size = min(4.0, 1.4 + 0.3 * n_heads)
+    fig = Figure(figsize=(max(6.0, size * ncols + 1.4), size * nrows + 1.6), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    limit = _symmetric_limit(*maps)
+    for ax, C, title in zip(axes.flat, maps, titles):
+        image = _diverging(ax, C, limit)
+        if n_heads <= 8:
+            _annotate(ax, C, fontsize=8 if n_heads <= 4 else 6, limit=limit)
         _head_ticks(ax, n_heads, "x", head_labels)
         _head_ticks(ax, n_heads, "y", head_labels)
         ax.set_xlabel("source head j")
         ax.set_ylabel("composed head h")
         ax.set_title(title, fontsize=10)
+    for ax in axes.flat[len(maps):]:
+        ax.set_visible(False)
+    fig.colorbar(image, ax=axes, shrink=0.8 if nrows > 1 else 0.9, label="C[h, j]")
     fig.suptitle(suptitle or "Composition maps C (A'_h = sum_j C[h, j] A_j)")
+    _caption(fig, caption or COMPOSITION_MAP_CAPTION)
     return fig
 
 
 def plot_composition_map_plotly(W: torch.Tensor, title: str | None = None) -> go.Figure:
-    """Interactive composition map C = W.T (hover: composed head, source head, weight)."""
-    fig = go.Figure(go.Heatmap(z=_np(W).T, colorscale="Viridis",
-                               hovertemplate="composed head %{y} <- source head %{x}: %{z:.4g}<extra></extra>"))
+    """Interactive composition map C = W.T (hover: composed head, source head, weight), diverging at zero."""
+    C = _np(W).T
+    limit = _symmetric_limit(C)
+    heatmap = go.Heatmap(z=C, colorscale="RdBu", reversescale=True, zmin=-limit, zmax=limit, zmid=0,
+                         colorbar=dict(title="C[h, j]"),
+                         texttemplate="%{z:.2f}" if C.shape[0] <= 8 else None,
+                         hovertemplate="composed head %{y} <- source head %{x}: %{z:.4g}<extra></extra>")
+    fig = go.Figure(heatmap)
     fig.update_layout(title=title or "Composition map C", xaxis_title="source head j",
-                      yaxis_title="composed head h", yaxis_autorange="reversed")
+                      yaxis_title="composed head h", yaxis_autorange="reversed", xaxis_dtick=1, yaxis_dtick=1,
+                      width=620, height=560)
+    return fig
+
+
+def plot_composition_along_sequence(
+    values: Mapping[str, torch.Tensor | np.ndarray],
+    str_tokens: Sequence[str] | None = None,
+    query_pos: int | None = None,
+    ylabel: str = "||W - I||_F",
+    title: str | None = None,
+    caption: str | None = None,
+) -> Figure:
+    """One line per entry of `values` (e.g. per layer): a value per key 0..query_pos, NaN where the key is out of
+    reach (a local layer's window); the keys a layer can see are drawn, the others left blank."""
+    series = {name: _np(v) for name, v in values.items()}
+    n_keys = max(len(v) for v in series.values())
+    labels = [token_label(t) for t in str_tokens[:n_keys]] if str_tokens is not None else \
+        [str(i) for i in range(n_keys)]
+    fig = Figure(figsize=(min(22.0, max(8.0, 0.2 * n_keys + 2)), 4.6), layout="constrained")
+    ax = fig.subplots()
+    for i, (name, v) in enumerate(series.items()):
+        ax.plot(np.arange(len(v)), v, marker="o", markersize=3, linewidth=1.4, color=f"C{i}", label=name)
+    ax.set_xticks(range(n_keys), labels, rotation=90, fontsize=8 if n_keys <= 80 else 6)
+    if query_pos is not None and query_pos < n_keys:
+        ax.get_xticklabels()[query_pos].set_fontweight("bold")
+    ax.set_xlim(-0.5, n_keys - 0.5)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("key token")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.set_title(title or "How far the composition is from the identity, key by key")
+    _caption(fig, caption or f"{ylabel} for the query and each key (_F: the Frobenius norm, the root of the summed squares of the "
+             "entries of W - I); 0 means every head keeps its own attention. "
+             "Layers with a local window are drawn only over the keys they can see.")
     return fig
 
 
@@ -166,10 +275,12 @@ def plot_compose_breakdown(
     key_token: str | None = None,
     side: str = "k",
     title: str | None = None,
+    caption: str | None = None,
 ) -> Figure:
     """Fig. 7 style: the attention vector before composition, the four branch outputs, and the composed vector
     (columns A, O_qp, O_qg, O_kp, O_kg, A' with one row per head, annotated), next to the low-rank weights of
     one side (`side="k"`: w_k1 [head x rank] and w_k2 [rank x head], as in the paper; "q" for w_q1, w_q2).
+    Two diverging scales centred at zero: one for the weights, one for the attention.
     """
     b = breakdown
     n_heads = len(b.before)
@@ -177,13 +288,15 @@ def plot_compose_breakdown(
     names = ["A", "O_qp", "O_qg", "O_kp", "O_kg", "A'"]
     w1, w2 = _np(getattr(b, f"w_{side}1")), _np(getattr(b, f"w_{side}2")).T  # [head, rank], [rank, head]
     rank = w1.shape[1]
-    height = max(4.0, 0.32 * n_heads + 1.8)
+    weight_limit = _symmetric_limit(w1, w2)
+    height = max(4.2, 0.32 * n_heads + 2.2)
     fig = Figure(figsize=(4.0 + 0.45 * rank + 0.25 * n_heads + 5.5, height), layout="constrained")
     grid = fig.add_gridspec(2, 3, width_ratios=[rank + 1.5, max(n_heads, 4) * 0.6, 9], height_ratios=[3, 1])
 
     ax1 = fig.add_subplot(grid[:, 0])
-    image = _diverging(ax1, w1)
-    fig.colorbar(image, ax=ax1, location="bottom", shrink=0.9)
+    image = _diverging(ax1, w1, weight_limit)
+    if n_heads * rank <= 64:
+        _annotate(ax1, w1, fontsize=7, limit=weight_limit)
     ax1.set_xticks(range(rank), [str(r) for r in range(rank)])
     _head_ticks(ax1, n_heads, "y")
     ax1.set_xlabel("rank r")
@@ -191,13 +304,15 @@ def plot_compose_breakdown(
     ax1.set_title(f"w_{side}1 (head x rank)", fontsize=10)
 
     ax2 = fig.add_subplot(grid[0, 1])
-    image = _diverging(ax2, w2)
-    fig.colorbar(image, ax=ax2, location="bottom", shrink=0.9)
+    _diverging(ax2, w2, weight_limit)
+    if n_heads * rank <= 64:
+        _annotate(ax2, w2, fontsize=7, limit=weight_limit)
     ax2.set_yticks(range(rank), [str(r) for r in range(rank)])
     _head_ticks(ax2, n_heads, "x")
     ax2.set_xlabel("head")
     ax2.set_ylabel("rank r")
     ax2.set_title(f"w_{side}2 (rank x head)", fontsize=10)
+    fig.colorbar(image, ax=[ax1, ax2], location="bottom", shrink=0.9, label=f"dynamic weight w_{side}1, w_{side}2")
 
     ax4 = fig.add_subplot(grid[1, 1])
     hidden = _np(b.before)[None] @ w1  # [1, rank]: what w_{side}1 gathers from all heads
@@ -220,6 +335,10 @@ def plot_compose_breakdown(
     pair = f"{_quote(query_token) or f'pos {b.query_pos}'} -> {_quote(key_token) or f'pos {b.key_pos}'}"
     fig.suptitle(title or f"Layer {b.layer} {b.stage}-compose of the attention {pair} "
                  f"(query pos {b.query_pos}, key pos {b.key_pos})")
+    _caption(fig, caption or "Right: each head's attention at this pair before composition (A), what each branch "
+             "adds (query-wise / key-wise projection O_qp / O_kp, gates O_qg / O_kg), and the sum A'; the columns "
+             "add up exactly. Left: the key's dynamic weights; w_1 gathers attention from the heads into rank "
+             "components, w_2 shares it out again.")
     return fig
 
 
@@ -229,149 +348,258 @@ def plot_attention_distributions(
     w_k1_heads: Sequence[int] | None = None,
     rank_index: int = 0,
     title: str | None = None,
+    highlight: Sequence[int] = (),
+    caption: str | None = None,
 ) -> Figure:
     """Fig. 8 style: top, w_k1[key, head, rank_index] along the keys for `w_k1_heads` (default: the chosen
-    heads); below, one panel per chosen head with its attention over the keys before and after composition.
+    heads); below, one panel per chosen head with its attention over the keys before and after composition,
+    all on one scale. `highlight`: key positions whose labels are drawn bold and red (e.g. the key studied).
     """
     n_keys = dist.before.shape[1]
-    labels = [t.replace("\n", "\\n") for t in str_tokens[:n_keys]] if str_tokens is not None else \
+    labels = [token_label(t) for t in str_tokens[:n_keys]] if str_tokens is not None else \
         [str(i) for i in range(n_keys)]
     has_w = dist.w_k1 is not None
     n_rows = len(dist.heads) + has_w
-    fig = Figure(figsize=(min(18.0, max(6.0, 0.38 * n_keys + 2)), 1.9 * n_rows + 1.0), layout="constrained")
-    axes = fig.subplots(n_rows, 1, sharex=True, squeeze=False)
-    axes = axes[:, 0]
+    fig = Figure(figsize=(min(22.0, max(7.0, 0.24 * n_keys + 2)), 1.8 * n_rows + 1.8), layout="constrained")
+    axes = fig.subplots(n_rows, 1, sharex=True, squeeze=False)[:, 0]
     x = np.arange(n_keys)
     if has_w:
         ax = axes[0]
         for head in w_k1_heads if w_k1_heads is not None else dist.heads:
-            ax.plot(x, _np(dist.w_k1[:, head, rank_index]), marker="o", markersize=3,
-                    label=f"L{dist.layer}H{head}")
-        ax.axhline(0, color="grey", linewidth=0.5)
-        ax.set_ylabel(f"w_k1[:, h, {rank_index}]")
-        ax.set_title(f"{dist.stage}-compose key-wise weight w_k1 (rank component {rank_index}) along the sequence",
-                     fontsize=10)
-        ax.legend(fontsize=7, ncol=4, loc="best")
+            ax.plot(x, _np(dist.w_k1[:, head, rank_index]), marker="o", markersize=3, linewidth=1,
+                    label=f"w_k1 of L{dist.layer}H{head}")
+        ax.axhline(0, color="grey", linewidth=0.6)
+        ax.set_ylabel(f"w_k1[key, h, {rank_index}]")
+        ax.set_title(f"{dist.stage}-compose key-wise weight w_k1 (rank component {rank_index}) at each key",
+                     fontsize=10, loc="left")
+        ax.legend(fontsize=8, ncol=4, loc="upper left")
     what = "attention weight" if dist.stage == "post" else "attention score"
+    limit = _symmetric_limit(_np(dist.before), _np(dist.after))
+    low = min(0.0, float(np.nanmin(_np(dist.before))), float(np.nanmin(_np(dist.after))))
     for ax, i, head in zip(axes[has_w:], range(len(dist.heads)), dist.heads):
-        ax.bar(x - 0.2, _np(dist.before[i]), width=0.4, color="0.65", label="before composition")
-        ax.bar(x + 0.2, _np(dist.after[i]), width=0.4, color="tab:blue", label="after composition")
-        ax.axhline(0, color="grey", linewidth=0.5)
+        ax.bar(x - 0.2, _np(dist.before[i]), width=0.4, color="0.6", label="before composition (A)")
+        ax.bar(x + 0.2, _np(dist.after[i]), width=0.4, color="tab:blue", label="after composition (A')")
+        ax.axhline(0, color="black", linewidth=0.6)
+        ax.set_ylim(low * 1.08, limit * 1.08)
         ax.set_ylabel(what)
         ax.set_title(f"L{dist.layer}H{head}", fontsize=10, loc="left")
-        ax.legend(fontsize=7, loc="best")
-    axes[-1].set_xticks(x, labels, rotation=60, ha="right", rotation_mode="anchor", fontsize=8 if n_keys <= 40 else 6)
+        ax.grid(alpha=0.3, axis="y")
+    handles, names = axes[-1].get_legend_handles_labels()
+    fig.legend(handles, names, loc="outside upper right", ncol=2, fontsize=9)
+    axes[-1].set_xticks(x, labels, rotation=90, fontsize=9 if n_keys <= 80 else 7)
+    for position in highlight:
+        if 0 <= position < n_keys:
+            axes[-1].get_xticklabels()[position].set(color="tab:red", fontweight="bold")
     axes[-1].set_xlabel("key token")
     query = labels[dist.query_pos] if dist.query_pos < len(labels) else str(dist.query_pos)
     fig.suptitle(title or f"Layer {dist.layer}: attention from query {query!r} (pos {dist.query_pos})")
+    _caption(fig, caption or (
+        "Grey: the head's own attention (softmax); blue: after post-compose, which adds signed mixtures of the "
+        "other heads' attention, so A' is no longer a distribution and can be negative or above 1. "
+        if dist.stage == "post" else
+        "Grey: the head's attention scores before pre-compose; blue: after it (scores, before the softmax). ")
+        + "Top: the key-wise weight that gathers attention from each head, along the sequence.")
     return fig
 
 
 # --------------------------------------------------------------------------------------------------
 # Head diversity
 def plot_head_diversity(
-    results: HeadDiversity | Mapping[str, HeadDiversity], per_layer: bool = False, title: str | None = None
+    results: HeadDiversity | Mapping[str, HeadDiversity], per_layer: bool = False, title: str | None = None,
+    caption: str | None = None,
 ) -> Figure:
     """Fig. 5: mean cumulative captured variance of concatenated QK (left) and OV (right) circuits against the
-    number of principal components, one line per model (per_layer adds each layer as a thin line)."""
+    number of principal components, one line per model (per_layer adds each layer as a thin line). With two or
+    more models a second row shows the first model's curves minus each other's (below zero: the first model's
+    heads are more diverse), per layer (thin) and their mean (thick)."""
     results = {"model": results} if isinstance(results, HeadDiversity) else dict(results)
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
-    axes = fig.subplots(1, 2, sharey=True)
-    for ax, circuit in zip(axes, ("qk", "ov")):
+    names = list(results)
+    compare = len(results) > 1
+    fig = Figure(figsize=(11, 7.6 if compare else 4.6), layout="constrained")
+    axes = fig.subplots(2 if compare else 1, 2, squeeze=False, sharex=True)
+    styles = ["-", "--", ":", "-."]
+    for col, circuit in enumerate(("qk", "ov")):
+        ax = axes[0, col]
         for i, (name, result) in enumerate(results.items()):
             curves = _np(getattr(result, circuit))
             k = np.arange(1, curves.shape[1] + 1)
-            color = f"C{i}"
             if per_layer:
                 for curve in curves:
-                    ax.plot(k, curve, color=color, linewidth=0.5, alpha=0.3)
-            ax.plot(k, curves.mean(0), color=color, linewidth=2,
-                    label=f"{name} (mean over {len(curves)} layers; area {curves.mean():.3f})")
+                    ax.plot(k, curve, color=f"C{i}", linewidth=0.6, alpha=0.35, linestyle=styles[i % 4])
+            ax.plot(k, curves.mean(0), color=f"C{i}", linewidth=2.2, linestyle=styles[i % 4],
+                    label=f"{name}: area {curves.mean():.3f}")
         ax.plot([0, k[-1]], [0, 1], color="grey", linestyle=":", linewidth=1, label="all components equal")
-        ax.set_xlabel("number of principal components")
-        ax.set_title("QK circuits (W_Q W_K^T)" if circuit == "qk" else "OV circuits (W_O W_V)")
+        ax.set_title("QK circuits (W_Q W_K^T)" if circuit == "qk" else "OV circuits (W_V W_O)")
         ax.set_ylim(0, 1.02)
         ax.legend(fontsize=8, loc="lower right")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("cumulative captured variance")
+        ax.set_ylabel("cumulative captured variance")
+        if compare:
+            ax = axes[1, col]
+            first = _np(getattr(results[names[0]], circuit))
+            for i, name in enumerate(names[1:], start=1):
+                other = _np(getattr(results[name], circuit))
+                if other.shape[1] != first.shape[1]:  # another d_model: the components do not pair up
+                    continue
+                if other.shape == first.shape:  # the same depth: layer by layer
+                    for curve in first - other:
+                        ax.plot(k, curve, color=f"C{i}", linewidth=0.6, alpha=0.4)
+                ax.plot(k, first.mean(0) - other.mean(0), color=f"C{i}", linewidth=2.2, linestyle=styles[i % 4],
+                        label=f"minus {name}: mean over layers (thin: each layer)")
+            ax.axhline(0, color="black", linewidth=0.8)
+            ax.set_title(f"{names[0]} minus the other model{'s' if len(names) > 2 else ''}", fontsize=10)
+            ax.set_ylabel(f"difference (below 0: {names[0].split(' ')[0]}\nmore diverse)")
+            ax.legend(fontsize=8, loc="upper right")
+            ax.grid(alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel("number of principal components k")
     fig.suptitle(title or "Head diversity: concatenated per-layer circuits (lower = more diverse heads)")
+    _caption(fig, caption or _diversity_verdict(results))
     return fig
+
+
+def _diversity_verdict(results: Mapping[str, HeadDiversity]) -> str:
+    """What the curves say, in numbers: each model's area under its mean curve per circuit, and (two or more
+    models) in how many layers the second is lower than the first, which is the paper's Fig. 5 finding for
+    DCFormer against Transformer."""
+    names = list(results)
+    areas = "; ".join(f"{name}: QK {_np(r.qk).mean():.3f}, OV {_np(r.ov).mean():.3f}" for name, r in results.items())
+    text = f"Area under the mean curve (lower = more diverse) {areas}."
+    if len(names) > 1:
+        first, second = results[names[0]], results[names[1]]
+        for circuit in ("qk", "ov"):
+            a, b = _np(getattr(first, circuit)), _np(getattr(second, circuit))
+            text += f" {circuit.upper()}: {names[0]} minus {names[1]} {a.mean() - b.mean():+.3f}"
+            if a.shape == b.shape:
+                text += f", lower in {int((a.mean(1) < b.mean(1)).sum())} of {len(a)} layers"
+            text += "."
+        text += " The paper (Fig. 5) finds DCFormer's heads more diverse, markedly for QK."
+    return text
 
 
 # --------------------------------------------------------------------------------------------------
 # Synthetic evaluation (Table 5, Fig. 6)
-def _accuracy(value) -> float:
-    return float(value["accuracy"] if isinstance(value, Mapping) else value)
+def _checkpoints(tables: Mapping) -> list[str]:
+    return list(dict.fromkeys(tables["overall"]["checkpoint"]))
 
 
-def _grouped_bars(ax, summary: Mapping, key: str, horizontal: bool = False) -> None:
-    categories = list(dict.fromkeys(c for result in summary.values() for c in result.get(key, {})))
-    n = len(summary)
-    width = 0.8 / max(n, 1)
+def _interval_bars(ax, table, column: str, checkpoints: list[str], categories: list[str]) -> None:
+    """Horizontal bars per category and checkpoint with their intervals, and each category's chance as a dash."""
+    height = 0.8 / len(checkpoints)
     positions = np.arange(len(categories))
-    for i, (name, result) in enumerate(summary.items()):
-        values = [_accuracy(result[key][c]) if c in result.get(key, {}) else np.nan for c in categories]
-        offset = positions - 0.4 + width * (i + 0.5)
-        (ax.barh if horizontal else ax.bar)(offset, values, width, label=name, color=f"C{i}")
-    if horizontal:
-        ax.set_yticks(positions, categories, fontsize=7)
-        ax.set_ylim(len(categories) - 0.5, -0.5)
-        ax.set_xlabel("accuracy")
-        ax.set_xlim(0, 1)
-    else:
-        ax.set_xticks(positions, categories, rotation=45, ha="right", rotation_mode="anchor", fontsize=8)
-        ax.set_ylabel("accuracy")
-        ax.set_ylim(0, 1)
+    for i, checkpoint in enumerate(checkpoints):
+        rows = table[table["checkpoint"] == checkpoint].set_index(column).reindex(categories)
+        y = positions - 0.4 + height * (i + 0.5)
+        error = [rows["accuracy"] - rows["low"], rows["high"] - rows["accuracy"]]
+        ax.barh(y, rows["accuracy"], height, color=f"C{i}", label=checkpoint,
+                xerr=error, error_kw=dict(ecolor="black", elinewidth=0.8, capsize=2))
+    chance = table.groupby(column, sort=False)["chance"].mean().reindex(categories)
+    ax.vlines(chance, positions - 0.45, positions + 0.45, colors="black", linestyles="--", linewidth=1.2,
+              label="chance")
+    ax.set_yticks(positions, categories)
+    ax.set_ylim(len(categories) - 0.5, -0.5)
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("accuracy")
 
 
-def plot_synthetic_eval(summary: Mapping[str, Mapping], title: str | None = None) -> Figure:
-    """Accuracy on the synthetic tasks from a `summary.json`-style dict
-    {ckpt: {"accuracy", "ppl", "by_k": {"2": acc, ...}, "by_task": {...}, "by_qk_pattern": {...},
-    "by_ov_transformation": {...}}}: overall (Table 5, in the legend), by shots K (Fig. 6), by QK pattern,
-    by OV transformation and by task. Missing parts are left out; a value may also be {"accuracy": a, ...}."""
-    has = {key: any(key in r for r in summary.values())
-           for key in ("by_k", "by_qk_pattern", "by_ov_transformation", "by_task")}
-    n_tasks = len({t for r in summary.values() for t in r.get("by_task", {})})
-    n_panels = 1 + has["by_qk_pattern"] + has["by_ov_transformation"]
-    fig = Figure(figsize=(4.7 * n_panels, 5 + (0.16 * n_tasks + 1 if has["by_task"] else 0)), layout="constrained")
-    heights = [4] + ([0.16 * n_tasks + 1] if has["by_task"] else [])
-    panels = [(key, label) for key, label in (("by_qk_pattern", "QK pattern"), ("by_ov_transformation",
-              "OV transformation")) if has[key]]
-    grid = fig.add_gridspec(len(heights), 1 + len(panels), height_ratios=heights)
-    names = {n: f"{n}: acc {_accuracy(r.get('accuracy', np.nan)):.1%}"
-             + (f", ppl {r['ppl']:.2f}" if "ppl" in r else "") for n, r in summary.items()}
+def _combination_grid(table, checkpoint: str, qk_patterns: list[str], ov_transformations: list[str], value: str):
+    rows = table[table["checkpoint"] == checkpoint].set_index(["qk_pattern", "ov_transformation"])
+    return np.array([[rows[value].get((qk, ov), np.nan) for ov in ov_transformations] for qk in qk_patterns])
 
-    ax = fig.add_subplot(grid[0, 0])
-    if has["by_k"]:
-        for i, (name, result) in enumerate(summary.items()):
-            shots = sorted(result.get("by_k", {}), key=int)
-            ax.plot([int(k) for k in shots], [_accuracy(result["by_k"][k]) for k in shots], marker="o",
-                    color=f"C{i}", label=names[name])
-        ax.set_xlabel("shots K")
-        ax.legend(fontsize=8)
-        ax.set_title("Accuracy by number of shots")
-    else:  # Table 5 only: overall accuracy (and perplexity) per checkpoint
-        bars = ax.bar(range(len(summary)), [_accuracy(r.get("accuracy", np.nan)) for r in summary.values()],
-                      color=[f"C{i}" for i in range(len(summary))])
-        ax.bar_label(bars, [names[n].split(": ", 1)[1] for n in summary], fontsize=8)
-        ax.set_xticks(range(len(summary)), list(summary))
-        ax.set_xlabel("checkpoint")
-        ax.set_title("Overall accuracy")
+
+def _label_combination_axes(ax, qk_patterns: list[str], ov_transformations: list[str], left: bool) -> None:
+    ax.set_xticks(range(len(ov_transformations)), ov_transformations, rotation=30, ha="right",
+                  rotation_mode="anchor")
+    ax.set_yticks(range(len(qk_patterns)), qk_patterns if left else [""] * len(qk_patterns))
+    ax.set_xlabel("OV transformation")
+    if left:
+        ax.set_ylabel("QK pattern")
+
+
+def plot_synthetic_eval(tables: Mapping, title: str | None = None, caption: str | None = None) -> Figure:
+    """Accuracy on the synthetic tasks from `dcinterp.synth.accuracy.accuracy_tables(results)`.
+
+    Top: accuracy by shots K (Fig. 6) with its interval as a band, then by QK pattern and by OV transformation,
+    with intervals as error bars and chance as dashed lines. Bottom: each checkpoint's accuracy per (QK
+    pattern, OV transformation) combination, the tasks grouped as the paper defines them (one shared 0-1 scale,
+    numbers and intervals in the cells), and with two or more checkpoints the first minus the second in
+    percentage points (diverging, centred at zero).
+    """
+    checkpoints = _checkpoints(tables)
+    overall = tables["overall"].set_index("checkpoint")
+    interval = tables["overall"].attrs.get("interval", "interval")
+    compare = len(checkpoints) > 1
+    qk_patterns = list(dict.fromkeys(tables["qk_pattern"]["qk_pattern"]))
+    ov_transformations = list(dict.fromkeys(tables["ov_transformation"]["ov_transformation"]))
+    n_maps = len(checkpoints) + compare
+    fig = Figure(figsize=(max(16.0, 5.2 * n_maps), 10.5), layout="constrained")
+    grid = fig.add_gridspec(2, 1, height_ratios=[1, 1.05])
+    top = grid[0].subgridspec(1, 3, width_ratios=[1, 1, 1])
+    bottom = grid[1].subgridspec(1, n_maps)
+
+    ax = fig.add_subplot(top[0])
+    by_k = tables["k_shot"]
+    for i, checkpoint in enumerate(checkpoints):
+        rows = by_k[by_k["checkpoint"] == checkpoint].sort_values("k_shot")
+        o = overall.loc[checkpoint]
+        ax.plot(rows["k_shot"], rows["accuracy"], marker="o", color=f"C{i}",
+                label=f"{checkpoint}: {o['accuracy']:.1%} [{o['low']:.1%}, {o['high']:.1%}]")
+        ax.fill_between(rows["k_shot"], rows["low"], rows["high"], color=f"C{i}", alpha=0.2, linewidth=0)
+    chance = float(tables["overall"]["chance"].mean())
+    ax.axhline(chance, color="black", linestyle="--", linewidth=1.2, label=f"chance ({chance:.0%})")
+    ax.set_xlabel("shots K (lines before the answer's line)")
     ax.set_ylabel("accuracy")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    for col, (key, label) in enumerate(panels, start=1):
-        ax = fig.add_subplot(grid[0, col])
-        _grouped_bars(ax, summary, key)
-        ax.set_title(f"Accuracy by {label}")
-        ax.set_xlabel(label)
-        ax.set_ylabel("accuracy")
-    if has["by_task"]:
-        ax = fig.add_subplot(grid[1, :])
-        _grouped_bars(ax, summary, "by_task", horizontal=True)
-        ax.set_ylabel("task")
-        ax.set_title("Accuracy by task")
-        ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="lower right", title="overall accuracy [interval]", title_fontsize=8)
+    ax.set_title("Accuracy by number of shots", fontsize=11)
+
+    bar_axes = []
+    for position, column, label in ((top[1], "qk_pattern", "QK pattern"),
+                                    (top[2], "ov_transformation", "OV transformation")):
+        ax = fig.add_subplot(position)
+        categories = qk_patterns if column == "qk_pattern" else ov_transformations
+        _interval_bars(ax, tables[column], column, checkpoints, categories)
+        ax.set_ylabel(label)
+        ax.set_title(f"Accuracy by {label}", fontsize=11)
+        bar_axes.append(ax)
+    handles, labels = bar_axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside upper right", ncol=len(labels), fontsize=9,
+               title="bars: accuracy with its interval; dashes: chance", title_fontsize=8)
+
+    combinations = tables["combination"]
+    maps = [(checkpoint, _combination_grid(combinations, checkpoint, qk_patterns, ov_transformations, "accuracy"))
+            for checkpoint in checkpoints]
+    for j, (checkpoint, values) in enumerate(maps):
+        ax = fig.add_subplot(bottom[j])
+        low = _combination_grid(combinations, checkpoint, qk_patterns, ov_transformations, "low")
+        high = _combination_grid(combinations, checkpoint, qk_patterns, ov_transformations, "high")
+        cmap = colormaps[SEQUENTIAL].with_extremes(bad="0.9")
+        image = ax.imshow(values, cmap=cmap, vmin=0, vmax=1, aspect="auto")
+        for (r, c), value in np.ndenumerate(values):
+            text = "no\nsample" if np.isnan(value) else f"{value:.0%}\n{100 * low[r, c]:.0f}-{100 * high[r, c]:.0f}"
+            ax.text(c, r, text, ha="center", va="center", fontsize=7,
+                    color="0.4" if np.isnan(value) else ("black" if value > 0.6 else "white"))
+        _label_combination_axes(ax, qk_patterns, ov_transformations, left=j == 0)
+        ax.set_title(f"{checkpoint}: accuracy per combination", fontsize=10)
+    fig.colorbar(image, ax=[fig.axes[-1]], label="accuracy", shrink=0.9)
+    if compare:
+        ax = fig.add_subplot(bottom[-1])
+        diff = 100 * (maps[0][1] - maps[1][1])
+        limit = _symmetric_limit(diff)
+        cmap = colormaps[DIVERGING].with_extremes(bad="0.9")
+        image = ax.imshow(diff, cmap=cmap, vmin=-limit, vmax=limit, aspect="auto")
+        _annotate(ax, diff, fontsize=8, limit=limit, fmt=lambda v: f"{v:+.0f}")
+        _label_combination_axes(ax, qk_patterns, ov_transformations, left=False)
+        ax.set_title(f"{checkpoints[0]} minus {checkpoints[1]}", fontsize=10)
+        fig.colorbar(image, ax=ax, label="difference (percentage points)", shrink=0.9)
+    _caption(fig, caption or (
+        f"Accuracy per answer (every answer token is the model's top prediction), {interval}. Chance: picking "
+        "at random among the line's candidates (1/3; 1/2 for odd-one-out). Bottom: each cell holds the tasks "
+        "of one QK pattern (which fact to look up) and one OV transformation (what to answer with it), with the "
+        "accuracy and its interval in percent; grey: no sample of that combination in the data (no task of the "
+        "catalog is both prev and a person lookup)."))
+    for ax in bar_axes:
         ax.grid(alpha=0.3, axis="x")
     fig.suptitle(title or "Synthetic-task evaluation")
     return fig

@@ -57,17 +57,20 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, NoReturn
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, NoReturn
 
-import torch
-
-from .config import DCFormerConfig
-from .model import HookedDCFormer
+from .cli import Parser
 from .synth import data_dir, generate, load_catalog, read_jsonl, unbracket
 from .synth.catalog import OV_TRANSFORMATIONS, QK_PATTERNS
 from .synth.evaluate import RELEASED_DATA, accuracy_by, evaluate
 from .synth.generate import parse_task_ids
 from .tokenizer import build_tokenizer
+
+if TYPE_CHECKING:  # torch and the model are imported where they are used, so that `--help` starts fast
+    import torch
+
+    from .config import DCFormerConfig
+    from .model import HookedDCFormer
 
 ARCH_NAMES = {"dcmha": "dcpythia-synth", "mha": "pythia-synth"}
 TRAIN_SEED_BASE = 1000  # generation seeds below this are reserved for evaluation sets
@@ -124,6 +127,8 @@ class TrainConfig:
     eval_every: int = 0  # every N steps, log the accuracy on a small generated set of the training tasks
 
     def model_config(self, d_vocab: int) -> DCFormerConfig:
+        from .config import DCFormerConfig
+
         return DCFormerConfig(
             n_layers=self.n_layers,
             d_model=self.d_model,
@@ -306,6 +311,8 @@ class Batcher:
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens [batch, pos], answer mask [batch, pos]: the token is an answer token)."""
+        import torch
+
         if not getattr(self, "pending", None):
             self._refill()
         rows = self.pending.pop()
@@ -331,6 +338,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    import torch
+
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -349,6 +358,10 @@ def train(
     evaluate_after: bool = True,
 ) -> tuple[HookedDCFormer, dict]:
     """Train one model; returns (model, recipe). `texts` replaces the generated corpus (for tests)."""
+    import torch
+
+    from .model import HookedDCFormer
+
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
@@ -466,6 +479,8 @@ def save(model: HookedDCFormer, recipe: dict, out_dir) -> None:
 # Evaluation (dcinterp.synth.evaluate)
 def probe_accuracy(model: HookedDCFormer, records: list[dict]) -> float:
     """Accuracy on `records` (the `eval_every` probe: seed EVAL_SEED, PROBE_SAMPLES_PER_TASK per training task)."""
+    import torch
+
     model.eval()
     with torch.no_grad():
         df = evaluate(model, records, batch_size=16, progress=False)
@@ -487,6 +502,8 @@ def _accuracy(df, task_ids=None) -> dict:
 
 def accuracy_report(model: HookedDCFormer, held_task_ids=(), batch_size: int = 16) -> dict:
     """Accuracy on the released file, a fresh held-out set (seed 0, 12 per task) and the small test set."""
+    import torch
+
     sets = {
         "released": read_jsonl(data_dir() / RELEASED_DATA),
         f"generated_seed{EVAL_SEED}": generate(EVAL_SEED, 12),
@@ -516,7 +533,7 @@ def accuracy_report(model: HookedDCFormer, held_task_ids=(), batch_size: int = 1
 # Command line
 def parse_args(argv=None) -> argparse.Namespace:
     d = TrainConfig()
-    p = argparse.ArgumentParser(prog="python -m dcinterp.train", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m dcinterp.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", choices=("dcmha", "mha", "both"), default="both")
     p.add_argument("--out", default="runs", help="directory; each model goes to OUT/<name>")
     p.add_argument("--name-suffix", default="", help="appended to the model names, e.g. '-heldout'")
@@ -616,6 +633,10 @@ def main(argv=None) -> None:
         name = ARCH_NAMES[arch] + args.name_suffix
         out_dir = Path(args.out) / name
         if args.eval_only:
+            import torch
+
+            from .model import HookedDCFormer
+
             torch.set_num_threads(args.threads)
             model = HookedDCFormer.from_pretrained(out_dir)
             recipe = json.loads((out_dir / "recipe.json").read_text())

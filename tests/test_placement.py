@@ -78,10 +78,11 @@ def test_bad_device_and_device_map_are_one_line_errors():
         HookedDCFormer.from_pretrained(FIXTURE, device_map={"embed": "cpu", "blocks.0": "cpu"})
     with pytest.raises(ValueError, match=r"offload_folder"):
         HookedDCFormer.from_pretrained(FIXTURE, device_map=OFFLOADED)
-    with pytest.raises(ValueError, match=r"unknown device 'gpu0' \(available: cpu"):
+    with pytest.raises(ValueError, match=r"^device 'gpu0' is not a torch device; available: cpu"):
         HookedDCFormer.from_pretrained(FIXTURE, device="gpu0")
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match=r"^device 'cuda' is not available here \(available: cpu\)$"):
+        with pytest.raises(ValueError, match=r"^device 'cuda' is not available on this machine \(torch .* has no "
+                                             r"CUDA support\); available: cpu$"):
             HookedDCFormer.from_pretrained(FIXTURE, device="cuda")
 
 

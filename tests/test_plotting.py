@@ -3,12 +3,17 @@
 import random
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import plotly.graph_objects as go
 import pytest
 import torch
 from matplotlib.figure import Figure
 
 from dcinterp import DCFormerConfig, HookedDCFormer, plotting
+from dcinterp.synth import load_catalog
+from dcinterp.synth.accuracy import accuracy_tables
+from dcinterp.synth.evaluate import RESULT_COLUMNS
 from dcinterp.attribution import head_attribution
 from dcinterp.circuits import head_diversity
 from dcinterp.composition import attention_distributions, compose_breakdown, composition_map
@@ -37,10 +42,13 @@ def prompt() -> torch.Tensor:
 
 
 def texts(fig: Figure) -> list[str]:
-    found = [fig._suptitle.get_text()] if fig._suptitle else []
+    found = [t.get_text() for t in (fig._suptitle, fig._supxlabel) if t]
+    found += [t.get_text() for legend in fig.legends for t in legend.get_texts()]
     for ax in fig.axes:
         found += [ax.get_title(), ax.get_title("left"), ax.get_xlabel(), ax.get_ylabel()]
         found += [t.get_text() for t in ax.get_xticklabels() + ax.get_yticklabels() + ax.texts]
+        if ax.get_legend():
+            found += [t.get_text() for t in ax.get_legend().get_texts()]
     return [t for t in found if t]
 
 
@@ -52,6 +60,7 @@ def check(fig, name: str, must_show: list[str]) -> None:
     assert all(ax.get_xlabel() or ax.get_ylabel() for ax in main if ax.images or ax.lines or ax.patches)
     for text in must_show:
         assert text in shown, (name, text)
+    assert fig._supxlabel is not None and len(fig._supxlabel.get_text()) > 40, f"{name}: no caption line"
     OUT.mkdir(parents=True, exist_ok=True)
     fig.savefig(OUT / f"{name}.png", dpi=100)
 
@@ -83,34 +92,104 @@ def test_composition_figures(which, random_model, fixture_model, prompt):
           ["source head j", "composed head h", "'of'->'burger'"])
     assert isinstance(plotting.plot_composition_map_plotly(maps["same, without identity"]), go.Figure)
     d = attention_distributions(model, prompt, layer, QUERY, heads=[0, 2])
-    check(plotting.plot_attention_distributions(d, WORDS, w_k1_heads=[0, 1, 2, 3], rank_index=1),
-          f"attention_{which}", ["burger", "Michelle", f"L{layer}H2", "key token", "'of'"])
+    fig = plotting.plot_attention_distributions(d, WORDS, w_k1_heads=[0, 1, 2, 3], rank_index=1, highlight=[KEY])
+    check(fig, f"attention_{which}", ["burger", "Michelle", f"L{layer}H2", "key token", "'of'",
+                                      "after composition (A')"])
+    bars = [ax for ax in fig.axes if ax.patches]
+    assert len({ax.get_ylim() for ax in bars}) == 1 and len(fig.legends) == 1  # one scale, one legend
+    assert all(ax.get_legend() is None for ax in bars)
 
 
 def test_head_diversity_figure(random_model, fixture_model):
     torch.manual_seed(1)
     mha = HookedDCFormer(DCFormerConfig(n_layers=2, d_model=32, n_heads=4, d_head=8, d_mlp=64, d_vocab=50,
                                         use_dcmha=False))
-    results = {"fixture (DCMHA)": head_diversity(fixture_model), "random (DCMHA)": head_diversity(random_model),
-               "random (MHA)": head_diversity(mha)}
-    check(plotting.plot_head_diversity(results, per_layer=True), "head_diversity",
-          ["number of principal components", "cumulative captured variance", "QK circuits (W_Q W_K^T)"])
+    results = {"random (DCMHA)": head_diversity(random_model), "random (MHA)": head_diversity(mha),
+               "fixture (DCMHA, 4 layers)": head_diversity(fixture_model)}
+    fig = plotting.plot_head_diversity(results, per_layer=True)
+    check(fig, "head_diversity", ["number of principal components k", "cumulative captured variance",
+                                  "QK circuits (W_Q W_K^T)", "OV circuits (W_V W_O)", "minus random (MHA)",
+                                  "The paper (Fig. 5)", "lower in"])
+    difference = fig.axes[2].lines  # QK, the first model minus the others: per layer (same depth), then the mean
+    first, second = results["random (DCMHA)"], results["random (MHA)"]
+    assert first.qk.shape == second.qk.shape
+    mean = next(line for line in difference if line.get_linewidth() > 2).get_ydata()
+    assert np.allclose(mean, (first.qk - second.qk).mean(0).numpy(), atol=1e-6)
+
+
+def synthetic_results() -> pd.DataFrame:
+    """Per-answer results of two made-up checkpoints on the catalog's 74 tasks, 3 samples each."""
+    catalog = load_catalog()
+    rng = random.Random(0)
+    rows = []
+    for checkpoint, skill in (("dcpythia-synth", 0.7), ("pythia-synth", 0.5)):
+        for task in catalog.tasks.values():
+            for sample in range(3):
+                for k in range(2, 8):
+                    rows.append({"checkpoint": checkpoint, "sample": sample, "task": task.id,
+                                 "qk_pattern": task.qk_pattern, "ov_transformation": task.ov_transformation,
+                                 "k_shot": k, "answer": "a", "predicted": "a", "correct": rng.random() < skill,
+                                 "nll": 0.5, "n_tokens": 1})
+    return pd.DataFrame(rows, columns=RESULT_COLUMNS)
 
 
 def test_synthetic_eval_figure():
-    rng = random.Random(0)
-    summary = {
-        ckpt: {"accuracy": acc, "ppl": ppl,
-               "by_k": {str(k): min(1.0, acc + 0.03 * (k - 4) + rng.uniform(-0.03, 0.03)) for k in range(2, 8)},
-               "by_task": {f"task{i}": rng.random() for i in range(74)},
-               "by_qk_pattern": {p: rng.random() for p in ["same-person", "the-other", "different-in-set"]},
-               "by_ov_transformation": {o: {"accuracy": rng.random(), "n": 12} for o in ["copy", "obj->superclass"]}}
-        for ckpt, acc, ppl in [("dcpythia-synth", 0.39, 7.36), ("pythia-synth", 0.319, 10.05)]
-    }
-    check(plotting.plot_synthetic_eval(summary), "synthetic_eval",
-          ["shots K", "task73", "same-person", "obj->superclass", "Accuracy by task"])
-    check(plotting.plot_synthetic_eval({k: {"accuracy": v["accuracy"]} for k, v in summary.items()}),
-          "synthetic_eval_overall_only", ["dcpythia-synth"])
+    tables = accuracy_tables(synthetic_results(), n_resamples=200)
+    fig = plotting.plot_synthetic_eval(tables)
+    check(fig, "synthetic_eval", ["shots K", "same-person", "superclass", "chance (37%)", "no\nsample",
+                                  "dcpythia-synth minus pythia-synth", "bootstrap interval"])
+    # the combination heatmaps share one 0-1 scale; the difference map is centred at zero
+    images = [ax.images[0] for ax in fig.axes if ax.images]
+    assert [image.get_clim() for image in images[:2]] == [(0, 1), (0, 1)]
+    low, high = images[2].get_clim()
+    assert low == -high and images[2].get_cmap().name.startswith("RdBu")
+    # an interval bar for every (checkpoint, QK pattern), and the chance dashes at 1/3 and 1/2
+    qk_axis = next(ax for ax in fig.axes if ax.get_title() == "Accuracy by QK pattern")
+    assert len(qk_axis.patches) == 2 * 5
+    chance = sorted({round(float(x), 3) for segment in qk_axis.collections[-1].get_segments() for x in segment[:, 0]})
+    assert chance == [0.333, 0.5]
+    one = accuracy_tables(synthetic_results().query("checkpoint == 'pythia-synth'"), interval="wilson",
+                          n_resamples=10)
+    check(plotting.plot_synthetic_eval(one), "synthetic_eval_one_checkpoint", ["Wilson interval", "pythia-synth"])
+
+
+def test_composition_maps_share_one_centred_scale_and_wrap():
+    torch.manual_seed(0)
+    maps = {f"key {i}": torch.randn(4, 4) * (i + 1) for i in range(20)}
+    fig = plotting.plot_composition_maps(maps, ncols=5)
+    check(fig, "composition_maps_grid", ["key 19", "source head j", "C = W^T"])
+    panels = [ax for ax in fig.axes if ax.images]
+    assert len(panels) == 20 and len({round(ax.get_position().y0, 3) for ax in panels}) == 4  # 4 rows of 5
+    limit = max(float(W.abs().max()) for W in maps.values())
+    assert {ax.images[0].get_clim() for ax in panels} == {(-limit, limit)}
+    assert len([ax for ax in fig.axes if ax.get_label() == "<colorbar>"]) == 1
+    # numbers in the 4 x 4 cells, and C = W^T: row h, column j holds W[j, h]
+    first = panels[0]
+    assert len(first.texts) == 16
+    assert first.texts[1].get_text() == f"{float(maps['key 0'][1, 0]):.2f}"  # cell (row 0, column 1)
+
+
+def test_composition_along_sequence_leaves_keys_out_of_reach_blank():
+    values = {"layer 0 (4-token window)": torch.tensor([float("nan")] * 6 + [1.0, 2.0, 3.0, 4.0]),
+              "layer 1": torch.arange(10.0)}
+    fig = plotting.plot_composition_along_sequence(values, WORDS[:10], query_pos=9)
+    check(fig, "composition_along_sequence", ["Frobenius", "Michelle", "layer 0 (4-token window)"])
+    local = fig.axes[0].lines[0].get_ydata()
+    assert np.isnan(local[:6]).all() and not np.isnan(local[6:]).any()
+
+
+def test_attribution_scale_keeps_small_heads_visible():
+    scores = torch.tensor([[18.0, 0.5, -0.4], [1.2, -2.0, 0.1]])
+    fig = plotting.plot_head_attribution(scores, top_k=2)
+    check(fig, "attribution_symlog", ["L0H0", "-2", "0.5"])
+    image = fig.axes[0].images[0]
+    small = image.norm(np.array([0.5, -0.4]))
+    assert abs(small[0] - 0.5) > 0.15 and abs(small[1] - 0.5) > 0.15  # visibly coloured, not white
+    assert image.norm(0.0) == pytest.approx(0.5)  # centred at zero
+    linear = plotting.plot_head_attribution(scores, color_scale="linear").axes[0].images[0]
+    assert abs(linear.norm(np.array([0.5]))[0] - 0.5) < 0.02
+    with pytest.raises(ValueError, match="color_scale"):
+        plotting.plot_head_attribution(scores, color_scale="log")
 
 
 def test_no_pyplot_state():

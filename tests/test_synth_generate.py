@@ -282,7 +282,8 @@ def test_malformed_input_exits_2_with_one_line(tmp_path, capsys, bad_line, messa
     (["generate", "--out", "{out}", "--tasks", "x-3"], "bad task selection 'x-3'"),
     (["generate", "--out", "{out}", "--qk-pattern", "same-obj"], "unknown QK pattern 'same-obj'"),
     (["generate", "--out", "{out}", "--ov-transformation", "reverse"], "unknown OV transformation 'reverse'"),
-    (["generate", "--out", "{out}", "--lines", "2"], "lines must be more than 2"),
+    (["generate", "--out", "{out}", "--lines", "2"], "--lines 2: check and eval read samples of 8 lines"),
+    (["generate", "--out", "{out}", "--lines", "100"], "--lines 100: check and eval read samples of 8 lines"),
     (["generate", "--out", "{nodir}"], "{nodir}: cannot write"),
 ])
 def test_cli_errors_exit_2_and_leave_no_output(tmp_path, capsys, arguments, message):

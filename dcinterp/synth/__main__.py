@@ -1,12 +1,15 @@
 """Command line of the synthetic tasks:
 
     python -m dcinterp.synth generate --seed S --out FILE.jsonl [--samples-per-task N] [--tasks 0-7]
-                                      [--qk-pattern P] [--ov-transformation T] [--lines L]
+                                      [--qk-pattern P] [--ov-transformation T]
     python -m dcinterp.synth check FILE.jsonl [--lines L]      (also: generate --check FILE.jsonl)
     python -m dcinterp.synth eval [--checkpoint PATH ...] [--data released|FILE] [--out DIR]
                                   [--device D] [--dtype T] [--batch-size N] [--tasks IDS] [--limit N]
 
-Exit status: 0 success, 1 the check found problems, 2 bad arguments or unreadable input.
+Exit status: 0 success, 1 the check found problems, 2 bad arguments or unreadable input (one line on stderr,
+checked before any work, nothing written).
+
+Parsing the arguments imports neither torch nor transformer_lens (`--help` is fast): `eval` imports them when it runs.
 """
 from __future__ import annotations
 
@@ -14,11 +17,22 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..cli import Parser, check_writable_file
 from .catalog import OV_TRANSFORMATIONS, QK_PATTERNS, CatalogError, load_catalog
 from .check import check_records
-from .evaluate import add_eval_arguments, run_eval
+from .evaluate import add_eval_arguments, positive_int, run_eval
 from .generate import SAMPLES_PER_TASK, generate, parse_task_ids
 from .records import LINES_PER_SAMPLE, DatasetError, read_jsonl, write_jsonl
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, not {text!r}")
+    return value
 
 
 def _names(text: str | None) -> list[str] | None:
@@ -28,15 +42,29 @@ def _names(text: str | None) -> list[str] | None:
 def run_generate(args: argparse.Namespace) -> int:
     if args.check:
         return check_file(args.check, args.lines)
+    check_generate_arguments(args)
     catalog = load_catalog()
     records = generate(seed=args.seed, samples_per_task=args.samples_per_task,
                        tasks=parse_task_ids(args.tasks, catalog) if args.tasks else None,
                        qk_patterns=_names(args.qk_pattern), ov_transformations=_names(args.ov_transformation),
                        lines=args.lines, catalog=catalog)
+    if not records:
+        raise ValueError(f"no task is both {args.qk_pattern} and {args.ov_transformation}"
+                         + (f" among --tasks {args.tasks}" if args.tasks else "") + "; nothing written")
     write_jsonl(records, args.out)
     task_count = len({record["task_id"] for record in records})
     print(f"{args.out}: wrote {len(records)} records ({task_count} tasks x {args.samples_per_task} samples)")
     return 0
+
+
+def check_generate_arguments(args: argparse.Namespace) -> None:
+    """Refuse, before generating anything, what `check` or `eval` would reject or what cannot be written."""
+    if args.lines != LINES_PER_SAMPLE:
+        raise ValueError(f"--lines {args.lines}: check and eval read samples of {LINES_PER_SAMPLE} lines (K = 2..7 "
+                         "shots), so generate writes those; other lengths: dcinterp.synth.generate(lines=...)")
+    if not args.out.parent.is_dir():
+        raise ValueError(f"--out {args.out}: cannot write: the directory {args.out.parent} does not exist")
+    check_writable_file(args.out, "--out")
 
 
 def run_check(args: argparse.Namespace) -> int:
@@ -57,7 +85,7 @@ def check_file(path: Path, lines: int) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m dcinterp.synth",
+    parser = Parser(prog="python -m dcinterp.synth",
                                      description="Generate, check and evaluate the DCFormer synthetic ICL tasks.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -65,14 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     target = generate_parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--out", type=Path, metavar="FILE.jsonl", help="where to write the samples")
     target.add_argument("--check", type=Path, metavar="FILE.jsonl", help="check FILE instead (as the check command)")
-    generate_parser.add_argument("--seed", type=int, default=0)
-    generate_parser.add_argument("--samples-per-task", type=int, default=SAMPLES_PER_TASK, metavar="N")
+    generate_parser.add_argument("--seed", type=non_negative_int, default=0)
+    generate_parser.add_argument("--samples-per-task", type=positive_int, default=SAMPLES_PER_TASK, metavar="N")
     generate_parser.add_argument("--tasks", metavar="IDS", help="e.g. task0,task5 or 0-7 (default: all 74)")
     generate_parser.add_argument("--qk-pattern", metavar="P", help="comma separated: " + ", ".join(QK_PATTERNS))
     generate_parser.add_argument("--ov-transformation", metavar="T",
                                  help="comma separated: " + ", ".join(OV_TRANSFORMATIONS))
     generate_parser.add_argument("--lines", type=int, default=LINES_PER_SAMPLE, metavar="L",
-                                 help="lines per sample; the first two are plain (default: %(default)s)")
+                                 help="with --check: expected lines per sample; samples are written with "
+                                      "%(default)s (what eval scores)")
     generate_parser.set_defaults(run=run_generate)
 
     check_parser = commands.add_parser("check", help="validate a dataset file against the task catalog")

@@ -25,17 +25,21 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
-import torch
 from tqdm import tqdm
 
-from .. import loading
-from ..loading import CheckpointError
-from ..model import HookedDCFormer
+from ..cli import check_writable_dir
+from ..devices import check_device
 from .catalog import Catalog, CatalogError, data_dir, load_catalog
 from .generate import parse_task_ids
 from .records import LINES_PER_SAMPLE, DatasetError, read_jsonl, sample_lines, unbracket
+
+if TYPE_CHECKING:  # torch and the model are imported where they are used, so that `eval --help` starts fast
+    import torch
+
+    from ..model import HookedDCFormer
 
 K_SHOTS = tuple(range(2, 8))  # answers on lines 3..8 see 2..7 earlier lines
 DEFAULT_CHECKPOINTS = ("dcpythia-synth", "pythia-synth")
@@ -181,6 +185,8 @@ class AnswerScore:
 
 def score_answer(logits: torch.Tensor, token_ids: list[int], positions: tuple[int, int], tokenizer) -> AnswerScore:
     """Score the answer at token `positions` [start, end) from logits [pos, vocab]: token i is predicted at i - 1."""
+    import torch
+
     start, end = positions
     targets = torch.tensor(token_ids[start:end], device=logits.device)
     logprobs = logits[start - 1:end - 1].float().log_softmax(-1)
@@ -202,6 +208,8 @@ def evaluate(model: HookedDCFormer, records, batch_size: int = 8, name: str | No
     world_size-th batch and all of them return the whole frame: the batches are the ones a single process
     forms, so the rows are those one process computes.
     """
+    import torch
+
     name = name or model.cfg.model_name
     encoded = encode_all(model, records, name)
     pad_id = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
@@ -244,6 +252,7 @@ def start_distributed() -> tuple[int, int, str | None]:
     Returns (rank, world size, this process's device); (0, 1, None) when not launched that way."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return 0, 1, None
+    import torch
     import torch.distributed as dist
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -259,6 +268,8 @@ def start_distributed() -> tuple[int, int, str | None]:
 
 def evaluate_naive(model: HookedDCFormer, records, name: str | None = None) -> pd.DataFrame:
     """The reference: one forward pass per answer, over the tokens up to the answer's end only."""
+    import torch
+
     name = name or model.cfg.model_name
     encoded = encode_all(model, records, name)
     scores = []
@@ -281,6 +292,8 @@ def encode_all(model: HookedDCFormer, records, checkpoint: str) -> list[EncodedS
 
 
 def padded_tokens(sequences: list[list[int]], pad_id: int) -> torch.Tensor:
+    import torch
+
     width = max(len(s) for s in sequences)
     return torch.tensor([s + [pad_id] * (width - len(s)) for s in sequences])
 
@@ -400,12 +413,14 @@ def run_eval(args: argparse.Namespace) -> int:
     each checkpoint; rank 0 prints and writes the same files as one process would."""
     rank, world_size, rank_device = start_distributed()
     try:
+        if args.out is not None:
+            check_out_dir(args.out)
+        device = eval_device(args.device)
         checkpoints = checkpoints_to_evaluate(args.checkpoint)
         data_path = resolve_data_path(args.data)
         samples = select_samples(load_samples(data_path), args.tasks, args.limit, data_path)
         for sample in samples:
             parse_sample(sample)  # structural errors before any checkpoint is loaded
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if rank_device is not None and device.startswith(rank_device.split(":")[0]):
             device = rank_device  # one device per process
         results = []
@@ -443,7 +458,9 @@ def main_eval(argv: list[str] | None = None) -> int:
 def checkpoints_to_evaluate(given: list[str] | None) -> list[str]:
     if given:
         return given
-    embedded = [name for name in DEFAULT_CHECKPOINTS if name in loading.embedded_models()]
+    from ..loading import embedded_models
+
+    embedded = [name for name in DEFAULT_CHECKPOINTS if name in embedded_models()]
     if not embedded:
         raise EvalError("no embedded models are shipped yet; pass --checkpoint PATH (a checkpoint directory)")
     return embedded
@@ -456,6 +473,9 @@ def checkpoint_names(checkpoints: list[str]) -> list[str]:
 
 
 def load_checkpoint(checkpoint: str, dtype: str, device: str) -> HookedDCFormer:
+    from ..loading import CheckpointError
+    from ..model import HookedDCFormer
+
     try:
         return HookedDCFormer.from_pretrained(checkpoint, dtype=dtype, device=device)
     except CheckpointError as error:
@@ -479,6 +499,22 @@ def select_samples(samples: list[Sample], tasks: set[str] | None, limit: int | N
     if not samples:
         raise EvalError(f"{source}: no samples to evaluate" + (" of the selected tasks" if tasks else ""))
     return samples
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """EvalError unless `out_dir` is a directory that can be written, or can be created; creates nothing."""
+    try:
+        check_writable_dir(out_dir, "--out")
+    except ValueError as error:
+        raise EvalError(str(error)) from None
+
+
+def eval_device(name: str | None) -> str:
+    """The --device to evaluate on (None: cuda if available, else cpu); EvalError if this machine lacks it."""
+    try:
+        return check_device(name)
+    except ValueError as error:
+        raise EvalError(f"--device: {error}") from None
 
 
 def write_outputs(results: pd.DataFrame, summary: dict, out_dir: Path) -> None:

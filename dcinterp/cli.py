@@ -1,0 +1,50 @@
+"""What the command lines share: a parser whose errors are one line, and the check that an output can be written.
+
+Light on purpose (no torch, no transformer_lens), so that parsing arguments and `--help` stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr ("PROG: error: ...", exit 2), without the usage block;
+    `--help` still shows the usage. Subcommands made with `add_subparsers().add_parser` share the behaviour."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path` itself if it exists, else its closest ancestor that does."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_writable_dir(directory: Path, option: str) -> None:
+    """ValueError (one line naming `option`) unless `directory` is, or can be created as, a writable directory.
+    Creates nothing: the check writes and removes a temporary file in the closest existing ancestor."""
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{option} {directory}: exists and is not a directory")
+    _check_can_create_in(directory, option, directory)
+
+
+def check_writable_file(path: Path, option: str) -> None:
+    """ValueError (one line naming `option`) unless a file can be written at `path` (its folder may be created)."""
+    if path.is_dir():
+        raise ValueError(f"{option} {path}: is a directory, not a file")
+    _check_can_create_in(path.parent, option, path)
+
+
+def _check_can_create_in(directory: Path, option: str, named: Path) -> None:
+    existing = nearest_existing(directory)
+    if not existing.is_dir():
+        raise ValueError(f"{option} {named}: {existing} is a file, not a directory")
+    try:
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as error:
+        raise ValueError(f"{option} {named}: cannot write in {existing} ({error.strerror or error})") from None

@@ -1,0 +1,83 @@
+"""Accuracies on the synthetic tasks with confidence intervals and chance levels, ready to plot (Table 5, Fig. 6).
+
+From the per-answer results of `dcinterp.synth.evaluate.evaluate` (one row per checkpoint, sample and answer):
+
+    tables = accuracy_tables(results)                    # {"overall", "k_shot", "qk_pattern", ...}: DataFrames
+    tables["qk_pattern"]                                 # checkpoint, qk_pattern, accuracy, low, high, chance, ...
+
+Intervals (`interval=`, at `level`, default 95%):
+- "bootstrap" (default): percentile bootstrap over samples. The six answers of a sample share its context and are
+  not independent, so the samples are resampled, each with all its answers.
+- "wilson": the Wilson score interval, treating every answer as an independent trial; narrower, since it ignores
+  that answers of one sample go together.
+
+Chance: the accuracy of picking uniformly among the line's candidates, the items (or persons) its facts name
+whose transformation could be the answer: three for the person lookups, two distinct items for odd-one-out.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from .catalog import QK_PATTERNS
+
+CHANCE_BY_QK_PATTERN = {pattern: 1 / 2 if pattern == "odd-one-out" else 1 / 3 for pattern in QK_PATTERNS}
+GROUPINGS = ("overall", "k_shot", "qk_pattern", "ov_transformation", "task", "combination")
+INTERVALS = ("bootstrap", "wilson")
+TABLE_COLUMNS = ["accuracy", "low", "high", "chance", "answers", "samples"]
+
+
+def chance_per_answer(results: pd.DataFrame) -> pd.Series:
+    """The chance of each answer (a row of the results) from its task's QK pattern; NaN for an unknown pattern."""
+    return results["qk_pattern"].map(CHANCE_BY_QK_PATTERN).astype(float)
+
+
+def accuracy_table(results: pd.DataFrame, by: str | list[str] | None = None, interval: str = "bootstrap",
+                   level: float = 0.95, n_resamples: int = 2000, seed: int = 0) -> pd.DataFrame:
+    """Accuracy per checkpoint (and per value of `by`) with its interval [low, high], chance, answers, samples."""
+    if interval not in INTERVALS:
+        raise ValueError(f"interval={interval!r}: expected one of {', '.join(INTERVALS)}")
+    if not 0 < level < 1:
+        raise ValueError(f"level={level!r}: expected a number between 0 and 1")
+    keys = ["checkpoint", *([by] if isinstance(by, str) else by or [])]
+    rows = []
+    for values, group in results.assign(chance=chance_per_answer(results)).groupby(keys, sort=False):
+        correct = group["correct"].to_numpy(dtype=float)
+        low, high = (bootstrap_interval(group, level, n_resamples, seed) if interval == "bootstrap"
+                     else wilson_interval(int(correct.sum()), len(correct), level))
+        rows.append([*values, correct.mean(), low, high, group["chance"].mean(), len(group),
+                     group[["task", "sample"]].drop_duplicates().shape[0]])
+    table = pd.DataFrame(rows, columns=[*keys, *TABLE_COLUMNS])
+    table.attrs["interval"] = (f"{level:.0%} bootstrap interval over samples" if interval == "bootstrap"
+                               else f"{level:.0%} Wilson interval over answers")
+    return table
+
+
+def accuracy_tables(results: pd.DataFrame, interval: str = "bootstrap", level: float = 0.95,
+                    n_resamples: int = 2000, seed: int = 0) -> dict[str, pd.DataFrame]:
+    """`accuracy_table` for each of GROUPINGS ("combination": per QK pattern and OV transformation)."""
+    by = {"overall": None, "combination": ["qk_pattern", "ov_transformation"]}
+    return {name: accuracy_table(results, by.get(name, name), interval, level, n_resamples, seed)
+            for name in GROUPINGS}
+
+
+def wilson_interval(successes: int, trials: int, level: float = 0.95) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion (scipy's)."""
+    from scipy.stats import binomtest
+
+    interval = binomtest(successes, trials).proportion_ci(confidence_level=level, method="wilson")
+    return float(interval.low), float(interval.high)
+
+
+def bootstrap_interval(group: pd.DataFrame, level: float = 0.95, n_resamples: int = 2000,
+                       seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap of the accuracy over samples: each resample draws samples with replacement, and an
+    accuracy is the correct answers over the answers of the samples drawn."""
+    per_sample = group.groupby(["task", "sample"], sort=False)["correct"].agg(["sum", "count"]).to_numpy(float)
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, len(per_sample), size=(n_resamples, len(per_sample)))
+    accuracies = per_sample[draws, 0].sum(1) / per_sample[draws, 1].sum(1)
+    tail = (1 - level) / 2
+    low, high = np.quantile(accuracies, [tail, 1 - tail])
+    return float(low), float(high)
