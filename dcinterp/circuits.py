@@ -40,7 +40,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from transformer_lens import FactoredMatrix
 
-from .checks import check_head, check_layer
+from .checks import check_head, check_layer, word_token
 from .model import HookedDCFormer
 
 
@@ -64,6 +64,15 @@ def ov_circuit(model: HookedDCFormer, layer: int, head: int | None = None) -> Fa
 
 # --------------------------------------------------------------------------------------------------
 # OV token projection (Eq. 12)
+def input_ids(model: HookedDCFormer, tokens) -> Tensor:
+    """Token ids from ids or words (each must be one token: a word that splits is a ValueError naming it)."""
+    if isinstance(tokens, str):
+        tokens = [tokens]
+    if isinstance(tokens, (list, tuple)) and any(isinstance(t, str) for t in tokens):
+        tokens = [word_token(model, t, piece="only", name="tokens") if isinstance(t, str) else t for t in tokens]
+    return torch.as_tensor(tokens).flatten()
+
+
 @torch.no_grad()
 def ov_logits(
     model: HookedDCFormer,
@@ -79,7 +88,7 @@ def ov_logits(
     norm before unembedding. The OV product runs in float32; the unembedding in the model's dtype.
     """
     layer, head = check_layer(model, layer), check_head(model, head)
-    tokens = torch.as_tensor(tokens, device=model.W_E.device).flatten()
+    tokens = input_ids(model, tokens).to(model.W_E.device)
     if not ((tokens >= 0) & (tokens < model.cfg.d_vocab)).all():
         raise ValueError(f"tokens: ids must be in 0..{model.cfg.d_vocab - 1}")
     x = model.W_E[tokens][None]  # [1, n, d_model]
@@ -104,12 +113,13 @@ def ov_top_tokens(
     use_mlp: bool = True,
     final_norm: bool = False,
 ) -> pd.DataFrame:
-    """The top-k output tokens of head (layer, head)'s OV circuit for each input token (Eq. 12).
+    """The top-k output tokens of head (layer, head)'s OV circuit for each input token (Eq. 12). `tokens`: ids,
+    or words where the model has a tokenizer (each must be a single token).
 
     One row per (input, rank): input, rank, token, logit, and input_str / token_str when the model has a
     tokenizer. `frame.pivot(index="input_str", columns="rank", values="token_str")` gives the paper's table.
     """
-    tokens = torch.as_tensor(tokens).flatten()
+    tokens = input_ids(model, tokens)
     top = ov_logits(model, layer, head, tokens, use_mlp, final_norm).topk(k, dim=-1)
     frame = pd.DataFrame({
         "input": tokens.repeat_interleave(k).tolist(),

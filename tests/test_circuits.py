@@ -229,3 +229,18 @@ def test_qk_norm_folding_and_head_normalisation():
     # ... moves the raw QK curve, but not the per-head normalised one
     assert (head_diversity(model, dtype=torch.float64).qk - raw.qk).abs().max() > 0.05
     torch.testing.assert_close(head_diversity(model, dtype=torch.float64, normalize="head").qk, per_head.qk)
+
+
+def test_ov_inputs_may_be_words_and_arguments_are_checked():
+    model = HookedDCFormer.from_pretrained("dcpythia-synth")
+    by_word = ov_top_tokens(model, 2, 0, ["burger", "papaya"], k=3)
+    by_id = ov_top_tokens(model, 2, 0, model.tokenizer.convert_tokens_to_ids(["burger", "papaya"]), k=3)
+    assert by_word.equals(by_id)
+    with pytest.raises(ValueError, match="tokens='quokka' is not in the tokenizer's vocabulary"):
+        ov_top_tokens(model, 2, 0, ["quokka"])
+    with pytest.raises(ValueError, match=r"layer=3 is out of range: the model has layers 0..2"):
+        ov_logits(model, 3, 0, [5])
+    with pytest.raises(ValueError, match=r"head=-5 is out of range"):
+        qk_circuit(model, 0, -5)
+    with pytest.raises(ValueError, match="tokens: ids must be in"):
+        ov_logits(model, 0, 0, [model.cfg.d_vocab])
