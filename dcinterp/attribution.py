@@ -12,8 +12,14 @@ and captum's `IntegratedGradients` integrates the target f(alpha) along the stra
 (every head at its baseline at once) to alpha = 1 (the model as it is). Completeness then holds for this joint
 path: the head scores sum to f(model) - f(all heads at baseline), up to the quadrature error of `n_steps`.
 
-Targets: the logit or log-probability of a token at a position, or any function of the logits.
+Conventions (docs/conventions.md), each one argument away:
+- target_type: the explained quantity, the token's "logit" (default), "logprob" or "prob" at a position, or any
+  function of the logits. The paper says only "attribution scores" (App. G); the three can rank heads differently.
+- path: "joint" (default, above) or "per-layer": each layer's heads integrated on their own, the other layers as
+  they are, as captum's `LayerIntegratedGradients` run layer by layer does. Per layer, the scores sum to
+  f(model) - f(that layer's heads at baseline); summed over layers they do not add up to the total effect.
 Baselines: zero head output (default), the mean head output over a reference batch, or a tensor you pass.
+Targets may be words where the model has a tokenizer: the first token of the word after a space.
 """
 
 from __future__ import annotations
@@ -28,11 +34,19 @@ from captum.attr import IntegratedGradients
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from .checks import check_head, check_layer, check_position, check_token_ids, word_token
 from .model import HookedDCFormer
 
 TargetFn = Callable[[Tensor, Tensor], Tensor]  # (logits [N, pos, vocab], tokens [N, pos]) -> [N]
-Target = int | Tensor | TargetFn
+Target = int | str | Tensor | TargetFn
+TargetType = Literal["logit", "logprob", "prob"]
+TARGET_TYPES = ("logit", "logprob", "prob")
+Path = Literal["joint", "per-layer"]
 Baseline = Literal["zero", "mean"] | Tensor
+
+
+def _head_name(layer: int, head: int) -> str:
+    return f"L{layer}H{head}"
 
 
 @dataclass
@@ -48,6 +62,18 @@ class HeadAttribution:
     f_input: Float[Tensor, "batch"]  # the target with every head as it is (alpha = 1)
     f_baseline: Float[Tensor, "batch"]  # the target with every head at its baseline (alpha = 0)
     by_task: dict[Hashable, Float[Tensor, "layer head"]] = field(default_factory=dict)
+    target_type: str = "logit"
+    path: str = "joint"
+    # path="per-layer" only: the target with one layer's heads at baseline, the others as they are
+    f_layer_baseline: Float[Tensor, "batch layer"] | None = None
+
+    def __repr__(self) -> str:
+        n_layers, n_heads = self.scores.shape
+        top = ", ".join(f"{_head_name(l, h)} {self.scores[l, h]:+.3f}" for l, h in self.top_heads(3))
+        gap = (self.f_input - self.f_baseline).mean()
+        return (f"HeadAttribution({self.target_type}, path={self.path}, {self.per_prompt.shape[0]} prompt(s), "
+                f"{n_layers} layers x {n_heads} heads; top {top}; sum {self.per_prompt.sum((1, 2)).mean():.3f} "
+                f"for a total effect of {gap:.3f})")
 
     def top_heads(self, k: int = 5) -> list[tuple[int, int]]:
         """The k (layer, head) pairs with the largest mean score."""
@@ -114,10 +140,11 @@ def target_value(
     tokens: Int[Tensor, "batch pos"],
     target: Target,
     position: int | Int[Tensor, "batch"] = -1,
-    target_type: Literal["logit", "logprob"] = "logit",
+    target_type: TargetType = "logit",
     fwd_hooks: Sequence[tuple[str, Callable]] = (),
 ) -> Float[Tensor, "batch"]:
-    """The target for each prompt: a token's logit or log-probability at `position`, or `target(logits, tokens)`.
+    """The target for each prompt: a token's logit, log-probability or probability at `position`, or
+    `target(logits, tokens)`.
 
     With a token target only the final residual at `position` is unembedded (no [batch, pos, vocab] logits).
     """
@@ -133,7 +160,9 @@ def target_value(
         return (final * model.W_U[:, answer].T).sum(-1).float()
     if target_type == "logprob":
         return (final @ model.W_U).float().log_softmax(-1)[rows, answer]
-    raise ValueError(f"target_type must be 'logit' or 'logprob', not {target_type!r}")
+    if target_type == "prob":
+        return (final @ model.W_U).float().softmax(-1)[rows, answer]
+    raise ValueError(f"target_type must be one of {TARGET_TYPES}, not {target_type!r}")
 
 
 def _gated_target(model: HookedDCFormer, target: Target, target_type: str, baseline: Tensor | None) -> Callable:
@@ -148,59 +177,138 @@ def _gated_target(model: HookedDCFormer, target: Target, target_type: str, basel
 
 # --------------------------------------------------------------------------------------------------
 # Attribution and ablation
+def _prepare(model: HookedDCFormer, tokens, target: Target, position, target_type: str):
+    """Checked inputs: (tokens [batch, pos] on the model's device, target as token ids or a function, positions)."""
+    tokens = torch.as_tensor(tokens, device=model.input_device)
+    tokens = tokens[None] if tokens.ndim == 1 else tokens
+    if target_type not in TARGET_TYPES:
+        raise ValueError(f"target_type must be one of {TARGET_TYPES}, not {target_type!r}")
+    position = check_position(position, tokens.shape[1], "position")
+    if isinstance(target, str):
+        target = word_token(model, target, piece="first", name="target")
+    elif not callable(target):
+        check_token_ids(target, model.cfg.d_vocab, "target")
+    return tokens, target, position
+
+
+def _integrate(forward: Callable, ones: Tensor, args: tuple, n_steps: int, method: str, internal_batch_size) -> Tensor:
+    ig = IntegratedGradients(forward)
+    return ig.attribute(
+        ones, baselines=torch.zeros_like(ones), additional_forward_args=args,
+        n_steps=n_steps, method=method, internal_batch_size=internal_batch_size,
+    ).detach().float()
+
+
+def _one_layer(forward: Callable, layer: int, n_layers: int) -> Callable:
+    """f(alpha of one layer [N, head]) with every other layer's gates at 1."""
+
+    def layer_forward(alpha: Tensor, *args) -> Tensor:
+        ones = torch.ones(alpha.shape[0], n_layers, alpha.shape[1], device=alpha.device, dtype=alpha.dtype)
+        return forward(torch.cat([ones[:, :layer], alpha[:, None], ones[:, layer + 1 :]], dim=1), *args)
+
+    return layer_forward
+
+
 def head_attribution(
     model: HookedDCFormer,
     tokens: Int[Tensor, "batch pos"],
     target: Target,
     position: int | Int[Tensor, "batch"] = -1,
-    target_type: Literal["logit", "logprob"] = "logit",
+    target_type: TargetType = "logit",
     baseline: Baseline = "zero",
     reference_tokens: Int[Tensor, "ref pos"] | None = None,
     tasks: Sequence[Hashable] | None = None,
     n_steps: int = 50,
     internal_batch_size: int | None = None,
     method: str = "gausslegendre",
+    path: Path = "joint",
 ) -> HeadAttribution:
     """Integrated gradients of a target with respect to every head's output, one score per (layer, head).
 
     tokens: prompts [batch, pos] (right-padded is fine: pass `position` per prompt).
-    target: a token id (int, or a tensor [batch] of one id per prompt) whose `target_type` at `position` is
-        explained, or a function `(logits [N, pos, vocab], tokens [N, pos]) -> [N]`.
+    target: a token id (int, or a tensor [batch] of one id per prompt), a word (its first token after a space;
+        needs a tokenizer) whose `target_type` ("logit", "logprob" or "prob") at `position` is explained, or a
+        function `(logits [N, pos, vocab], tokens [N, pos]) -> [N]`.
     baseline: "zero" (head output zero), "mean" (mean head output over `reference_tokens`) or a tensor
         ([layer, head, d_head] or [layer, pos, head, d_head]).
+    path: "joint" (every head's gate moves at once; completeness holds for the whole model) or "per-layer"
+        (one layer at a time, the others as they are; completeness holds per layer only). Costs n_layers times more.
     tasks: one label per prompt; `by_task` then holds the mean scores of each task.
     n_steps, internal_batch_size, method: as in captum's `IntegratedGradients.attribute`. The cost is about
         n_steps forward+backward passes over the batch, all in one pass by default (batch * n_steps rows);
         internal_batch_size caps the rows per pass (at least one step, i.e. the whole batch): set it on
         large models.
     """
-    tokens = torch.as_tensor(tokens, device=model.W_E.device)
-    tokens = tokens[None] if tokens.ndim == 1 else tokens
+    if path not in ("joint", "per-layer"):
+        raise ValueError(f"path must be 'joint' or 'per-layer', not {path!r}")
+    tokens, target, position = _prepare(model, tokens, target, position, target_type)
     batch, device = tokens.shape[0], tokens.device
+    if tasks is not None and len(tasks) != batch:
+        raise ValueError(f"tasks has {len(tasks)} labels for {batch} prompts")
     base = head_baseline(model, baseline, reference_tokens)
     position_t = torch.as_tensor(position, device=device).expand(batch).contiguous()
     answer_t = torch.as_tensor(0 if callable(target) else target, device=device).expand(batch).contiguous()
     forward = _gated_target(model, target, target_type, base)
+    args = (tokens, position_t, answer_t)
 
     ones = torch.ones(batch, model.cfg.n_layers, model.cfg.n_heads, device=device)
-    ig = IntegratedGradients(forward)
-    per_prompt = ig.attribute(
-        ones, baselines=torch.zeros_like(ones), additional_forward_args=(tokens, position_t, answer_t),
-        n_steps=n_steps, method=method, internal_batch_size=internal_batch_size,
-    ).detach().float()
+    f_layer_baseline = None
+    if path == "joint":
+        per_prompt = _integrate(forward, ones, args, n_steps, method, internal_batch_size)
+    else:
+        per_layer = [
+            _integrate(_one_layer(forward, layer, model.cfg.n_layers), ones[:, 0], args, n_steps, method,
+                       internal_batch_size)
+            for layer in range(model.cfg.n_layers)
+        ]
+        per_prompt = torch.stack(per_layer, dim=1)
+        with torch.no_grad():
+            f_layer_baseline = torch.stack([
+                _one_layer(forward, layer, model.cfg.n_layers)(torch.zeros_like(ones[:, 0]), *args)
+                for layer in range(model.cfg.n_layers)
+            ], dim=1)
 
     with torch.no_grad():
-        f_input = forward(ones, tokens, position_t, answer_t)
-        f_baseline = forward(torch.zeros_like(ones), tokens, position_t, answer_t)
+        f_input = forward(ones, *args)
+        f_baseline = forward(torch.zeros_like(ones), *args)
     delta = per_prompt.sum((1, 2)) - (f_input - f_baseline)
     by_task = {}
-    if tasks is not None:
-        if len(tasks) != batch:
-            raise ValueError(f"tasks has {len(tasks)} labels for {batch} prompts")
-        for task in dict.fromkeys(tasks):
-            rows = torch.tensor([t == task for t in tasks], device=per_prompt.device)
-            by_task[task] = per_prompt[rows].mean(0)
-    return HeadAttribution(per_prompt.mean(0), per_prompt, delta, f_input, f_baseline, by_task)
+    for task in dict.fromkeys(tasks or ()):
+        rows = torch.tensor([t == task for t in tasks], device=per_prompt.device)
+        by_task[task] = per_prompt[rows].mean(0)
+    return HeadAttribution(per_prompt.mean(0), per_prompt, delta, f_input, f_baseline, by_task, target_type, path,
+                           f_layer_baseline)
+
+
+@dataclass
+class HeadAblation:
+    """The target's change (mean over prompts) when one head at a time is set to its baseline; NaN where not run.
+
+    Negative: the head helps the target.
+    """
+
+    effect: Float[Tensor, "layer head"]
+    clean: Float[Tensor, "batch"]  # the target with every head as it is
+    heads: list[tuple[int, int]]  # the (layer, head) pairs that were ablated
+    target_type: str = "logit"
+
+    def __repr__(self) -> str:
+        ranked = ", ".join(f"{_head_name(l, h)} {self.effect[l, h]:+.3f}" for l, h in self.top_heads(3))
+        return (f"HeadAblation({self.target_type}, {len(self.heads)} of {self.effect.numel()} heads ablated; "
+                f"largest drops {ranked}; clean target {self.clean.mean():.3f})")
+
+    def top_heads(self, k: int = 5) -> list[tuple[int, int]]:
+        """The k ablated heads whose ablation lowers the target most."""
+        return sorted(self.heads, key=lambda lh: float(self.effect[lh]))[:k]
+
+    def median(self) -> float:
+        """The median effect over the ablated heads."""
+        return float(torch.stack([self.effect[lh] for lh in self.heads]).median())
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per ablated head: layer, head, effect."""
+        return pd.DataFrame([(l, h, float(self.effect[l, h])) for l, h in self.heads],
+                            columns=["layer", "head", "effect"])
 
 
 @torch.no_grad()
@@ -210,20 +318,21 @@ def head_ablation(
     target: Target,
     heads: Sequence[tuple[int, int]] | None = None,
     position: int | Int[Tensor, "batch"] = -1,
-    target_type: Literal["logit", "logprob"] = "logit",
+    target_type: TargetType = "logit",
     baseline: Baseline = "zero",
     reference_tokens: Int[Tensor, "ref pos"] | None = None,
-) -> Float[Tensor, "layer head"]:
+) -> HeadAblation:
     """Change of the target (mean over prompts) when one head at a time is set to its baseline.
 
-    Negative: the head helps the target. `heads` restricts the (layer, head) pairs computed (one forward each);
-    the others are NaN. Same target and baseline conventions as `head_attribution`.
+    `heads` restricts the (layer, head) pairs computed (one forward each; on a large model pass the top heads of
+    `head_attribution` and a few others); the others are NaN. Same target and baseline conventions as
+    `head_attribution`.
     """
-    tokens = torch.as_tensor(tokens, device=model.W_E.device)
-    tokens = tokens[None] if tokens.ndim == 1 else tokens
+    tokens, target, position = _prepare(model, tokens, target, position, target_type)
     cfg = model.cfg
-    base = head_baseline(model, baseline, reference_tokens)
     heads = heads if heads is not None else [(l, h) for l in range(cfg.n_layers) for h in range(cfg.n_heads)]
+    heads = [(check_layer(model, l, "heads: layer"), check_head(model, h, "heads: head")) for l, h in heads]
+    base = head_baseline(model, baseline, reference_tokens)
     alpha = torch.ones(tokens.shape[0], cfg.n_layers, cfg.n_heads, device=tokens.device)
     clean = target_value(model, tokens, target, position, target_type)
     effect = torch.full((cfg.n_layers, cfg.n_heads), float("nan"))
@@ -232,4 +341,4 @@ def head_ablation(
         ablated = target_value(model, tokens, target, position, target_type, gate_hooks(alpha, base))
         alpha[:, layer, head] = 1
         effect[layer, head] = (ablated - clean).mean().item()
-    return effect
+    return HeadAblation(effect, clean.cpu(), heads, target_type)

@@ -15,11 +15,24 @@ convention), i.e. (W_V^h W_O^h)^T in TransformerLens' row-vector one: the heads'
 M is never built: with M = concat_h(L_h R_h), M M^T = sum_h L_h (R_h R_h^T) L_h^T = Z Z^T for
 Z = concat_h(L_h S_h) with S_h S_h^T = R_h R_h^T (S_h from the d_head x d_head Gram of R_h), so the spectrum
 comes from the min(d_model, n_heads * d_head)-sized Gram matrix of Z.
+
+What the paper leaves open (docs/conventions.md), each an argument of `head_diversity`:
+- qk_norm: "fold" (default) multiplies the QK-norm scales into W_Q and W_K (q = norm(x W_Q) * g_q, so the
+  bilinear form is W_Q diag(g_q g_k) W_K^T up to the per-vector normalisation); "ignore" reads W_Q, W_K raw.
+- normalize: "none" (default, the paper's reading) or "head": each head's circuit scaled to unit Frobenius norm
+  before concatenation. With QK-norm, rescaling one head's W_Q leaves the model's output unchanged but moves the
+  raw QK curve: only normalize="head" makes the QK curve of a QK-norm model well defined, and only QK curves
+  computed that way are comparable between QK-norm and plain models. OV circuits are not normalised by the model,
+  so their raw scale is meaningful.
+- axis: "columns" (default: heads side by side, d_model x H*d_model, the write/read directions compared) or
+  "rows" (stacked, H*d_model x d_model).
+- spectrum: "sigma2" (default: variance, as PCA) or "sigma" (singular values).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import pandas as pd
 import torch
@@ -27,6 +40,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from transformer_lens import FactoredMatrix
 
+from .checks import check_head, check_layer, word_token
 from .model import HookedDCFormer
 
 
@@ -34,20 +48,31 @@ from .model import HookedDCFormer
 # Circuits as FactoredMatrix
 def qk_circuit(model: HookedDCFormer, layer: int, head: int | None = None) -> FactoredMatrix:
     """W_Q W_K^T of one head [d_model, d_model], or of every head of the layer [head, d_model, d_model]."""
-    attn = model.blocks[layer].attn
+    attn = model.blocks[check_layer(model, layer)].attn
+    head = None if head is None else check_head(model, head)
     W_Q, W_K = (attn.W_Q, attn.W_K) if head is None else (attn.W_Q[head], attn.W_K[head])
     return FactoredMatrix(W_Q, W_K.transpose(-2, -1))
 
 
 def ov_circuit(model: HookedDCFormer, layer: int, head: int | None = None) -> FactoredMatrix:
     """W_V W_O of one head [d_model, d_model], or of every head of the layer [head, d_model, d_model]."""
-    attn = model.blocks[layer].attn
+    attn = model.blocks[check_layer(model, layer)].attn
+    head = None if head is None else check_head(model, head)
     W_V, W_O = (attn.W_V, attn.W_O) if head is None else (attn.W_V[head], attn.W_O[head])
     return FactoredMatrix(W_V, W_O)
 
 
 # --------------------------------------------------------------------------------------------------
 # OV token projection (Eq. 12)
+def input_ids(model: HookedDCFormer, tokens) -> Tensor:
+    """Token ids from ids or words (each must be one token: a word that splits is a ValueError naming it)."""
+    if isinstance(tokens, str):
+        tokens = [tokens]
+    if isinstance(tokens, (list, tuple)) and any(isinstance(t, str) for t in tokens):
+        tokens = [word_token(model, t, piece="only", name="tokens") if isinstance(t, str) else t for t in tokens]
+    return torch.as_tensor(tokens).flatten()
+
+
 @torch.no_grad()
 def ov_logits(
     model: HookedDCFormer,
@@ -62,7 +87,10 @@ def ov_logits(
     use_mlp: add the first MLP's output to the embedding (the paper's choice); final_norm: apply the final
     norm before unembedding. The OV product runs in float32; the unembedding in the model's dtype.
     """
-    tokens = torch.as_tensor(tokens, device=model.W_E.device).flatten()
+    layer, head = check_layer(model, layer), check_head(model, head)
+    tokens = input_ids(model, tokens).to(model.input_device)
+    if not ((tokens >= 0) & (tokens < model.cfg.d_vocab)).all():
+        raise ValueError(f"tokens: ids must be in 0..{model.cfg.d_vocab - 1}")
     x = model.W_E[tokens][None]  # [1, n, d_model]
     if use_mlp:
         block = model.blocks[0]
@@ -85,12 +113,13 @@ def ov_top_tokens(
     use_mlp: bool = True,
     final_norm: bool = False,
 ) -> pd.DataFrame:
-    """The top-k output tokens of head (layer, head)'s OV circuit for each input token (Eq. 12).
+    """The top-k output tokens of head (layer, head)'s OV circuit for each input token (Eq. 12). `tokens`: ids,
+    or words where the model has a tokenizer (each must be a single token).
 
     One row per (input, rank): input, rank, token, logit, and input_str / token_str when the model has a
     tokenizer. `frame.pivot(index="input_str", columns="rank", values="token_str")` gives the paper's table.
     """
-    tokens = torch.as_tensor(tokens).flatten()
+    tokens = input_ids(model, tokens)
     top = ov_logits(model, layer, head, tokens, use_mlp, final_norm).topk(k, dim=-1)
     frame = pd.DataFrame({
         "input": tokens.repeat_interleave(k).tolist(),
@@ -128,17 +157,52 @@ def cumulative_variance(sigma2: Float[Tensor, "... k"]) -> Float[Tensor, "... k"
     return sigma2.cumsum(-1) / sigma2.sum(-1, keepdim=True)
 
 
+Normalize = Literal["none", "head"]
+Axis = Literal["columns", "rows"]
+Spectrum = Literal["sigma2", "sigma"]
+
+
+def _check_choice(name: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, not {value!r}")
+
+
+def circuits_spectrum(
+    left: Float[Tensor, "head d_model d_head"],
+    right: Float[Tensor, "head d_head d_out"],
+    normalize: Normalize = "none",
+    axis: Axis = "columns",
+) -> Float[Tensor, "k"]:
+    """Squared singular values of the heads' circuits left[h] @ right[h] concatenated along `axis`, each scaled to
+    unit Frobenius norm first if normalize="head"."""
+    if normalize == "head":  # ||L R||_F^2 = trace(L^T L R R^T)
+        norms = torch.einsum("hde,hdf,hfo,hgo->h", left, left, right, right).clamp_min(1e-30).sqrt()
+        left = left / norms[:, None, None]
+    if axis == "rows":  # stacked: the spectrum of concat_h(C_h^T) side by side
+        return concat_spectrum(right.transpose(-2, -1), left.transpose(-2, -1))
+    return concat_spectrum(left, right)
+
+
 def layer_diversity(
     W_Q: Float[Tensor, "head d_model d_head"],
     W_K: Float[Tensor, "head d_model d_head"],
     W_V: Float[Tensor, "head d_model d_head"],
     W_O: Float[Tensor, "head d_head d_model"],
     dtype: torch.dtype = torch.float32,
+    normalize: Normalize = "none",
+    axis: Axis = "columns",
+    spectrum: Spectrum = "sigma2",
 ) -> tuple[Float[Tensor, "k"], Float[Tensor, "k"]]:
     """Cumulative captured variance of one layer's concatenated QK circuits and OV circuits."""
+    _check_choice("normalize", normalize, ("none", "head"))
+    _check_choice("axis", axis, ("columns", "rows"))
+    _check_choice("spectrum", spectrum, ("sigma2", "sigma"))
     W_Q, W_K, W_V, W_O = (w.detach().to(dtype) for w in (W_Q, W_K, W_V, W_O))
-    qk = concat_spectrum(W_Q, W_K.transpose(-2, -1))  # concat_h W_Q^h W_K^hT
-    ov = concat_spectrum(W_O.transpose(-2, -1), W_V.transpose(-2, -1))  # concat_h W_O^hT W_V^hT (paper: W_O W_V)
+    qk = circuits_spectrum(W_Q, W_K.transpose(-2, -1), normalize, axis)  # concat_h W_Q^h W_K^hT
+    # concat_h W_O^hT W_V^hT (paper: W_O W_V)
+    ov = circuits_spectrum(W_O.transpose(-2, -1), W_V.transpose(-2, -1), normalize, axis)
+    if spectrum == "sigma":
+        qk, ov = qk.sqrt(), ov.sqrt()
     return cumulative_variance(qk), cumulative_variance(ov)
 
 
@@ -149,6 +213,12 @@ class HeadDiversity:
     layers: list[int]
     qk: Float[Tensor, "layer k"]
     ov: Float[Tensor, "layer k"]
+    options: dict = None  # qk_norm, normalize, axis, spectrum as computed
+
+    def __repr__(self) -> str:
+        k = min(4, self.qk.shape[1])
+        return (f"HeadDiversity({len(self.layers)} layers, {self.options}; mean captured by {k} components: "
+                f"QK {self.qk_mean[k - 1]:.3f}, OV {self.ov_mean[k - 1]:.3f})")
 
     @property
     def qk_mean(self) -> Float[Tensor, "k"]:
@@ -168,21 +238,40 @@ class HeadDiversity:
         return pd.DataFrame(rows, columns=["circuit", "layer", "components", "captured"])
 
 
+def folded_qk(model: HookedDCFormer, layer: int) -> tuple[Tensor, Tensor]:
+    """W_Q, W_K of a layer with the QK-norm scales multiplied in (unchanged without QK-norm)."""
+    attn = model.blocks[layer].attn
+    if not model.cfg.use_qk_norm:
+        return attn.W_Q, attn.W_K
+    return attn.W_Q * attn.q_norm.w, attn.W_K * attn.k_norm.w
+
+
 @torch.no_grad()
 def head_diversity(
-    model: HookedDCFormer, layers: list[int] | None = None, dtype: torch.dtype = torch.float32
+    model: HookedDCFormer,
+    layers: list[int] | None = None,
+    dtype: torch.dtype = torch.float32,
+    qk_norm: Literal["fold", "ignore"] = "fold",
+    normalize: Normalize = "none",
+    axis: Axis = "columns",
+    spectrum: Spectrum = "sigma2",
 ) -> HeadDiversity:
     """Fig. 5: the cumulative variance captured by the principal components of each layer's concatenated
     QK and OV circuits (lower: more diverse heads). One layer's weights at a time, in `dtype`, on their device.
+    The options are the conventions of the module docstring (defaults: the paper's reading, QK-norm folded in).
     """
-    layers = list(range(model.cfg.n_layers)) if layers is None else list(layers)
+    _check_choice("qk_norm", qk_norm, ("fold", "ignore"))
+    layers = list(range(model.cfg.n_layers)) if layers is None else [check_layer(model, l, "layers") for l in layers]
     qk, ov = [], []
     for layer in layers:
         attn = model.blocks[layer].attn
-        curves = layer_diversity(attn.W_Q, attn.W_K, attn.W_V, attn.W_O, dtype)
+        W_Q, W_K = folded_qk(model, layer) if qk_norm == "fold" else (attn.W_Q, attn.W_K)
+        curves = layer_diversity(W_Q, W_K, attn.W_V, attn.W_O, dtype, normalize, axis, spectrum)
         qk.append(curves[0].cpu())
         ov.append(curves[1].cpu())
-    return HeadDiversity(layers, torch.stack(qk), torch.stack(ov))
+    options = {"qk_norm": qk_norm if model.cfg.use_qk_norm else "none", "normalize": normalize, "axis": axis,
+               "spectrum": spectrum}
+    return HeadDiversity(layers, torch.stack(qk), torch.stack(ov), options)
 
 
 def compare_head_diversity(models: dict[str, HookedDCFormer], **kwargs) -> dict[str, HeadDiversity]:

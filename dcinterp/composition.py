@@ -12,6 +12,10 @@ w_q2 / w_k2 (the paper's R x H W_q2 / W_k2, transposed) project back up. `W[n, m
 attention flows into head m; the paper's composition map C (A'_h = sum_j C[h, j] A_j, Fig. 1) is W.T.
 
 Only the requested layer is computed (`stop_at_layer=layer + 1`), and only its hooks are cached.
+
+Donor heads (Fig. 8): which heads' attention the key-wise branches hand to a given head. `donor_heads` ranks them
+by their contribution A[n] * W[n, head] to the head's composed attention (default), or, as the paper's figure reads,
+by |w_k1[n, r]| in the rank component r that gathers the most attention (rule="w_k1"); docs/conventions.md.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import pandas as pd
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from .checks import check_head, check_key_before_query, check_layer, check_position, find_word
 from .model import HookedDCFormer, branch_outputs
 
 Stage = Literal["pre", "post"]
@@ -62,6 +68,17 @@ class ComposeBreakdown:
     def branches(self) -> dict[str, Tensor]:
         return {name: getattr(self, f"o_{name}") for name in BRANCHES}
 
+    def __repr__(self) -> str:
+        heads = ", ".join(f"H{h} {a:.3f}->{b:.3f}" for h, (a, b) in enumerate(zip(self.before, self.composed)))
+        return (f"ComposeBreakdown(L{self.layer} {self.stage}-compose at query {self.query_pos}, key {self.key_pos}: "
+                f"{heads})")
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per head: before, o_qp, o_qg, o_kp, o_kg, composed (before + the four = composed)."""
+        columns = {"before": self.before, **{f"o_{n}": v for n, v in self.branches.items()}, "composed": self.composed}
+        frame = pd.DataFrame({name: values.tolist() for name, values in columns.items()})
+        return frame.rename_axis("head").reset_index()
+
     def composition_map(self, include_identity: bool = True) -> Float[Tensor, "head head"]:
         """W with composed = before @ W (the skip connection I is left out with include_identity=False)."""
         W = torch.diag(self.w_qg + self.w_kg) + self.w_q1 @ self.w_q2.T + self.w_k1 @ self.w_k2.T
@@ -78,13 +95,29 @@ def _check_stage(model: HookedDCFormer, stage: str) -> None:
 
 
 def _single_prompt(model: HookedDCFormer, tokens, batch_index: int) -> Int[Tensor, "1 pos"]:
-    tokens = torch.as_tensor(tokens, device=model.W_E.device)
+    tokens = torch.as_tensor(tokens, device=model.input_device)
+    if tokens.ndim == 2 and not -tokens.shape[0] <= batch_index < tokens.shape[0]:
+        raise ValueError(f"batch_index={batch_index} is out of range: the batch has prompts 0..{tokens.shape[0] - 1}")
     return tokens[None] if tokens.ndim == 1 else tokens[batch_index : batch_index + 1]
+
+
+def _position(model: HookedDCFormer, prompt: Tensor, pos: int | str, name: str) -> int:
+    """A position (negative counts from the end) or a word (the last piece of its last occurrence), checked."""
+    if isinstance(pos, str):
+        return find_word(model, prompt[0], pos, name=name)
+    return check_position(pos, prompt.shape[1], name)
+
+
+def _query_key(model: HookedDCFormer, prompt: Tensor, query_pos, key_pos) -> tuple[int, int]:
+    t, s = _position(model, prompt, query_pos, "query_pos"), _position(model, prompt, key_pos, "key_pos")
+    check_key_before_query(t, s)
+    return t, s
 
 
 def _prompt_stage_activations(model: HookedDCFormer, tokens, layer: int, stage: str, batch_index: int):
     """(the chosen prompt [1, pos], its stage_activations in float32 on the CPU), after checking the stage."""
     _check_stage(model, stage)
+    layer = check_layer(model, layer)
     prompt = _single_prompt(model, tokens, batch_index)
     return prompt, {k: v.float().cpu() for k, v in stage_activations(model, prompt, layer, stage).items()}
 
@@ -112,18 +145,21 @@ def compose_breakdown(
     model: HookedDCFormer,
     tokens: Int[Tensor, "batch pos"],
     layer: int,
-    query_pos: int,
-    key_pos: int,
+    query_pos: int | str,
+    key_pos: int | str,
     stage: Stage = "post",
     batch_index: int = 0,
 ) -> ComposeBreakdown:
     """Break the composed attention of (query_pos, key_pos) in `layer` into its five parts (Fig. 7).
 
     Everything is returned in float32 on the CPU. `tokens` is one prompt [pos] or a batch (then
-    `batch_index` picks the prompt; only that prompt is run).
+    `batch_index` picks the prompt; only that prompt is run). Positions may be words (the last piece of the
+    word's last occurrence) where the model has a tokenizer.
     """
-    prompt, acts = _prompt_stage_activations(model, tokens, layer, stage, batch_index)
-    t, s = query_pos % prompt.shape[1], key_pos % prompt.shape[1]
+    layer = check_layer(model, layer)
+    prompt = _single_prompt(model, tokens, batch_index)
+    t, s = _query_key(model, prompt, query_pos, key_pos)
+    prompt, acts = _prompt_stage_activations(model, prompt, layer, stage, 0)
     H, R = model.cfg.n_heads, model.cfg.dcmha_rank
     weights = {  # [head, rank] for the projections, [head] for the gates; zeros where a branch is off
         "w_q1": acts["qw1"][t].T if "qw1" in acts else torch.zeros(H, R),
@@ -149,8 +185,8 @@ def composition_map(
     model: HookedDCFormer,
     tokens: Int[Tensor, "batch pos"],
     layer: int,
-    query_pos: int,
-    key_pos: int,
+    query_pos: int | str,
+    key_pos: int | str,
     stage: Stage = "post",
     batch_index: int = 0,
     include_identity: bool = True,
@@ -164,14 +200,15 @@ def composition_maps_along_keys(
     model: HookedDCFormer,
     tokens: Int[Tensor, "batch pos"],
     layer: int,
-    query_pos: int,
+    query_pos: int | str,
     stage: Stage = "post",
     batch_index: int = 0,
     include_identity: bool = True,
 ) -> Float[Tensor, "key head head"]:
     """W for (query_pos, s) at every key s <= query_pos, from one run: how the composition varies along the sequence."""
-    prompt, acts = _prompt_stage_activations(model, tokens, layer, stage, batch_index)
-    t = query_pos % prompt.shape[1]
+    prompt = _single_prompt(model, tokens, batch_index)
+    t = _position(model, prompt, query_pos, "query_pos")
+    prompt, acts = _prompt_stage_activations(model, prompt, layer, stage, 0)
     H = model.cfg.n_heads
     maps = torch.eye(H).expand(t + 1, H, H).clone() if include_identity else torch.zeros(t + 1, H, H)
     if "qw1" in acts:
@@ -195,12 +232,27 @@ class AttentionDistributions:
     after: Float[Tensor, "n_heads key"]  # after the stage (= before for plain MHA)
     w_k1: Float[Tensor, "key head rank"] | None  # the stage's key-wise w_k1 at each key (None if not run)
 
+    def __repr__(self) -> str:
+        tops = ", ".join(f"H{h} key {int(b.argmax())}->{int(a.argmax())}"
+                         for h, b, a in zip(self.heads, self.before, self.after))
+        return f"AttentionDistributions(L{self.layer} {self.stage}-compose from query {self.query_pos}, most attended: {tops})"
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per (head, key): head, key, before, after."""
+        keys = self.before.shape[1]
+        return pd.DataFrame({
+            "head": [h for h in self.heads for _ in range(keys)],
+            "key": list(range(keys)) * len(self.heads),
+            "before": self.before.flatten().tolist(),
+            "after": self.after.flatten().tolist(),
+        })
+
 
 def attention_distributions(
     model: HookedDCFormer,
     tokens: Int[Tensor, "batch pos"],
     layer: int,
-    query_pos: int,
+    query_pos: int | str,
     heads: list[int] | None = None,
     stage: Stage = "post",
     batch_index: int = 0,
@@ -209,9 +261,10 @@ def attention_distributions(
 
     Works on plain MHA too (then `after` equals `before` and `w_k1` is None). float32, on the CPU.
     """
+    layer = check_layer(model, layer)
     prompt = _single_prompt(model, tokens, batch_index)
-    t = query_pos % prompt.shape[1]
-    heads = list(range(model.cfg.n_heads)) if heads is None else list(heads)
+    t = _position(model, prompt, query_pos, "query_pos")
+    heads = list(range(model.cfg.n_heads)) if heads is None else [check_head(model, h, "heads") for h in heads]
     if model.cfg.use_dcmha:
         _check_stage(model, stage)
         acts = stage_activations(model, prompt, layer, stage)
@@ -224,3 +277,67 @@ def attention_distributions(
     after = acts["after"][heads, t, : t + 1].float().cpu()
     w_k1 = acts["kw1"][: t + 1].transpose(1, 2).float().cpu() if "kw1" in acts else None
     return AttentionDistributions(layer, t, stage, heads, before, after, w_k1)
+
+
+
+# --------------------------------------------------------------------------------------------------
+# Donor heads (Fig. 8)
+DONOR_RULES = ("contribution", "w_k1")
+
+
+@dataclass
+class Donors:
+    """Which heads hand attention to `head` at one (query, key) pair, and by how much.
+
+    `contribution[n]` = A[n] * W[n, head] (W without the identity): head n's share of the change of head's
+    attention; `delivered[r]` = (A @ w_k1[:, r]) * w_k2[head, r]: what rank component r of the key-wise projection
+    delivers to head. `donors` are ranked by `rule`.
+    """
+
+    head: int
+    rule: str
+    donors: list[int]
+    attention: Float[Tensor, "head"]  # A[:, t, s] before the stage
+    contribution: Float[Tensor, "head"]
+    w_k1_rank: int  # the rank component with the largest |A @ w_k1| (the "w_k1" rule reads its column)
+    delivered: Float[Tensor, "rank"]
+
+    def __repr__(self) -> str:
+        names = ", ".join(f"H{n} ({self.contribution[n]:+.3f}, A {self.attention[n]:.3f})" for n in self.donors)
+        return f"Donors(to H{self.head} by {self.rule}: {names})"
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per other head: head, attention, contribution, donor (whether it is one of `donors`)."""
+        others = [n for n in range(len(self.attention)) if n != self.head]
+        return pd.DataFrame({
+            "head": others,
+            "attention": [float(self.attention[n]) for n in others],
+            "contribution": [float(self.contribution[n]) for n in others],
+            "donor": [n in self.donors for n in others],
+        })
+
+
+def donor_heads(breakdown: ComposeBreakdown, head: int, k: int = 2, rule: str = "contribution") -> Donors:
+    """The k heads whose attention the composition hands most to `head` at the breakdown's (query, key) pair.
+
+    rule="contribution" (default): the largest positive A[n] * W[n, head], n != head, i.e. the heads that raise
+    `head`'s attention most (fewer than k if fewer raise it). rule="w_k1": the largest |w_k1[n, r]| in the rank component r with the largest
+    |A @ w_k1[:, r]|, which ignores how much attention head n has on the key and what w_k2 delivers to `head`.
+    """
+    n_heads = len(breakdown.before)
+    if not -n_heads <= head < n_heads:
+        raise ValueError(f"head={head} is out of range: the layer has heads 0..{n_heads - 1}")
+    if rule not in DONOR_RULES:
+        raise ValueError(f"rule must be one of {DONOR_RULES}, not {rule!r}")
+    head = head % n_heads
+    A = breakdown.before
+    W = breakdown.composition_map(include_identity=False)
+    contribution = A * W[:, head]
+    gathered = A @ breakdown.w_k1  # [rank]
+    rank = int(gathered.abs().argmax())
+    delivered = gathered * breakdown.w_k2[head]
+    score = contribution if rule == "contribution" else breakdown.w_k1[:, rank].abs()
+    ranked = [n for n in score.argsort(descending=True).tolist() if n != head]
+    if rule == "contribution":  # a head that lowers `head`'s attention is no donor
+        ranked = [n for n in ranked if contribution[n] > 0]
+    return Donors(head, rule, ranked[:k], A, contribution, rank, delivered)

@@ -15,6 +15,7 @@ import torch
 
 COMPOSE_STAGES = ("pre", "post")
 COMPOSE_BRANCHES = ("qp", "kp", "qg", "kg")
+WINDOW_SEMANTICS = ("training", "official-inference")
 
 # Which layers are local (sliding window) in each of the released layouts; the pattern repeats. A window_type
 # may also be any other pattern of L (local) and G (global) layers, e.g. "LGG".
@@ -50,6 +51,10 @@ class DCFormerConfig:
     use_qk_norm: bool = True  # RMSNorm with scale over the head dim on q and k, before rotary
     window_size: int | None = None
     window_type: str | None = None  # "LG", "LGLL", "LGL6", another L/G pattern ("LGG"), or None: all global
+    # "training": a local layer admits window_size keys (t - window_size < s <= t), as the authors' JAX training;
+    # "official-inference": window_size + 1 keys and rotary tables rounded to float16, as their PyTorch inference
+    # code (modeling_dcpythia.py), to match its outputs exactly. docs/conventions.md.
+    window: str = "training"
 
     # DCMHA. use_dcmha=False gives plain MHA (Pythia / Transformer++ baselines).
     use_dcmha: bool = True
@@ -80,6 +85,8 @@ class DCFormerConfig:
         if self.window_type is not None and not set(self.window_pattern) <= {"L", "G"}:
             raise ValueError(f"window_type must be one of {sorted(WINDOW_PATTERNS)}, a pattern of L (local) and G "
                              f"(global) layers, or None, not {self.window_type!r}")
+        if self.window not in WINDOW_SEMANTICS:
+            raise ValueError(f"window must be one of {WINDOW_SEMANTICS}, not {self.window!r}")
         if self.window_type is not None and not self.window_size:
             raise ValueError(f"window_type {self.window_type!r} needs a window_size")
         for stage in self.compose_stages:
@@ -100,7 +107,9 @@ class DCFormerConfig:
 
     @property
     def rotary_dim(self) -> int:
-        return int(self.d_head * self.rotary_pct)
+        """Dims that rotary rotates: d_head * rotary_pct, rounded down to an even number (dims rotate in pairs)."""
+        dim = int(self.d_head * self.rotary_pct)
+        return dim - dim % 2
 
     @property
     def final_rms(self) -> bool:

@@ -74,15 +74,22 @@ class HeadRMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.w
 
 
-def apply_rotary(x: Float[Tensor, "b p h e"], rotary_dim: int, base: float) -> Float[Tensor, "b p h e"]:
-    """Rotary embedding on the first `rotary_dim` dims, "half" pairing (dim j rotates with j + rotary_dim/2)."""
+def apply_rotary(
+    x: Float[Tensor, "b p h e"], rotary_dim: int, base: float, table_dtype: torch.dtype = torch.float32
+) -> Float[Tensor, "b p h e"]:
+    """Rotary embedding on the first `rotary_dim` dims, "half" pairing (dim j rotates with j + rotary_dim/2).
+
+    table_dtype: the cos/sin tables are rounded to it (the authors' inference code uses float16).
+    """
     if rotary_dim == 0:
         return x
+    if rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be even (dims rotate in pairs), not {rotary_dim}")
     half = rotary_dim // 2
     positions = torch.arange(x.shape[1], device=x.device, dtype=torch.float32)
     inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, device=x.device, dtype=torch.float32) / rotary_dim)
     angles = torch.outer(positions, inv_freq)[None, :, None, :]  # [1, p, 1, half]
-    cos, sin = angles.cos(), angles.sin()
+    cos, sin = angles.cos().to(table_dtype).float(), angles.sin().to(table_dtype).float()
     xf = x.float()
     x1, x2, rest = xf[..., :half], xf[..., half:rotary_dim], xf[..., rotary_dim:]
     rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
@@ -234,8 +241,9 @@ class Attention(nn.Module):
         if cfg.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
-        q = self.hook_rot_q(apply_rotary(q, cfg.rotary_dim, cfg.rotary_base))
-        k = self.hook_rot_k(apply_rotary(k, cfg.rotary_dim, cfg.rotary_base))
+        table = torch.float16 if cfg.window == "official-inference" else torch.float32
+        q = self.hook_rot_q(apply_rotary(q, cfg.rotary_dim, cfg.rotary_base, table))
+        k = self.hook_rot_k(apply_rotary(k, cfg.rotary_dim, cfg.rotary_base, table))
 
         scores = self.hook_attn_scores(torch.einsum("bthe,bshe->bhts", q, k) / math.sqrt(cfg.d_head))
         if cfg.use_dcmha:
@@ -338,13 +346,16 @@ class Unembed(nn.Module):
         return resid @ self.W_U
 
 
-def attention_mask(n: int, window: int | None, device, dtype=torch.float32) -> Float[Tensor, "t s"]:
-    """Additive mask: 0 where query t may see key s (s <= t, and t - window < s for a local layer), else -inf."""
+def attention_mask(
+    n: int, window: int | None, device, dtype=torch.float32, semantics: str = "training"
+) -> Float[Tensor, "t s"]:
+    """Additive mask: 0 where query t may see key s, else -inf. s <= t, and for a local layer
+    t - window < s ("training": `window` keys) or t - window <= s ("official-inference": window + 1 keys)."""
     t = torch.arange(n, device=device)[:, None]
     s = torch.arange(n, device=device)[None, :]
     allowed = s <= t
     if window is not None:
-        allowed &= s > t - window
+        allowed &= s > t - window - int(semantics == "official-inference")
     return torch.zeros(n, n, device=device, dtype=dtype).masked_fill(~allowed, float("-inf"))
 
 
@@ -386,7 +397,7 @@ class HookedDCFormer(HookedRootModule):
         for block in self.blocks[:stop_at_layer]:
             window = block.attn.window
             if window not in masks:
-                masks[window] = attention_mask(n, window, tokens.device)
+                masks[window] = attention_mask(n, window, tokens.device, semantics=self.cfg.window)
             resid = block(resid, masks[window])
         if stop_at_layer is not None:
             return resid

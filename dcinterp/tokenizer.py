@@ -132,3 +132,14 @@ def unknown_words(tokenizer, texts) -> dict[str, int]:
             if tid == unk:
                 found[text[a:b]] = found.get(text[a:b], 0) + 1
     return found
+
+
+def check_vocabulary(tokenizer, texts, name: str = "text") -> None:
+    """A ValueError naming the words of `texts` (a string or several) that the tokenizer maps to its unknown
+    token, instead of letting them silently become [UNK]. Byte-level BPE tokenizers have none: always passes."""
+    if tokenizer.unk_token_id is None:
+        return
+    unknown = unknown_words(tokenizer, [texts] if isinstance(texts, str) else texts)
+    if unknown:
+        words = ", ".join(repr(word) for word in sorted(unknown))
+        raise ValueError(f"{name}: not in the tokenizer's vocabulary (would become {tokenizer.unk_token}): {words}")

@@ -100,8 +100,8 @@ def test_top_head_ablation_beats_median_head_on_fixture(fixture_model):
         order = result.scores.flatten().argsort(descending=True)
         top, median = divmod(int(order[0]), 4), divmod(int(order[len(order) // 2]), 4)
         effect = head_ablation(fixture_model, tokens, answers, heads=[top, median], target_type=target_type)
-        assert effect[top] < 0 and effect[top] < effect[median], (target_type, top, median, effect)
-        assert torch.isnan(effect).sum() == 14
+        assert effect.effect[top] < 0 and effect.effect[top] < effect.effect[median], (target_type, top, median, effect)
+        assert torch.isnan(effect.effect).sum() == 14 and effect.heads == [top, median]
 
 
 def synthetic_prompts(model, n: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -132,7 +132,7 @@ def test_top_head_ablation_beats_median_head_on_embedded_model():
     n_heads = model.cfg.n_heads
     top, median = divmod(int(order[0]), n_heads), divmod(int(order[len(order) // 2]), n_heads)
     effect = head_ablation(model, tokens, answers, heads=[top, median], position=positions, target_type="logprob")
-    assert effect[top] < effect[median], (top, median, effect)
+    assert effect.effect[top] < effect.effect[median], (top, median, effect)
     assert_complete(head_attribution(model, tokens[:2], answers[:2], position=positions[:2], n_steps=128), rel=0.05)
 
 
@@ -143,3 +143,70 @@ def test_target_value_only_unembeds_the_position():
         full = model(tokens)
         got = target_value(model, tokens, torch.tensor([1, 2]), position=torch.tensor([3, 5]))
     torch.testing.assert_close(got, torch.stack([full[0, 3, 1], full[1, 5, 2]]))
+
+
+# --------------------------------------------------------------------------------------------------
+# Conventions (docs/conventions.md): target type, path, word targets, argument checks
+def test_prob_target_is_the_softmax_probability_and_complete():
+    model = tiny()
+    tokens = torch.randint(0, 50, (2, 7))
+    answers = torch.tensor([3, 9])
+    result = head_attribution(model, tokens, answers, target_type="prob", n_steps=64)
+    with torch.no_grad():
+        probs = model(tokens)[:, -1].softmax(-1)[torch.arange(2), answers]
+    torch.testing.assert_close(result.f_input, probs, atol=1e-6, rtol=1e-5)
+    assert_complete(result)
+    assert result.target_type == "prob" and "prob" in repr(result)
+
+
+def test_per_layer_path_is_complete_per_layer_not_jointly():
+    model = tiny(n_layers=3)
+    tokens = torch.randint(0, 50, (2, 9))
+    result = head_attribution(model, tokens, 5, target_type="logprob", path="per-layer", n_steps=64)
+    assert result.path == "per-layer" and result.f_layer_baseline.shape == (2, 3)
+    # f with one layer's heads zeroed, the others as they are, by hand
+    for layer in range(3):
+        with torch.no_grad():
+            off = model.run_with_hooks(tokens, fwd_hooks=[(f"blocks.{layer}.attn.hook_z", lambda z, hook: 0 * z)])
+        torch.testing.assert_close(result.f_layer_baseline[:, layer], off[:, -1].log_softmax(-1)[:, 5],
+                                   atol=1e-5, rtol=1e-5)
+        gap = result.f_input - result.f_layer_baseline[:, layer]
+        torch.testing.assert_close(result.per_prompt[:, layer].sum(-1), gap, atol=0.02 * gap.abs().max(), rtol=0)
+    # the joint completeness gap is what the per-layer path gives up
+    joint = head_attribution(model, tokens, 5, target_type="logprob", n_steps=64)
+    assert_complete(joint)
+    assert result.delta.abs().max() > 10 * joint.delta.abs().max()
+
+
+def test_per_layer_path_equals_joint_path_with_one_layer():
+    model = tiny(n_layers=1)
+    tokens = torch.randint(0, 50, (1, 6))
+    joint = head_attribution(model, tokens, 2, n_steps=32)
+    per_layer = head_attribution(model, tokens, 2, n_steps=32, path="per-layer")
+    torch.testing.assert_close(joint.per_prompt, per_layer.per_prompt, atol=1e-5, rtol=1e-5)
+
+
+def test_word_targets_and_bad_arguments_give_one_line_errors():
+    model = HookedDCFormer.from_pretrained("dcpythia-synth")
+    tokens = model.to_tokens("Michelle has a burger. Michelle owns a kind of")
+    food = model.tokenizer.convert_tokens_to_ids("food")
+    by_word = head_ablation(model, tokens, "food", heads=[(2, 0)], target_type="logprob")
+    by_id = head_ablation(model, tokens, food, heads=[(2, 0)], target_type="logprob")
+    assert torch.equal(by_word.clean, by_id.clean) and by_word.effect[2, 0] == by_id.effect[2, 0]
+    assert list(by_word.to_frame().columns) == ["layer", "head", "effect"] and "L2H0" in repr(by_word)
+    with pytest.raises(ValueError, match="target='xyzzy' is not in the tokenizer's vocabulary"):
+        head_attribution(model, tokens, "xyzzy")
+    with pytest.raises(ValueError, match=r"position=10 is out of range: the prompt has positions 0..9"):
+        head_attribution(model, tokens, food, position=10)
+    with pytest.raises(ValueError, match=r"heads: layer=3 is out of range: the model has layers 0..2"):
+        head_ablation(model, tokens, food, heads=[(3, 0)])
+    with pytest.raises(ValueError, match=r"heads: head=4 is out of range"):
+        head_ablation(model, tokens, food, heads=[(0, 4)])
+    with pytest.raises(ValueError, match="target=.* is not a token id"):
+        head_attribution(model, tokens, model.cfg.d_vocab)
+    with pytest.raises(ValueError, match="target_type must be one of"):
+        head_attribution(model, tokens, food, target_type="probability")
+    with pytest.raises(ValueError, match="path must be"):
+        head_attribution(model, tokens, food, path="layerwise")
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        head_attribution(tiny(), torch.randint(0, 50, (1, 5)), "food")

@@ -110,14 +110,14 @@ def naive_layer_diversity(attn) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("d_model, n_heads, d_head", [(32, 4, 8), (48, 4, 8), (16, 4, 8), (24, 3, 5)])
 def test_head_diversity_equals_naive_svd(d_model, n_heads, d_head):
     model = tiny(d_model=d_model, n_heads=n_heads, d_head=d_head)
-    result = head_diversity(model, dtype=torch.float64)
+    result = head_diversity(model, dtype=torch.float64, qk_norm="ignore")  # raw W_Q W_K^T, as the naive one
     k = min(d_model, n_heads * d_head)
     assert result.qk.shape == result.ov.shape == (2, k) and result.layers == [0, 1]
     for layer in range(2):
         qk, ov = naive_layer_diversity(model.blocks[layer].attn)
         torch.testing.assert_close(result.qk[layer], qk[:k], atol=1e-10, rtol=1e-10)
         torch.testing.assert_close(result.ov[layer], ov[:k], atol=1e-10, rtol=1e-10)
-    torch.testing.assert_close(head_diversity(model).qk, result.qk.float(), atol=1e-4, rtol=1e-4)  # float32
+    torch.testing.assert_close(head_diversity(model, qk_norm="ignore").qk, result.qk.float(), atol=1e-4, rtol=1e-4)
 
 
 def test_concat_spectrum_matches_svd_of_the_concatenation():
@@ -153,10 +153,10 @@ def test_head_diversity_extremes():
         for layer, kind in enumerate(["identical", "orthogonal"]):
             for name, value in extreme_heads(kind).items():
                 getattr(model.blocks[layer].attn, name).copy_(value)
-    result = head_diversity(model)
+    result = head_diversity(model, qk_norm="ignore")  # the raw weights set above (tiny() has random QK-norm scales)
     torch.testing.assert_close(result.qk[0], identical[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(result.ov[1], linear, atol=1e-5, rtol=0)
-    random_model = head_diversity(tiny())
+    random_model = head_diversity(tiny(), qk_norm="ignore")
     assert torch.all(result.qk[1] <= random_model.qk_mean + 1e-6)
     assert torch.all(random_model.qk_mean <= result.qk[0] + 1e-6)
 
@@ -173,3 +173,74 @@ def test_head_diversity_mha_half_and_frame():
     frame = full.to_frame()
     assert set(frame["layer"]) == {0, 1, 2, 3, "mean"} and len(frame) == 2 * 5 * 32
     assert frame["captured"].between(0, 1 + 1e-6).all()
+
+
+# --------------------------------------------------------------------------------------------------
+# Head diversity conventions (docs/conventions.md)
+def two_heads() -> dict[str, torch.Tensor]:
+    """2 heads, d_model 2, d_head 1: QK circuits 2 e1 e1^T and e2 e2^T; OV circuits 3 e1 e1^T and e2 e2^T."""
+    e1, e2 = torch.tensor([[1.0], [0.0]]), torch.tensor([[0.0], [1.0]])
+    return dict(W_Q=torch.stack([2 * e1, e2]), W_K=torch.stack([e1, e2]),
+                W_V=torch.stack([3 * e1, e2]), W_O=torch.stack([e1.T, e2.T]))
+
+
+def test_diversity_options_by_hand():
+    w = two_heads()
+    qk, ov = layer_diversity(**w)  # sigma^2: QK [4, 1] -> 0.8; OV [9, 1] -> 0.9
+    assert qk.tolist() == pytest.approx([0.8, 1.0]) and ov.tolist() == pytest.approx([0.9, 1.0])
+    qk, ov = layer_diversity(**w, spectrum="sigma")  # sigma: [2, 1] -> 2/3; [3, 1] -> 3/4
+    assert qk[0].item() == pytest.approx(2 / 3) and ov[0].item() == pytest.approx(0.75)
+    qk, ov = layer_diversity(**w, normalize="head")  # every head at unit norm: [1, 1] -> 0.5
+    assert qk[0].item() == pytest.approx(0.5) and ov[0].item() == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="normalize must be one of"):
+        layer_diversity(**w, normalize="layer")
+
+
+def test_stacked_axis_equals_svd_of_the_stacked_concatenation():
+    model = tiny()
+    attn = model.blocks[1].attn
+    result = head_diversity(model, layers=[1], dtype=torch.float64, qk_norm="ignore", axis="rows")
+    W_Q, W_K, W_V, W_O = (w.detach().double() for w in (attn.W_Q, attn.W_K, attn.W_V, attn.W_O))
+    qk = torch.cat([W_Q[h] @ W_K[h].T for h in range(4)], dim=0)
+    ov = torch.cat([(W_V[h] @ W_O[h]).T for h in range(4)], dim=0)
+    torch.testing.assert_close(result.qk[0], cumulative_variance(torch.linalg.svdvals(qk) ** 2))
+    torch.testing.assert_close(result.ov[0], cumulative_variance(torch.linalg.svdvals(ov) ** 2))
+    assert result.options["axis"] == "rows" and "HeadDiversity(1 layers" in repr(result)
+
+
+def test_qk_norm_folding_and_head_normalisation():
+    model = tiny()
+    attn = model.blocks[0].attn
+    folded = head_diversity(model, layers=[0], dtype=torch.float64)
+    W_Q = attn.W_Q.detach().double() * attn.q_norm.w.detach().double()
+    W_K = attn.W_K.detach().double() * attn.k_norm.w.detach().double()
+    qk = torch.cat([W_Q[h] @ W_K[h].T for h in range(4)], dim=1)
+    torch.testing.assert_close(folded.qk[0], cumulative_variance(torch.linalg.svdvals(qk) ** 2))
+    # Rescaling one head's W_Q (and b_Q) leaves a QK-norm model's logits unchanged ...
+    tokens = torch.randint(0, 50, (1, 12))
+    with torch.no_grad():
+        before = model(tokens)
+        raw = head_diversity(model, dtype=torch.float64)
+        per_head = head_diversity(model, dtype=torch.float64, normalize="head")
+        attn.W_Q[2] *= 5
+        attn.b_Q[2] *= 5
+        after = model(tokens)
+    assert (before - after).abs().max() < 1e-3
+    # ... moves the raw QK curve, but not the per-head normalised one
+    assert (head_diversity(model, dtype=torch.float64).qk - raw.qk).abs().max() > 0.05
+    torch.testing.assert_close(head_diversity(model, dtype=torch.float64, normalize="head").qk, per_head.qk)
+
+
+def test_ov_inputs_may_be_words_and_arguments_are_checked():
+    model = HookedDCFormer.from_pretrained("dcpythia-synth")
+    by_word = ov_top_tokens(model, 2, 0, ["burger", "papaya"], k=3)
+    by_id = ov_top_tokens(model, 2, 0, model.tokenizer.convert_tokens_to_ids(["burger", "papaya"]), k=3)
+    assert by_word.equals(by_id)
+    with pytest.raises(ValueError, match="tokens='quokka' is not in the tokenizer's vocabulary"):
+        ov_top_tokens(model, 2, 0, ["quokka"])
+    with pytest.raises(ValueError, match=r"layer=3 is out of range: the model has layers 0..2"):
+        ov_logits(model, 3, 0, [5])
+    with pytest.raises(ValueError, match=r"head=-5 is out of range"):
+        qk_circuit(model, 0, -5)
+    with pytest.raises(ValueError, match="tokens: ids must be in"):
+        ov_logits(model, 0, 0, [model.cfg.d_vocab])

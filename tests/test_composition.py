@@ -39,7 +39,7 @@ def test_breakdown_sums_and_matches_the_model(models, name, stage):
     with torch.no_grad():
         _, cache = model.run_with_cache(tokens, names_filter=lambda n: f"blocks.{layer}.attn" in n)
     before_hook, after_hook = HOOKS[stage]
-    for t, s in [(4, 9), (7, 7), (5, 0), (10, 3)]:  # last: a key in the past, where every branch is nonzero
+    for t, s in [(9, 4), (7, 7), (5, 0), (10, 3)]:  # last: a key in the past, where every branch is nonzero
         b = compose_breakdown(model, tokens, layer, t, s, stage, batch_index=1)
         parts = b.before + b.o_qp + b.o_qg + b.o_kp + b.o_kg
         assert torch.equal(parts, b.composed)  # exactly the sum of the five parts
@@ -132,3 +132,73 @@ def test_composition_maps_along_keys_match_each_pair(models, name):
         for s in (0, 4, 9):
             expected = composition_map(model, tokens, 1, 9, s, stage)
             torch.testing.assert_close(maps[s], expected, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------
+# Donor heads, argument checks, frames
+def hand_breakdown() -> "ComposeBreakdown":
+    """3 heads, rank 1, only the key-wise projection: W = w_k1 @ w_k2.T."""
+    from dcinterp.composition import ComposeBreakdown
+
+    z3, z31 = torch.zeros(3), torch.zeros(3, 1)
+    before = torch.tensor([0.5, 0.01, 0.3])  # head 1 barely attends to the key
+    w_k1 = torch.tensor([[0.2], [-3.0], [0.1]])  # ... but weighs most in w_k1
+    w_k2 = torch.tensor([[1.0], [2.0], [1.5]])
+    o_kp = (before @ w_k1) @ w_k2.T
+    return ComposeBreakdown(0, 5, 2, "post", before, z3, z3, o_kp, z3, before + o_kp, z31, z31, w_k1, w_k2, z3, z3)
+
+
+def test_donors_by_contribution_and_by_w_k1_by_hand():
+    from dcinterp.composition import donor_heads
+
+    b = hand_breakdown()
+    # contribution of head n to head 0: A[n] * w_k1[n] * w_k2[0] = [0.1, -0.03, 0.03]
+    donors = donor_heads(b, head=0, k=2)
+    torch.testing.assert_close(donors.contribution, torch.tensor([0.1, -0.03, 0.03]))
+    assert donors.donors == [2]  # head 1 lowers head 0's attention: no donor
+
+    # the w_k1 rule picks head 1 (|w_k1| = 3) although it has 0.01 attention and lowers head 0's attention
+    assert donor_heads(b, head=0, k=1, rule="w_k1").donors == [1]
+    # delivered by the rank component: (A @ w_k1) * w_k2[0] = (0.1 - 0.03 + 0.03) * 1
+    torch.testing.assert_close(donors.delivered, torch.tensor([0.1]))
+    frame = donors.to_frame()
+    assert frame["head"].tolist() == [1, 2] and frame["donor"].tolist() == [False, True]
+    assert "H2" in repr(donors)
+    # contributions add up to the change of head 0's attention (no other branch here)
+    torch.testing.assert_close(donors.contribution.sum(), b.composed[0] - b.before[0])
+    with pytest.raises(ValueError, match="rule must be one of"):
+        donor_heads(b, head=0, rule="largest")
+    with pytest.raises(ValueError, match="head=3 is out of range"):
+        donor_heads(b, head=3)
+
+
+def test_breakdown_frame_sums(models):
+    b = compose_breakdown(models["tiny"], torch.randint(0, 50, (1, 8)), 1, 7, 3)
+    frame = b.to_frame()
+    parts = frame[["before", "o_qp", "o_qg", "o_kp", "o_kg"]].sum(1)
+    assert (parts - frame["composed"]).abs().max() < 1e-5 and "ComposeBreakdown(L1" in repr(b)
+
+
+def test_positions_layers_and_heads_are_checked(models):
+    model = models["tiny"]
+    tokens = torch.randint(0, 50, (1, 8))
+    with pytest.raises(ValueError, match=r"layer=2 is out of range: the model has layers 0..1"):
+        compose_breakdown(model, tokens, 2, 7, 3)
+    with pytest.raises(ValueError, match=r"query_pos=8 is out of range: the prompt has positions 0..7"):
+        compose_breakdown(model, tokens, 1, 8, 3)
+    with pytest.raises(ValueError, match="key_pos=6 comes after query_pos=4"):
+        compose_breakdown(model, tokens, 1, 4, 6)
+    with pytest.raises(ValueError, match="heads=4 is out of range"):
+        attention_distributions(model, tokens, 1, 7, heads=[4])
+    with pytest.raises(ValueError, match="batch_index=1 is out of range"):
+        composition_map(model, tokens, 1, 7, 3, batch_index=1)
+    assert compose_breakdown(model, tokens, -1, -1, 3).layer == 1
+
+
+def test_positions_may_be_words():
+    model = HookedDCFormer.from_pretrained("dcpythia-synth")
+    tokens = model.to_tokens("Michelle has a burger. Helen has a burger. Michelle owns a kind of")
+    by_word = compose_breakdown(model, tokens, 2, "of", "burger")
+    assert (by_word.query_pos, by_word.key_pos) == (tokens.shape[1] - 1, 8)  # the last "burger"
+    with pytest.raises(ValueError, match="key_pos='papaya' does not occur in the prompt"):
+        compose_breakdown(model, tokens, 2, "of", "papaya")

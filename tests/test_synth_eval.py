@@ -144,6 +144,14 @@ def test_summary_has_accuracy_and_token_level_perplexity():
     assert summary["ppl"] == pytest.approx(float(torch.tensor(6.0 / 4).exp()))
     assert summary["by_k"] == {"2": 1.0, "3": 0.0}
     assert summary["by_task"] == {"task0": 0.5, "task1": 1.0}
+    # the other poolings, by hand: per-answer mean nll 1, 2, 1.5
+    e = torch.tensor([1.0, 2.0, 1.5]).exp()
+    assert summary["ppl_by_pooling"]["answer"] == pytest.approx(float(e.mean()))
+    assert summary["ppl_by_pooling"]["answer-nll"] == pytest.approx(float(torch.tensor(1.5).exp()))
+    by_answer = summarize(rows, ppl_pooling="answer")["m"]
+    assert by_answer["ppl"] == pytest.approx(float(e.mean())) and by_answer["ppl_pooling"] == "answer"
+    with pytest.raises(ValueError, match="ppl pooling must be one of"):
+        summarize(rows, ppl_pooling="mean")
 
 
 def test_task_selection_reads_ids_and_ranges():
@@ -191,7 +199,8 @@ def test_cli_writes_results_and_summary_for_each_checkpoint(checkpoints, tmp_pat
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary) == ["tiny-dc", "tiny-mha"]
     for entry in summary.values():
-        assert list(entry) == ["accuracy", "ppl", "by_k", "by_task", "by_qk_pattern", "by_ov_transformation"]
+        assert list(entry) == ["accuracy", "ppl", "ppl_pooling", "ppl_by_pooling", "by_k", "by_task",
+                               "by_qk_pattern", "by_ov_transformation"]
         assert list(entry["by_k"]) == ["2", "3", "4", "5", "6", "7"]
         assert list(entry["by_task"]) == ["task5", "task60"]
     assert sorted(p.name for p in out.iterdir()) == ["results.csv", "summary.json"]
@@ -254,3 +263,16 @@ def test_no_checkpoint_and_no_embedded_models_says_so(monkeypatch, capsys):
     monkeypatch.setattr(loading, "embedded_models", lambda: [])
     assert main_eval(["--limit", "1"]) == 2
     assert "--checkpoint" in capsys.readouterr().err
+
+
+def test_ppl_pooling_flag(capsys):
+    import argparse
+
+    from dcinterp.synth.evaluate import add_eval_arguments
+
+    parser = add_eval_arguments(argparse.ArgumentParser())
+    assert parser.parse_args([]).ppl_pooling == "token"
+    assert parser.parse_args(["--ppl-pooling", "answer"]).ppl_pooling == "answer"
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["--ppl-pooling", "mean"])
+    assert exit_info.value.code == 2 and "--ppl-pooling" in capsys.readouterr().err

@@ -7,8 +7,10 @@ Attention is causal, so one forward pass over the whole sample scores all six an
 can be batched with right padding.
 
 - correct: every answer token is the argmax of the model's prediction under teacher forcing;
-- nll: the negative log-likelihood of the answer's tokens, summed; perplexity = exp(nll / tokens) over
-  all answers of a checkpoint.
+- nll: the negative log-likelihood of the answer's tokens, summed; perplexity pooled as `--ppl-pooling` says
+  (Table 5 does not say; docs/conventions.md): "token" (default) exp(sum nll / sum tokens) over all answer tokens
+  of a checkpoint; "answer" the mean over answers of each answer's perplexity exp(nll / tokens); "answer-nll"
+  exp of the mean over answers of each answer's mean nll. summary.json holds all three under ppl_by_pooling.
 
     python -m dcinterp.synth eval --checkpoint PATH [--checkpoint PATH ...] [--data released|FILE] [--out DIR]
 
@@ -328,13 +330,35 @@ def task_labels(catalog: Catalog, task_id: str) -> tuple[str, str]:
 
 # --------------------------------------------------------------------------------------------------
 # Summary
-def summarize(results: pd.DataFrame) -> dict:
-    """Per checkpoint: accuracy, perplexity, and accuracy by K, task, QK pattern and OV transformation."""
+PPL_POOLINGS = ("token", "answer", "answer-nll")
+
+
+def perplexity(rows: pd.DataFrame, pooling: str = "token") -> float:
+    """Perplexity of the answers in `rows` (columns nll, summed per answer, and n_tokens), pooled over answer
+    tokens ("token"), as the mean of per-answer perplexities ("answer") or as exp of the mean per-answer
+    mean NLL ("answer-nll")."""
+    if pooling == "token":
+        return math.exp(rows["nll"].sum() / rows["n_tokens"].sum())
+    per_answer = rows["nll"] / rows["n_tokens"]
+    if pooling == "answer":
+        return float(per_answer.map(math.exp).mean())
+    if pooling == "answer-nll":
+        return math.exp(per_answer.mean())
+    raise ValueError(f"ppl pooling must be one of {PPL_POOLINGS}, not {pooling!r}")
+
+
+def summarize(results: pd.DataFrame, ppl_pooling: str = "token") -> dict:
+    """Per checkpoint: accuracy, perplexity (pooled as `ppl_pooling`, and under every pooling), and accuracy by K,
+    task, QK pattern and OV transformation."""
+    if ppl_pooling not in PPL_POOLINGS:
+        raise ValueError(f"ppl pooling must be one of {PPL_POOLINGS}, not {ppl_pooling!r}")
     summary = {}
     for checkpoint, rows in results.groupby("checkpoint", sort=False):
         summary[checkpoint] = {
             "accuracy": float(rows["correct"].mean()),
-            "ppl": math.exp(rows["nll"].sum() / rows["n_tokens"].sum()),
+            "ppl": perplexity(rows, ppl_pooling),
+            "ppl_pooling": ppl_pooling,
+            "ppl_by_pooling": {pooling: perplexity(rows, pooling) for pooling in PPL_POOLINGS},
             "by_k": accuracy_by(rows, "k_shot"),
             "by_task": accuracy_by(rows, "task"),
             "by_qk_pattern": accuracy_by(rows, "qk_pattern"),
@@ -358,7 +382,8 @@ def print_table(summary: dict) -> None:
     for checkpoint in summary:
         table.add_column(checkpoint, justify="right")
     table.add_row("accuracy", *(f"{s['accuracy']:.1%}" for s in summary.values()))
-    table.add_row("perplexity", *(f"{s['ppl']:.2f}" for s in summary.values()), end_section=True)
+    pooling = next(iter(summary.values()), {}).get("ppl_pooling", "token")
+    table.add_row(f"perplexity ({pooling})", *(f"{s['ppl']:.2f}" for s in summary.values()), end_section=True)
     ks = dict.fromkeys(k for s in summary.values() for k in s["by_k"])
     for k in ks:
         table.add_row(f"accuracy, K={k}", *(fmt_accuracy(s["by_k"].get(k)) for s in summary.values()))
@@ -385,6 +410,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--tasks", type=parse_task_selection, metavar="SEL",
                         help="tasks to evaluate: ids and ranges, e.g. task0,task5 or 0-7")
     parser.add_argument("--limit", type=positive_int, metavar="N", help="only the first N samples (after --tasks)")
+    parser.add_argument("--ppl-pooling", default="token", choices=PPL_POOLINGS,
+                        help="perplexity over all answer tokens (token, default), mean of per-answer perplexities "
+                             "(answer), or exp of the mean per-answer NLL (answer-nll); docs/conventions.md")
     return parser
 
 
@@ -429,7 +457,7 @@ def run_eval(args: argparse.Namespace) -> int:
             results.append(evaluate(model, samples, batch_size=args.batch_size, name=name, progress=rank == 0))
             del model
         results = pd.concat(results, ignore_index=True)
-        summary = summarize(results)
+        summary = summarize(results, getattr(args, "ppl_pooling", "token"))
         if args.out is not None and rank == 0:
             write_outputs(results, summary, args.out)
     except (EvalError, CatalogError) as error:

@@ -1,0 +1,90 @@
+"""Argument checks shared by the analysis functions: one-line ValueErrors that name the argument and its range,
+and words resolved to token ids (with the piece rule stated) where a tokenizer is attached."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Piece = Literal["only", "first", "last"]
+
+
+def check_layer(model, layer: int, name: str = "layer") -> int:
+    """`layer` as a non-negative index, or a ValueError naming the valid range."""
+    n = model.cfg.n_layers
+    if not isinstance(layer, int) or not -n <= layer < n:
+        raise ValueError(f"{name}={layer!r} is out of range: the model has layers 0..{n - 1}")
+    return layer % n
+
+
+def check_head(model, head: int, name: str = "head") -> int:
+    n = model.cfg.n_heads
+    if not isinstance(head, int) or not -n <= head < n:
+        raise ValueError(f"{name}={head!r} is out of range: the model has heads 0..{n - 1}")
+    return head % n
+
+
+def check_position(position, n_pos: int, name: str = "position") -> Tensor | int:
+    """Positions (an int or a tensor) as non-negative indices into a prompt of `n_pos` tokens."""
+    values = torch.as_tensor(position)
+    if values.dtype.is_floating_point or values.numel() == 0:
+        raise ValueError(f"{name} must be integer positions, not {position!r}")
+    if not ((values >= -n_pos) & (values < n_pos)).all():
+        raise ValueError(f"{name}={position!r} is out of range: the prompt has positions 0..{n_pos - 1}")
+    return int(values) % n_pos if values.ndim == 0 else values % n_pos
+
+
+def check_key_before_query(query_pos: int, key_pos: int) -> None:
+    if key_pos > query_pos:
+        raise ValueError(f"key_pos={key_pos} comes after query_pos={query_pos}: a query attends only to keys <= it")
+
+
+def check_token_ids(ids, d_vocab: int, name: str = "target") -> None:
+    values = torch.as_tensor(ids)
+    if values.dtype.is_floating_point or not ((values >= 0) & (values < d_vocab)).all():
+        raise ValueError(f"{name}={ids!r} is not a token id: the vocabulary has ids 0..{d_vocab - 1}")
+
+
+def word_pieces(tokenizer, word: str) -> list[int]:
+    """The token ids of `word` as it appears after a space (" burger": "Ġburger" for byte-level BPE, "burger" for
+    the word-level tokenizer), without special tokens."""
+    return tokenizer(" " + word.strip(), add_special_tokens=False)["input_ids"]
+
+
+def word_token(model, word: str, piece: Piece = "only", name: str = "word") -> int:
+    """The one token id of `word`. A word that splits into several tokens is an error with piece="only", else
+    its first piece (what a model predicts first) or its last (the position that has read the whole word)."""
+    if model.tokenizer is None:
+        raise ValueError(f"{name}={word!r} is a word, but the model has no tokenizer: pass a token id")
+    ids = word_pieces(model.tokenizer, word)
+    unk = model.tokenizer.unk_token_id
+    if not ids or (unk is not None and unk in ids):
+        raise ValueError(f"{name}={word!r} is not in the tokenizer's vocabulary")
+    if len(ids) > 1 and piece == "only":
+        pieces = model.tokenizer.convert_ids_to_tokens(ids)
+        raise ValueError(f"{name}={word!r} splits into {len(ids)} tokens {pieces}: pass a token id or one piece")
+    if piece not in ("only", "first", "last"):
+        raise ValueError(f"piece must be 'only', 'first' or 'last', not {piece!r}")
+    return ids[-1] if piece == "last" else ids[0]
+
+
+def find_word(model, tokens, word: str, occurrence: int = -1, name: str = "word") -> int:
+    """Position of the last piece of `word` (its `occurrence`-th appearance) in one prompt's tokens [pos].
+
+    Looks for the word's pieces after a space, then without one (a word at the start of a line)."""
+    if model.tokenizer is None:
+        raise ValueError(f"{name}={word!r} is a word, but the model has no tokenizer: pass a position")
+    ids = torch.as_tensor(tokens).flatten().tolist()
+    bare = model.tokenizer(word.strip(), add_special_tokens=False)["input_ids"]
+    ends = []
+    for pieces in (word_pieces(model.tokenizer, word), bare):
+        n = len(pieces)
+        ends += [i + n - 1 for i in range(len(ids) - n + 1) if n and ids[i : i + n] == pieces]
+    ends = sorted(set(ends))
+    if not ends:
+        raise ValueError(f"{name}={word!r} does not occur in the prompt")
+    if not -len(ends) <= occurrence < len(ends):
+        raise ValueError(f"{name}={word!r} occurs {len(ends)} times, there is no occurrence {occurrence}")
+    return ends[occurrence]
