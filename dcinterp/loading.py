@@ -77,16 +77,21 @@ def load_pretrained(path_or_name, dtype=None, device=None, device_map=None, max_
     with CheckpointFiles(directory) as files:
         take = _Taker(files)
         placer = _Placer(model, dtype, device_map, offload_folder, directory)
-        try:
-            for key, value in convert(take, cfg):
-                placer.put(key, value, files.origin(take.last))
-        except RuntimeError as e:  # a reshape that does not fit: the weight's shape disagrees with config.json
-            raise CheckpointError(f"{files.origin(take.last)}: weight {take.last!r} does not fit config.json ({e})") from None
+        for key, value in _reshape_errors_named(convert(take, cfg), take, files):
+            placer.put(key, value, files.origin(take.last))
         take.finish()
         placer.finish()
     model.tokenizer = load_tokenizer(directory)
     dispatch(model, device_map, offload_folder)
     return model.eval().requires_grad_(False)  # inference: no autograd graph over the weights
+
+
+def _reshape_errors_named(converted, take: "_Taker", files: "CheckpointFiles"):
+    """The converter's weights; a reshape that does not fit (the file disagrees with config.json) named."""
+    try:
+        yield from converted
+    except RuntimeError as e:
+        raise CheckpointError(f"{files.origin(take.last)}: weight {take.last!r} does not fit config.json ({e})") from None
 
 
 def save_pretrained(model: HookedDCFormer, directory) -> None:
