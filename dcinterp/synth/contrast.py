@@ -166,7 +166,8 @@ def _corruptions(catalog: Catalog, task: Task, sampler: TaskSampler, line: Line,
         for fact in rng.sample(others, len(others)):
             candidate = replace(line, query_person=fact.person, source_item=fact.item)
             answer = _answer(catalog, task, candidate)
-            if answer is not None:
+            given = {value for other in facts if other.item != fact.item for value in catalog.transform(task, other.item)}
+            if answer is not None and answer not in given:  # the new answer is the only one the facts allow
                 yield candidate, answer
     elif kind == "person":  # the answer is a person: swap that person's name with another's
         others = [fact.person for fact in facts if fact.person != line.answer]
