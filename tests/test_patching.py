@@ -247,3 +247,13 @@ def test_patching_names_bad_arguments(model, pairs):
     with pytest.raises(ValueError, match="has no DCMHA"):
         activation_patching(mha, pairs)
     assert len(SITE_NAMES) == 10
+
+
+def test_attribution_patching_takes_its_gradient_through_the_activations_not_the_weights(pairs):
+    model = HookedDCFormer.from_pretrained("dcpythia-synth").eval()
+    model.requires_grad_(True)  # even with trainable weights, nothing is written to .grad
+    frozen = attribution_patching(model, pairs, names=["o_kp"], layers=[2])
+    assert all(p.grad is None for p in model.parameters())
+    model.requires_grad_(False)
+    again = attribution_patching(model, pairs, names=["o_kp"], layers=[2])
+    assert frozen.effect.tolist() == pytest.approx(again.effect.tolist(), abs=1e-6)
