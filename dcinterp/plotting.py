@@ -427,7 +427,7 @@ def plot_patching(frames: Mapping[str, object], title: str | None = None, captio
         ax.set_yticks(range(len(rows)), rows)
         ax.set_xlabel(column)
         ax.set_title(name, fontsize=10)
-    fig.colorbar(image, ax=list(axes), label="effect (share of the clean - corrupt logit difference)", shrink=0.8)
+    fig.colorbar(image, ax=list(axes), label="effect (share of clean - corrupt LD)", shrink=0.8)
     if title:
         fig.suptitle(title, fontsize=11)
     if caption:
