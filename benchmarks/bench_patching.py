@@ -4,9 +4,11 @@
 
 On contrast pairs of the given tasks (the queried person swapped, `dcinterp.synth.contrast_pairs`), it runs
   exact:       `activation_patching` of every (layer, stage, site, head): one forward pass per row,
-  attribution: `attribution_patching` of the same rows: one forward+backward and one forward in all,
-for the per-site table and the per-head table, and prints the time ratio (exact / attribution) and the rank
-agreement (Spearman's rho) of the two effects, over all rows and over the rows exact patching finds largest.
+  attribution: `attribution_patching` of the same rows: one forward+backward and one forward in all, with
+               softmax="linear" (first order) and "exact" (pre-compose sites carried through the softmax),
+for the per-site table and the per-head table, and prints the time ratio (exact / attribution), the rank
+agreement (Spearman's rho) of the two effects over all rows and over the --top rows exact patching finds largest,
+and how many of those --top rows are among attribution patching's --top.
 """
 
 from __future__ import annotations
@@ -45,18 +47,20 @@ def main() -> None:
     tokens = tokenize_pairs(pairs, model.tokenizer)
     print(f"{args.checkpoint}: {len(pairs)} contrast pairs (tasks {args.tasks}), {tokens.clean.shape[1]} positions, "
           f"{args.direction}, {args.threads} thread(s)")
-    print(f"{'table':<10}{'rows':>6}{'exact s':>10}{'attrib. s':>11}{'ratio':>8}{'rho all':>9}{'rho top':>9}")
+    print(f"{'table':<10}{'softmax':>8}{'rows':>6}{'exact s':>10}{'attrib. s':>11}{'ratio':>8}{'rho all':>9}"
+          f"{'rho top':>9}{'top found':>11}")
     for per_head in (False, True):
         exact, exact_s = timed(lambda: activation_patching(model, tokens, args.direction, per_head=per_head))
-        estimate, estimate_s = timed(lambda: attribution_patching(model, tokens, args.direction, per_head=per_head))
-        rho_all = spearmanr(exact["effect"], estimate["effect"]).statistic
         top = exact["effect"].abs().nlargest(args.top).index
-        rho_top = spearmanr(exact.loc[top, "effect"], estimate.loc[top, "effect"]).statistic
-        print(f"{'per head' if per_head else 'per site':<10}{len(exact):>6}{exact_s:>10.2f}{estimate_s:>11.2f}"
-              f"{exact_s / estimate_s:>7.1f}x{rho_all:>9.2f}{rho_top:>9.2f}")
-        found = estimate["effect"].abs().nlargest(args.top).index
-        print(f"          the {args.top} largest exact rows: {len(set(top) & set(found))} among attribution's "
-              f"{args.top} largest")
+        for softmax in ("linear", "exact"):
+            estimate, estimate_s = timed(lambda: attribution_patching(model, tokens, args.direction,
+                                                                      per_head=per_head, softmax=softmax))
+            rho_all = spearmanr(exact["effect"], estimate["effect"]).statistic
+            rho_top = spearmanr(exact.loc[top, "effect"], estimate.loc[top, "effect"]).statistic
+            found = len(set(top) & set(estimate["effect"].abs().nlargest(args.top).index))
+            print(f"{'per head' if per_head else 'per site':<10}{softmax:>8}{len(exact):>6}{exact_s:>10.2f}"
+                  f"{estimate_s:>11.2f}{exact_s / estimate_s:>7.1f}x{rho_all:>9.2f}{rho_top:>9.2f}"
+                  f"{found:>8}/{args.top}")
 
 
 if __name__ == "__main__":

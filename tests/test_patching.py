@@ -194,21 +194,38 @@ def test_the_normalised_metric_is_the_share_restored(model, pairs):
     assert (denoised.effect >= -0.2).all() and (noised.effect <= 0.2).all()
 
 
-def test_attribution_patching_equals_exact_patching_for_a_small_perturbation(model, pairs):
+@pytest.mark.parametrize("softmax", ["linear", "exact"])
+def test_attribution_patching_equals_exact_patching_for_a_small_perturbation(model, pairs, softmax):
     metric = LogitDiff(pairs.clean_answer, pairs.corrupt_answer, pairs.position)
-    site_list = sites(model, per_head=True, layers=[1, 2])
+    site_list = sites(model, per_head=softmax == "linear", layers=[1, 2])  # per head once: it takes a while
     names = list(dict.fromkeys(site.hook_name for site in site_list))
     clean, corrupt = cache_sites(model, pairs.clean, names), cache_sites(model, pairs.corrupt, names)
     eps = 1e-3
     nudged = {name: clean[name] + eps * (corrupt[name] - clean[name]) for name in names}
     exact = patching_deltas(model, pairs.clean, nudged, metric, site_list)
-    estimate = attribution_deltas(model, pairs.clean, nudged, metric, site_list)
+    estimate = attribution_deltas(model, pairs.clean, nudged, metric, site_list, softmax)
     scale = estimate.abs().max()
     assert scale > 1e-3
     torch.testing.assert_close(exact, estimate, atol=0.02 * scale, rtol=0.05)
     # at the full corruption the estimate is only first order: it may differ a lot
     assert (patching_deltas(model, pairs.clean, corrupt, metric, site_list)
-            - attribution_deltas(model, pairs.clean, corrupt, metric, site_list)).abs().max() > 10 * eps * scale
+            - attribution_deltas(model, pairs.clean, corrupt, metric, site_list, softmax)).abs().max() > 10 * eps * scale
+
+
+def test_carrying_pre_compose_sites_through_the_softmax_comes_closer_where_the_softmax_saturates(model, pairs):
+    """Layer 1's pre-compose o_qp moves the output far more than its gradient says (a saturated softmax)."""
+    rows = dict(names=["o_qp", "qw2"], layers=[1])
+    exact = activation_patching(model, pairs, **rows)
+    linear = attribution_patching(model, pairs, **rows)
+    through_softmax = attribution_patching(model, pairs, softmax="exact", **rows)
+    pre = (exact["stage"] == "pre").to_numpy()
+    post = ~pre
+    assert exact.effect[pre].iloc[0] < -0.5 and abs(linear.effect[pre].iloc[0]) < 0.1
+    assert abs(through_softmax.effect[pre].iloc[0] - exact.effect[pre].iloc[0]) < \
+        abs(linear.effect[pre].iloc[0] - exact.effect[pre].iloc[0]) - 0.1
+    assert through_softmax.effect[post].tolist() == linear.effect[post].tolist()  # post-compose: unchanged
+    with pytest.raises(ValueError, match="softmax must be 'linear' or 'exact'"):
+        attribution_patching(model, pairs, softmax="approximately")
 
 
 @pytest.mark.parametrize("hook_name", ["blocks.0.attn.post_compose.hook_kw1", "blocks.1.attn.pre_compose.hook_qw1",
