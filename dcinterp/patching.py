@@ -42,7 +42,6 @@ from .model import HookedDCFormer, attention_mask, branch_outputs
 from .synth.contrast import PairTokens
 
 STAGES = ("pre", "post")
-BRANCHES = ("qp", "kp", "qg", "kg")
 BRANCH_OUTPUTS = ("o_qp", "o_kp", "o_qg", "o_kg")
 DYNAMIC_WEIGHTS = ("qw1", "qw2", "kw1", "kw2", "qg", "kg")
 SITE_NAMES = BRANCH_OUTPUTS + DYNAMIC_WEIGHTS
