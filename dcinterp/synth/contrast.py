@@ -57,7 +57,9 @@ def contrast_pairs(task: str | int, n: int = 16, seed: int = 0, kind: str | None
     """`n` clean/corrupted pairs of one task; each prompt has `shots` answered lines, then the query line.
 
     tokenizer: a Hugging Face tokenizer (or `model.tokenizer`); the two prompts of a pair then have the same
-    number of tokens. ValueError names a bad argument.
+    number of tokens and their answers different first tokens (without it: the same number of words).
+    kind: "person", "object" or None (the task's default, see the module docstring). The pairs are those of the
+    first samples that allow one, so the first pairs do not depend on `n`. ValueError names a bad argument.
     """
     catalog = catalog or load_catalog()
     (task_id,) = _known_task_ids([task], catalog)
