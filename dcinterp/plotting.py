@@ -603,3 +603,119 @@ def plot_synthetic_eval(tables: Mapping, title: str | None = None, caption: str 
         ax.grid(alpha=0.3, axis="x")
     fig.suptitle(title or "Synthetic-task evaluation")
     return fig
+
+
+# --------------------------------------------------------------------------------------------------
+# Patching and branch ablation (dcinterp.patching, python -m dcinterp.synth ablate)
+def _patching_limit(values: np.ndarray) -> float:
+    """The colour scale's half-width: the largest magnitude (1 where everything is 0)."""
+    finite = np.abs(values[np.isfinite(values)])
+    return float(finite.max()) if finite.size and finite.max() > 0 else 1.0
+
+
+def _centred_heatmap(ax, values: np.ndarray, limit: float, fontsize: int = 7, digits: int = 2):
+    """A heatmap on the diverging colormap over [-limit, limit], each cell's value written in it."""
+    image = ax.imshow(values, cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto")
+    for (row, col), value in np.ndenumerate(values):
+        if np.isfinite(value):
+            text = f"{value:+.{digits}f}" if round(value, digits) != 0 else "0"
+            ax.text(col, row, text, ha="center", va="center", fontsize=fontsize,
+                    color="white" if abs(value) > 0.6 * limit else "black")
+    return image
+
+
+def _patching_grid(frame) -> tuple[np.ndarray, list[str], list[str], str]:
+    """Rows stage.site, columns layers (one value per site) or heads (per-head frames of one layer)."""
+    frame = frame.assign(row=frame["stage"] + "." + frame["site"])
+    per_head = (frame["head"] != "all").any()
+    column = "head" if per_head else "layer"
+    if per_head and frame["layer"].nunique() > 1:
+        frame = frame.assign(row="L" + frame["layer"].astype(str) + " " + frame["row"])
+    rows = list(dict.fromkeys(frame["row"]))
+    columns = list(dict.fromkeys(frame[column]))
+    grid = frame.pivot(index="row", columns=column, values="effect").reindex(index=rows, columns=columns)
+    return grid.to_numpy(dtype=float), rows, [str(c) for c in columns], column
+
+
+def plot_patching(frames: Mapping[str, object], title: str | None = None, caption: str | None = None) -> Figure:
+    """Patching tables (`activation_patching` / `attribution_patching` frames) side by side on one shared scale.
+
+    Rows: stage.site; columns: layers, or heads for per-head tables. Red: patching raises the clean-minus-corrupt
+    logit difference (denoising restores it), blue: lowers it (noising removes it); 1 = all of the difference.
+    """
+    grids = {name: _patching_grid(frame) for name, frame in frames.items()}
+    limit = max(_patching_limit(values) for values, *_ in grids.values())
+    n_rows = max(len(rows) for _, rows, _, _ in grids.values())
+    n_cols = max(len(cols) for _, _, cols, _ in grids.values())
+    fig = Figure(figsize=(1.6 + (0.55 * n_cols + 1.3) * len(grids), 1.4 + 0.27 * n_rows), layout="constrained")
+    axes = fig.subplots(1, len(grids), squeeze=False, sharey=True)[0]
+    for ax, (name, (values, rows, cols, column)) in zip(axes, grids.items()):
+        image = _centred_heatmap(ax, values, limit)
+        ax.set_xticks(range(len(cols)), cols)
+        ax.set_yticks(range(len(rows)), rows)
+        ax.set_xlabel(column)
+        ax.set_title(name, fontsize=10)
+    fig.colorbar(image, ax=list(axes), label="effect (share of clean - corrupt LD)", shrink=0.8)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    if caption:
+        fig.text(0.01, 0.0, caption, fontsize=8, ha="left", va="bottom", wrap=True)
+        fig.get_layout_engine().set(rect=(0, 0.05, 1, 0.95))
+    return fig
+
+
+def plot_patching_agreement(exact, estimate, title: str | None = None) -> Figure:
+    """Attribution patching against exact patching, one point per site (and head), with y = x and Spearman's rho."""
+    from scipy.stats import spearmanr
+
+    x, y = exact["effect"].to_numpy(float), estimate["effect"].to_numpy(float)
+    limit = _patching_limit(np.concatenate([x, y])) * 1.05
+    fig = Figure(figsize=(4.6, 4.6), layout="constrained")
+    ax = fig.subplots()
+    ax.axline((0, 0), slope=1, color="grey", lw=0.8, ls="--", label="y = x")
+    ax.axhline(0, color="lightgrey", lw=0.6)
+    ax.axvline(0, color="lightgrey", lw=0.6)
+    colors = {"pre": "tab:orange", "post": "tab:blue"}
+    for stage, color in colors.items():
+        rows = (exact["stage"] == stage).to_numpy()
+        ax.scatter(x[rows], y[rows], s=14, color=color, alpha=0.7, label=f"{stage}-compose sites")
+    ax.set_xlim(-limit, limit)
+    ax.set_ylim(-limit, limit)
+    ax.set_xlabel("activation patching (exact)")
+    ax.set_ylabel("attribution patching (first order)")
+    ax.legend(fontsize=7, loc="upper left")
+    rho = spearmanr(x, y).statistic
+    ax.set_title(title or "attribution vs exact patching", fontsize=10)
+    fig.text(0.01, 0.0, f"{len(x)} rows; Spearman rho = {rho:.2f}. Effect: share of the clean - corrupt logit "
+             "difference.", fontsize=7)
+    fig.get_layout_engine().set(rect=(0, 0.04, 1, 0.96))
+    return fig
+
+
+def plot_ablation_table(table, title: str | None = None) -> Figure:
+    """Accuracy change against the full model (row 'none') when each part of the compose is switched off.
+
+    `table` is `dcinterp.synth.ablate.ablation_table(...)`: columns accuracy, qk:* and ov:*. One shared scale
+    in percentage points; the column labels give the full model's accuracy.
+    """
+    columns = ["accuracy", *[c for c in table.columns if c.startswith(("qk:", "ov:"))]]
+    full = table[table["ablated"] == "none"].iloc[0]
+    ablated = table[table["ablated"] != "none"]
+    values = 100 * (ablated[columns].to_numpy(float) - full[columns].to_numpy(float)[None])
+    limit = _patching_limit(values)
+    fig = Figure(figsize=(max(6.0, 2.5 + 0.55 * len(columns)), 2.0 + 0.3 * len(ablated)), layout="constrained")
+    ax = fig.subplots()
+    image = _centred_heatmap(ax, values, limit, fontsize=7, digits=0)
+    labels = [f"{'all' if c == 'accuracy' else c[3:]}\n({100 * full[c]:.0f}%)" for c in columns]
+    ax.set_xticks(range(len(columns)), labels, rotation=90, fontsize=7)
+    ax.set_yticks(range(len(ablated)), list(ablated["ablated"]), fontsize=8)
+    ax.axvline(0.5, color="black", lw=0.8)
+    n_qk = sum(c.startswith("qk:") for c in columns)
+    ax.axvline(0.5 + n_qk, color="black", lw=0.8)
+    ax.set_ylabel("switched off (in every layer, or one layer's compose)")
+    fig.colorbar(image, ax=ax, label="accuracy change (points)", shrink=0.8)
+    ax.set_title(title or "compose switched off", fontsize=10)
+    fig.text(0.01, 0.0, "Columns: all samples, by QK pattern, by OV transformation; in brackets the full model's "
+             "accuracy. Chance (a random candidate of the line) is about 35%.", fontsize=7, wrap=True)
+    fig.get_layout_engine().set(rect=(0, 0.04, 1, 0.96))
+    return fig

@@ -15,6 +15,9 @@ NOTEBOOKS = {
     "composition_maps": ({}, ["composition_maps_pre.png", "composition_maps_post.png", "composition_maps_keys.png",
                               "composition_map_interactive.html", "composition_along_sequence.png"]),
     "head_diversity": ({}, ["head_diversity.png"]),
+    "branch_analysis": ({"tasks": "2,10", "pairs_per_task": 2, "ablation_samples": 12},
+                        ["branch_ablation.png", "patching_layers.png", "patching_heads.png", "patching_attribution.png",
+                         "patching_agreement.png"]),
 }
 
 def test_the_embedded_models_are_shipped():

@@ -5,6 +5,7 @@
 catalog, and ``unbracket()`` locates the scored answers.  Command line:
 ``python -m dcinterp.synth generate --seed 0 --out FILE.jsonl`` and
 ``python -m dcinterp.synth check FILE.jsonl``.
+``contrast_pairs()`` makes clean/corrupted prompt pairs of a task for activation patching.
 
 Note: ``dcinterp.synth.generate`` is the function; import the module's other names with
 ``from dcinterp.synth.generate import ...``.
@@ -12,11 +13,12 @@ Note: ``dcinterp.synth.generate`` is the function; import the module's other nam
 from .catalog import Catalog, CatalogError, ItemPool, Lexicon, ObjectEntry, OrdinalDomain, Phrasing, Syntax, Task, \
     data_dir, load_catalog, load_lexicon
 from .check import check_records
+from .contrast import ContrastPair, PairTokens, contrast_pairs, tokenize_pairs
 from .generate import generate
 from .records import DatasetError, read_jsonl, sample_lines, unbracket, write_jsonl
 
 __all__ = [
-    "Catalog", "CatalogError", "DatasetError", "ItemPool", "Lexicon", "ObjectEntry", "OrdinalDomain", "Phrasing",
-    "Syntax", "Task", "check_records", "data_dir", "generate", "load_catalog", "load_lexicon", "read_jsonl",
-    "sample_lines", "unbracket", "write_jsonl",
+    "Catalog", "CatalogError", "ContrastPair", "DatasetError", "ItemPool", "Lexicon", "ObjectEntry", "OrdinalDomain", "PairTokens", "Phrasing",
+    "Syntax", "Task", "check_records", "contrast_pairs", "data_dir", "generate", "load_catalog", "load_lexicon", "read_jsonl",
+    "sample_lines", "tokenize_pairs", "unbracket", "write_jsonl",
 ]

@@ -5,6 +5,7 @@
     python -m dcinterp.synth check FILE.jsonl [--lines L]      (also: generate --check FILE.jsonl)
     python -m dcinterp.synth eval [--checkpoint PATH ...] [--data released|FILE] [--out DIR]
                                   [--device D] [--dtype T] [--batch-size N] [--tasks IDS] [--limit N]
+    python -m dcinterp.synth ablate [--checkpoint PATH] [--data released|FILE] [--out DIR] [...as eval]
 
 Exit status: 0 success, 1 the check found problems, 2 bad arguments or unreadable input (one line on stderr,
 checked before any work, nothing written).
@@ -113,7 +114,23 @@ def build_parser() -> argparse.ArgumentParser:
     eval_parser = commands.add_parser("eval", help="score checkpoints on the tasks (accuracy, perplexity)")
     add_eval_arguments(eval_parser)
     eval_parser.set_defaults(run=run_eval)
+
+    ablate_parser = commands.add_parser("ablate", help="score a checkpoint with parts of its compose switched off")
+    _add_ablate_arguments(ablate_parser)
+    ablate_parser.set_defaults(run=_run_ablate)
     return parser
+
+
+def _add_ablate_arguments(parser: argparse.ArgumentParser) -> None:
+    from .ablate import add_ablate_arguments  # torch-heavy: imported when the parser is built or the command runs
+
+    add_ablate_arguments(parser)
+
+
+def _run_ablate(args: argparse.Namespace) -> int:
+    from .ablate import run_ablate
+
+    return run_ablate(args)
 
 
 def main(argv: list[str] | None = None) -> int:

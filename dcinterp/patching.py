@@ -1,0 +1,399 @@
+"""Which compose branch does the work: ablation, activation patching and attribution patching of DCMHA.
+
+Everything here runs the model's own forward through its hooks (`run_with_hooks`, `run_with_cache`). A *site*
+is one hook of a compose stage: a branch output `o_qp, o_kp, o_qg, o_kg` ([batch, head, query, key]) or a
+dynamic weight `qw1, qw2, kw1, kw2` ([batch, pos, rank, head]), `qg, kg` ([batch, pos, head]), in a layer and a
+stage (pre- or post-compose), optionally restricted to one head. For a branch output the head is the output
+head; for a dynamic weight it is the weight's last axis (the input head for `qw1`/`kw1`, the output head for
+`qw2`/`kw2`, the gated head for `qg`/`kg`).
+
+- `branch_ablation`: the target's change when a component (a branch, per head, a whole stage, a layer's whole
+  compose, or a branch in every layer) is zeroed or mean-ablated. Zeroing a branch output is the model without
+  that branch (as `DCFormerConfig(compose_branches=...)` builds it), the reading of the paper's Table 9.
+- `activation_patching`: every site's activation copied from one prompt of a contrast pair into the other's run.
+  "noising" runs the clean prompt with the corrupted activation, "denoising" the corrupted prompt with the clean
+  one. The metric is the logit difference LD = logit(clean answer) - logit(corrupted answer) at the answer's
+  position, and `effect` = (mean LD patched - mean LD of the run patched into) / (mean LD clean - mean LD corrupt):
+  the share of the clean-minus-corrupt difference restored (denoising, 0 to 1) or, negative, removed (noising,
+  0 to -1). Means over the batch are taken before dividing, so a pair with a small difference cannot blow it up.
+- `attribution_patching`: the first-order estimate of the same table, gradient x (source - activation), from
+  one forward and backward pass of the run patched into and one forward pass of the other prompt, whatever the
+  number of sites. The gradient is taken at the run patched into: the clean one for noising (as in AtP, Kramar
+  et al. 2024), the corrupted one for denoising. It flows through the activations (a zero tensor added at each
+  site), not the weights, so frozen parameters are fine and no `.grad` is written. A pre-compose branch feeds a
+  softmax that may saturate, where the first-order estimate can be far off (on `dcpythia-synth`, +0.02 for a site
+  whose exact effect is -0.93); `softmax="exact"` carries pre-compose sites through their layer's softmax exactly
+  and linearises only the rest (AtP*'s fix). The default is the plain first-order estimate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import pandas as pd
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from .attribution import Target, target_value
+from .model import HookedDCFormer, attention_mask, branch_outputs
+from .synth.contrast import PairTokens
+
+STAGES = ("pre", "post")
+BRANCH_OUTPUTS = ("o_qp", "o_kp", "o_qg", "o_kg")
+DYNAMIC_WEIGHTS = ("qw1", "qw2", "kw1", "kw2", "qg", "kg")
+SITE_NAMES = BRANCH_OUTPUTS + DYNAMIC_WEIGHTS
+SITE_BRANCH = {"o_qp": "qp", "qw1": "qp", "qw2": "qp", "o_kp": "kp", "kw1": "kp", "kw2": "kp",
+               "o_qg": "qg", "qg": "qg", "o_kg": "kg", "kg": "kg"}
+BRANCH_WEIGHTS = {"qp": ("qw1", "qw2"), "kp": ("kw1", "kw2"), "qg": ("qg",), "kg": ("kg",)}
+Direction = Literal["noising", "denoising"]
+Softmax = Literal["linear", "exact"]
+Metric = Callable[[HookedDCFormer, Tensor, Sequence], Tensor]  # (model, tokens, fwd_hooks) -> [batch]
+FRAME_COLUMNS = ["layer", "stage", "site", "branch", "head", "effect", "delta"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Sites and components
+@dataclass(frozen=True)
+class Site:
+    """One compose hook (a branch output or a dynamic weight) of a layer and stage, optionally one head of it."""
+
+    layer: int
+    stage: str  # "pre" or "post"
+    name: str  # one of SITE_NAMES
+    head: int | None = None
+
+    @property
+    def hook_name(self) -> str:
+        return f"blocks.{self.layer}.attn.{self.stage}_compose.hook_{self.name}"
+
+    @property
+    def branch(self) -> str:
+        return SITE_BRANCH[self.name]
+
+    @property
+    def head_axis(self) -> int:
+        return 1 if self.name in BRANCH_OUTPUTS else -1
+
+    def index(self) -> tuple:
+        """Indexes the site's part of the hook's tensor (all of it, or one head)."""
+        if self.head is None:
+            return (...,)
+        return (slice(None), self.head) if self.head_axis == 1 else (..., self.head)
+
+
+def sites(model: HookedDCFormer, names: Sequence[str] = SITE_NAMES, layers: Sequence[int] | None = None,
+          per_head: bool = False) -> list[Site]:
+    """Every site the model has (its compose stages and branches), layer by layer, stage, then `names` order."""
+    cfg = model.cfg
+    unknown = sorted(set(names) - set(SITE_NAMES))
+    if unknown:
+        raise ValueError(f"names: unknown site {unknown[0]!r} (known: {', '.join(SITE_NAMES)})")
+    if not cfg.use_dcmha:
+        raise ValueError(f"{cfg.model_name} has no DCMHA (use_dcmha=False): it has no compose sites")
+    layers = _check_layers(model, layers)
+    heads = range(cfg.n_heads) if per_head else [None]
+    return [Site(layer, stage, name, head)
+            for layer in layers for stage in STAGES if stage in cfg.compose_stages
+            for name in names if SITE_BRANCH[name] in cfg.active_branches for head in heads]
+
+
+def _check_layers(model: HookedDCFormer, layers: Sequence[int] | None) -> list[int]:
+    n_layers = model.cfg.n_layers
+    layers = list(range(n_layers)) if layers is None else list(layers)
+    bad = [layer for layer in layers if not 0 <= layer < n_layers]
+    if bad:
+        raise ValueError(f"layers: {bad[0]} is not a layer of this {n_layers}-layer model")
+    return layers
+
+
+@dataclass(frozen=True)
+class Component:
+    """Branch outputs ablated together, with the labels of their row in a table ("all" where it spans)."""
+
+    sites: tuple[Site, ...]
+    layer: int | str
+    stage: str
+    branch: str
+    head: int | str = "all"
+
+
+def branch_components(model: HookedDCFormer, per_head: bool = False,
+                      layers: Sequence[int] | None = None) -> list[Component]:
+    """One component per (layer, stage, branch), or per (layer, stage, branch, output head)."""
+    return [Component((site,), site.layer, site.stage, site.branch, "all" if site.head is None else site.head)
+            for site in sites(model, BRANCH_OUTPUTS, layers, per_head)]
+
+
+def stage_components(model: HookedDCFormer, layers: Sequence[int] | None = None) -> list[Component]:
+    """One component per (layer, stage): the stage's every branch."""
+    found = sites(model, BRANCH_OUTPUTS, layers)
+    keys = dict.fromkeys((site.layer, site.stage) for site in found)
+    return [Component(tuple(s for s in found if (s.layer, s.stage) == key), *key, "all") for key in keys]
+
+
+def layer_components(model: HookedDCFormer, layers: Sequence[int] | None = None) -> list[Component]:
+    """One component per layer: its whole compose, both stages."""
+    found = sites(model, BRANCH_OUTPUTS, layers)
+    return [Component(tuple(s for s in found if s.layer == layer), layer, "all", "all")
+            for layer in dict.fromkeys(site.layer for site in found)]
+
+
+def everywhere_components(model: HookedDCFormer) -> list[Component]:
+    """The post-hoc Table 9: each (stage, branch) in every layer, each stage in every layer, all of the compose."""
+    found = sites(model, BRANCH_OUTPUTS)
+    keys = dict.fromkeys((site.stage, site.branch) for site in found)
+    by_branch = [Component(tuple(s for s in found if (s.stage, s.branch) == key), "all", *key) for key in keys]
+    by_stage = [Component(tuple(s for s in found if s.stage == stage), "all", stage, "all")
+                for stage in dict.fromkeys(site.stage for site in found)]
+    return by_branch + by_stage + [Component(tuple(found), "all", "all", "all")]
+
+
+# --------------------------------------------------------------------------------------------------
+# Ablation
+def mean_activations(model: HookedDCFormer, tokens: Int[Tensor, "batch pos"],
+                     hook_names: Sequence[str]) -> dict[str, Tensor]:
+    """Each hook's activation averaged over the prompts, position by position ([head, query, key] for outputs)."""
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names_filter=list(hook_names), stop_at_layer=model.cfg.n_layers)
+    return {name: cache[name].mean(0) for name in hook_names}
+
+
+def ablation_hooks(component: Component, means: dict[str, Tensor] | None = None) -> list[tuple[str, Callable]]:
+    """Forward hooks that set the component's sites to zero, or to `means` (from `mean_activations`)."""
+
+    def make_hook(site: Site):
+        def hook(x: Tensor, hook) -> Tensor:
+            value = torch.zeros_like(x) if means is None else means[site.hook_name].to(x.dtype).expand_as(x)
+            if site.head is None:
+                return value.clone()
+            x = x.clone()
+            x[site.index()] = value[site.index()]
+            return x
+
+        return hook
+
+    return [(site.hook_name, make_hook(site)) for site in component.sites]
+
+
+@torch.no_grad()
+def branch_ablation(
+    model: HookedDCFormer,
+    tokens: Int[Tensor, "batch pos"],
+    target: Target,
+    components: Sequence[Component] | None = None,
+    ablation: Literal["zero", "mean"] = "zero",
+    reference_tokens: Int[Tensor, "ref pos"] | None = None,
+    position: int | Int[Tensor, "batch"] = -1,
+    target_type: Literal["logit", "logprob"] = "logit",
+) -> pd.DataFrame:
+    """The target's change (mean over prompts) when each component is ablated: one row per component.
+
+    components: default `branch_components(model)`; also `branch_components(model, per_head=True)`,
+        `stage_components`, `layer_components`, `everywhere_components`, or your own.
+    ablation: "zero" (the model without the branch, the paper's reading) or "mean" (each position's mean over
+        `reference_tokens`, default `tokens`, which must then have the same length).
+    target, position, target_type: as in `attribution.head_attribution` (a token id or [batch] of ids, or a
+        function of the logits). Columns: layer, stage, branch, head, clean, ablated, effect (negative: the
+        component helps the target).
+    """
+    tokens = torch.as_tensor(tokens, device=model.W_E.device)
+    tokens = tokens[None] if tokens.ndim == 1 else tokens
+    components = branch_components(model) if components is None else components
+    means = None
+    if ablation == "mean":
+        reference = tokens if reference_tokens is None else torch.as_tensor(reference_tokens, device=tokens.device)
+        if reference.shape[-1] != tokens.shape[-1]:
+            raise ValueError(f"reference_tokens has {reference.shape[-1]} positions and tokens {tokens.shape[-1]}: "
+                             "mean ablation replaces each position by its mean over prompts of the same length")
+        means = mean_activations(model, reference, {site.hook_name for c in components for site in c.sites})
+    elif ablation != "zero":
+        raise ValueError(f"ablation must be 'zero' or 'mean', not {ablation!r}")
+    clean = target_value(model, tokens, target, position, target_type).mean().item()
+    rows = []
+    for component in components:
+        hooks = ablation_hooks(component, means)
+        ablated = target_value(model, tokens, target, position, target_type, hooks).mean().item()
+        rows.append({"layer": component.layer, "stage": component.stage, "branch": component.branch,
+                     "head": component.head, "clean": clean, "ablated": ablated, "effect": ablated - clean})
+    return pd.DataFrame(rows, columns=["layer", "stage", "branch", "head", "clean", "ablated", "effect"])
+
+
+# --------------------------------------------------------------------------------------------------
+# The metric
+@dataclass(frozen=True)
+class LogitDiff:
+    """logit(clean answer) - logit(corrupted answer) at each prompt's answer position: [batch]."""
+
+    clean_answer: Int[Tensor, "batch"]
+    corrupt_answer: Int[Tensor, "batch"]
+    position: int | Int[Tensor, "batch"] = -1
+
+    def __call__(self, model: HookedDCFormer, tokens: Int[Tensor, "batch pos"],
+                 fwd_hooks: Sequence[tuple[str, Callable]] = ()) -> Float[Tensor, "batch"]:
+        resid = model.run_with_hooks(tokens, fwd_hooks=list(fwd_hooks), stop_at_layer=model.cfg.n_layers)
+        rows = torch.arange(tokens.shape[0], device=resid.device)
+        position = torch.as_tensor(self.position, device=resid.device).expand(tokens.shape[0])
+        final = model.ln_final(resid[rows, position][:, None])[:, 0]
+        W_U = model.W_U
+        direction = W_U[:, self.clean_answer.to(W_U.device)] - W_U[:, self.corrupt_answer.to(W_U.device)]
+        return torch.einsum("bd,db->b", final, direction).float()
+
+
+# --------------------------------------------------------------------------------------------------
+# Patching: the raw change of the mean metric, one value per site
+def cache_sites(model: HookedDCFormer, tokens: Int[Tensor, "batch pos"], hook_names: Sequence[str]) -> dict[str, Tensor]:
+    """The activations at the given hooks for a batch of prompts (no gradients)."""
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names_filter=list(hook_names), stop_at_layer=model.cfg.n_layers)
+    return {name: cache[name] for name in hook_names}
+
+
+def patch_hook(site: Site, source: Tensor) -> tuple[str, Callable]:
+    """A forward hook that replaces the site's part of its activation by the same part of `source`."""
+
+    def hook(x: Tensor, hook) -> Tensor:
+        if site.head is None:
+            return source.to(x.dtype)
+        x = x.clone()
+        x[site.index()] = source[site.index()].to(x.dtype)
+        return x
+
+    return site.hook_name, hook
+
+
+@torch.no_grad()
+def patching_deltas(model: HookedDCFormer, tokens: Int[Tensor, "batch pos"], sources: dict[str, Tensor],
+                    metric: Metric, site_list: Sequence[Site]) -> Float[Tensor, "site"]:
+    """Exact: mean metric with each site patched from `sources`, less the unpatched mean metric (a forward each)."""
+    base = metric(model, tokens, []).mean()
+    return torch.stack([metric(model, tokens, [patch_hook(site, sources[site.hook_name])]).mean() - base
+                        for site in site_list])
+
+
+def site_gradients(model: HookedDCFormer, tokens: Int[Tensor, "batch pos"], metric: Metric,
+                   hook_names: Sequence[str]) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
+    """The mean metric, and its gradient and the activation at each hook, from one forward and one backward.
+
+    A zero tensor added at each hook carries the gradient, so it is the total derivative of the metric with
+    respect to that activation, through every later site as well.
+    """
+    offsets, activations = {}, {}
+
+    def hook(x: Tensor, hook) -> Tensor:
+        offsets[hook.name] = torch.zeros_like(x, requires_grad=True)
+        activations[hook.name] = x.detach()
+        return x + offsets[hook.name]
+
+    with torch.enable_grad():
+        value = metric(model, tokens, [(name, hook) for name in hook_names]).mean()
+        grads = torch.autograd.grad(value, [offsets[name] for name in hook_names], allow_unused=True)
+    gradients = {name: torch.zeros_like(activations[name]) if g is None else g for name, g in zip(hook_names, grads)}
+    return value.detach(), gradients, activations
+
+
+def attribution_deltas(model: HookedDCFormer, tokens: Int[Tensor, "batch pos"], sources: dict[str, Tensor],
+                       metric: Metric, site_list: Sequence[Site], softmax: Softmax = "linear") -> Float[Tensor, "site"]:
+    """First order: gradient . (source - activation) over each site's part, from one forward and backward.
+
+    softmax="exact" (AtP*'s fix for saturated attention, Kramar et al. 2024): a pre-compose site's change is
+    carried through its layer's softmax exactly, and only the rest of the model is linearised, as
+    gradient at `hook_pattern` . (softmax(scores + change) - softmax(scores)).
+    """
+    if softmax not in ("linear", "exact"):
+        raise ValueError(f"softmax must be 'linear' or 'exact', not {softmax!r}")
+    exact = [site for site in site_list if softmax == "exact" and site.stage == "pre"]
+    hook_names = list(dict.fromkeys([site.hook_name for site in site_list]
+                                    + [name for site in exact for name in _softmax_inputs(site)]))
+    _, gradients, activations = site_gradients(model, tokens, metric, hook_names)
+    products = {name: (gradients[name] * (sources[name] - activations[name])).float()
+                for name in dict.fromkeys(site.hook_name for site in site_list)}
+    return torch.stack([_through_softmax(model, site, sources, activations, gradients) if site in exact
+                        else products[site.hook_name][site.index()].sum() for site in site_list])
+
+
+def _softmax_inputs(site: Site) -> list[str]:
+    """What carrying a pre-compose site through its softmax needs: scores, composed scores, pattern, weights."""
+    attn = f"blocks.{site.layer}.attn"
+    names = [f"{attn}.hook_attn_scores", f"{attn}.hook_composed_scores", f"{attn}.hook_pattern"]
+    return names + [f"{attn}.pre_compose.hook_{name}" for name in BRANCH_WEIGHTS[site.branch]]
+
+
+def _through_softmax(model: HookedDCFormer, site: Site, sources: dict[str, Tensor], activations: dict[str, Tensor],
+                     gradients: dict[str, Tensor]) -> Tensor:
+    """gradient at the pattern . the pattern's exact change when the pre-compose site takes its source value."""
+    attn = f"blocks.{site.layer}.attn"
+    if site.name in BRANCH_OUTPUTS:
+        change = torch.zeros_like(activations[site.hook_name])
+        change[site.index()] = (sources[site.hook_name] - activations[site.hook_name])[site.index()]
+    else:  # recompute the branch output with the patched weight
+        weights = {name: activations[f"{attn}.pre_compose.hook_{name}"] for name in BRANCH_WEIGHTS[site.branch]}
+        patched = dict(weights)
+        patched[site.name] = weights[site.name].clone()
+        patched[site.name][site.index()] = sources[site.hook_name][site.index()]
+        scores = activations[f"{attn}.hook_attn_scores"]
+        change = branch_outputs(scores, **patched)[site.branch] - branch_outputs(scores, **weights)[site.branch]
+    composed = activations[f"{attn}.hook_composed_scores"]
+    mask = attention_mask(composed.shape[-1], model.blocks[site.layer].attn.window, composed.device)
+    before = (composed + mask).softmax(-1, dtype=torch.float32)
+    after = (composed + change + mask).softmax(-1, dtype=torch.float32)
+    return (gradients[f"{attn}.hook_pattern"].float() * (after - before)).sum()
+
+
+# --------------------------------------------------------------------------------------------------
+# Patching tables
+def activation_patching(model: HookedDCFormer, pairs: PairTokens, direction: Direction = "noising",
+                        per_head: bool = False, names: Sequence[str] = SITE_NAMES,
+                        layers: Sequence[int] | None = None) -> pd.DataFrame:
+    """Exact activation patching of every site (one forward pass per site, or per site and head).
+
+    pairs: `dcinterp.synth.tokenize_pairs(contrast_pairs(...), model.tokenizer)`, or your own `PairTokens`.
+    Columns: layer, stage, site, branch, head, effect (normalised, see the module docstring), delta (the raw
+    change of the mean logit difference).
+    """
+    return _patching_table(model, pairs, direction, per_head, names, layers, patching_deltas)
+
+
+def attribution_patching(model: HookedDCFormer, pairs: PairTokens, direction: Direction = "noising",
+                         per_head: bool = False, names: Sequence[str] = SITE_NAMES,
+                         layers: Sequence[int] | None = None, softmax: Softmax = "linear") -> pd.DataFrame:
+    """The first-order estimate of `activation_patching`, same rows and columns, from one backward pass.
+
+    softmax: "linear" (default: the plain first-order estimate) or "exact" (pre-compose sites carried through
+    their layer's softmax exactly, as AtP* does for attention scores; see `attribution_deltas`).
+    """
+    def deltas(model, tokens, sources, metric, site_list):
+        return attribution_deltas(model, tokens, sources, metric, site_list, softmax)
+
+    return _patching_table(model, pairs, direction, per_head, names, layers, deltas)
+
+
+def _patching_table(model, pairs, direction, per_head, names, layers, deltas_of) -> pd.DataFrame:
+    if direction not in ("noising", "denoising"):
+        raise ValueError(f"direction must be 'noising' or 'denoising', not {direction!r}")
+    device = model.W_E.device
+    clean, corrupt = pairs.clean.to(device), pairs.corrupt.to(device)
+    if clean.shape != corrupt.shape:
+        raise ValueError(f"pairs: clean tokens {tuple(clean.shape)} and corrupted {tuple(corrupt.shape)} differ in shape")
+    metric = LogitDiff(pairs.clean_answer.to(device), pairs.corrupt_answer.to(device), pairs.position.to(device))
+    site_list = sites(model, names, layers, per_head)
+    hook_names = list(dict.fromkeys(site.hook_name for site in site_list))
+    base, source = (clean, corrupt) if direction == "noising" else (corrupt, clean)
+    with torch.no_grad():
+        ld_clean, ld_corrupt = metric(model, clean).mean(), metric(model, corrupt).mean()
+    scale = (ld_clean - ld_corrupt).item()
+    if abs(scale) < 1e-6:
+        raise ValueError("pairs: the clean and corrupted prompts give the same mean logit difference "
+                         f"({ld_clean.item():.4g}); there is nothing to restore")
+    deltas = deltas_of(model, base, cache_sites(model, source, hook_names), metric, site_list).cpu()
+    return pd.DataFrame({
+        "layer": [site.layer for site in site_list],
+        "stage": [site.stage for site in site_list],
+        "site": [site.name for site in site_list],
+        "branch": [site.branch for site in site_list],
+        "head": ["all" if site.head is None else site.head for site in site_list],
+        "effect": (deltas / scale).tolist(),
+        "delta": deltas.tolist(),
+    }, columns=FRAME_COLUMNS)

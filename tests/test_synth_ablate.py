@@ -1,0 +1,83 @@
+"""`python -m dcinterp.synth ablate`: the post-hoc Table 9 of a checkpoint."""
+
+import dataclasses
+import json
+import math
+
+import pandas as pd
+import pytest
+
+from dcinterp import HookedDCFormer
+from dcinterp.synth.__main__ import main
+from dcinterp.synth.ablate import ablation_table
+from dcinterp.synth.evaluate import evaluate, load_samples, resolve_data_path
+
+LIMIT = 6  # released samples of task0 (other-person, superclass)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return HookedDCFormer.from_pretrained("dcpythia-synth").eval()
+
+
+@pytest.fixture(scope="module")
+def samples():
+    return load_samples(resolve_data_path("released"))[:LIMIT]
+
+
+@pytest.fixture(scope="module")
+def table(model, samples):
+    return ablation_table(model, samples, progress=False)
+
+
+def test_the_table_has_the_full_model_then_every_ablation(table):
+    assert list(table["ablated"]) == [
+        "none", "pre.qp", "pre.kp", "pre.qg", "pre.kg", "post.qp", "post.kp", "post.qg", "post.kg",
+        "pre", "post", "all compose", "layer 0", "layer 1", "layer 2"]
+    assert {"accuracy", "ppl", "qk:other-person", "ov:superclass"} <= set(table.columns)
+
+
+def test_a_branch_switched_off_scores_as_the_model_built_without_it(model, samples, table):
+    without = HookedDCFormer(dataclasses.replace(model.cfg, compose_stages=("pre",)), model.tokenizer, init=False)
+    without.load_state_dict(model.state_dict())
+    expected = evaluate(without.eval(), samples, progress=False)
+    row = table[table["ablated"] == "post"].iloc[0]
+    assert row["accuracy"] == pytest.approx(expected["correct"].mean())
+    assert row["ppl"] == pytest.approx(math.exp(expected["nll"].sum() / expected["n_tokens"].sum()), rel=1e-4)
+    full = evaluate(model, samples, progress=False)
+    assert table.iloc[0]["accuracy"] == pytest.approx(full["correct"].mean())
+    assert row["ppl"] > table.iloc[0]["ppl"]  # switching post-compose off costs this model
+
+
+def test_cli_writes_csv_json_and_figure(tmp_path, capsys):
+    assert main(["ablate", "--limit", "2", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "post.kp" in out and "ablation.png" in out
+    table = pd.read_csv(tmp_path / "ablation.csv")
+    assert len(table) == 15
+    summary = json.loads((tmp_path / "ablation.json").read_text())
+    assert summary["checkpoint"] == "dcpythia-synth"
+    assert [row["ablated"] for row in summary["ablations"]] == list(table["ablated"])
+    assert summary["ablations"][0]["by_qk_pattern"] == {"other-person": table.iloc[0]["qk:other-person"]}
+    assert (tmp_path / "ablation.png").stat().st_size > 10_000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ablation.csv", "ablation.json", "ablation.png"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--checkpoint", "pythia-synth"], "has no DCMHA"),
+    (["--checkpoint", "/no/such/dir"], "/no/such/dir"),
+    (["--data", "/no/such/file.jsonl"], "/no/such/file.jsonl: no such data file"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2_with_nothing_written(argv, message, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["ablate", "--limit", "1", "--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_cli_rejects_a_bad_limit(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["ablate", "--limit", "0"])
+    assert exit_info.value.code == 2
+    assert "expected a positive integer" in capsys.readouterr().err
