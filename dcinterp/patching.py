@@ -199,7 +199,7 @@ def branch_ablation(
         function of the logits). Columns: layer, stage, branch, head, clean, ablated, effect (negative: the
         component helps the target).
     """
-    tokens = torch.as_tensor(tokens, device=model.W_E.device)
+    tokens = torch.as_tensor(tokens, device=model.input_device)
     tokens = tokens[None] if tokens.ndim == 1 else tokens
     components = branch_components(model) if components is None else components
     means = None
@@ -373,7 +373,7 @@ def attribution_patching(model: HookedDCFormer, pairs: PairTokens, direction: Di
 def _patching_table(model, pairs, direction, per_head, names, layers, deltas_of) -> pd.DataFrame:
     if direction not in ("noising", "denoising"):
         raise ValueError(f"direction must be 'noising' or 'denoising', not {direction!r}")
-    device = model.W_E.device
+    device = model.input_device
     clean, corrupt = pairs.clean.to(device), pairs.corrupt.to(device)
     if clean.shape != corrupt.shape:
         raise ValueError(f"pairs: clean tokens {tuple(clean.shape)} and corrupted {tuple(corrupt.shape)} differ in shape")

@@ -81,3 +81,18 @@ def test_cli_rejects_a_bad_limit(capsys):
         main(["ablate", "--limit", "0"])
     assert exit_info.value.code == 2
     assert "expected a positive integer" in capsys.readouterr().err
+
+
+def test_a_bad_out_or_device_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    import sys
+
+    import torch
+
+    monkeypatch.setattr(sys.modules["dcinterp.synth.evaluate"], "load_checkpoint", lambda *a: pytest.fail("loaded a checkpoint"))
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["ablate", "--out", str(blocker), "--limit", "2"]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["ablate", "--device", "cuda", "--limit", "2"]) == 2
+        assert capsys.readouterr().err.count("\n") == 1

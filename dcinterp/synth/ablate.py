@@ -146,18 +146,19 @@ def add_ablate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 def run_ablate(args: argparse.Namespace) -> int:
     """The `ablate` command: 0 on success, 2 (and one line on stderr) for bad input."""
-    import torch
-
     from ..plotting import plot_ablation_table
     from .catalog import CatalogError
-    from .evaluate import EvalError, load_checkpoint, load_samples, parse_sample, resolve_data_path, select_samples
+    from .evaluate import (EvalError, check_out_dir, eval_device, load_checkpoint, load_samples, parse_sample,
+                           resolve_data_path, select_samples)
 
     try:
+        if args.out is not None:
+            check_out_dir(args.out)
+        device = eval_device(args.device)
         data_path = resolve_data_path(args.data)
         samples = select_samples(load_samples(data_path), args.tasks, args.limit, data_path)
         for sample in samples:
             parse_sample(sample)  # structural errors before the checkpoint is loaded
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = load_checkpoint(args.checkpoint, args.dtype, device)
         table = ablation_table(model, samples, batch_size=args.batch_size)
         if args.out is not None:
