@@ -2,6 +2,6 @@
 
 from .config import DCFormerConfig
 from .loading import CheckpointError, embedded_models
-from .model import HookedDCFormer
+from .model import HookedDCFormer, get_act_name
 
-__all__ = ["DCFormerConfig", "HookedDCFormer", "CheckpointError", "embedded_models"]
+__all__ = ["DCFormerConfig", "HookedDCFormer", "CheckpointError", "embedded_models", "get_act_name"]

@@ -39,7 +39,9 @@ def test_breakdown_sums_and_matches_the_model(models, name, stage):
     with torch.no_grad():
         _, cache = model.run_with_cache(tokens, names_filter=lambda n: f"blocks.{layer}.attn" in n)
     before_hook, after_hook = HOOKS[stage]
-    for t, s in [(4, 9), (7, 7), (5, 0), (10, 3)]:  # last: a key in the past, where every branch is nonzero
+    with pytest.raises(ValueError, match="key_pos 9 is hidden from query_pos 4"):  # masked scores: nothing to break down
+        compose_breakdown(model, tokens, layer, 4, 9, stage, batch_index=1)
+    for t, s in [(7, 7), (5, 0), (10, 3)]:  # last: a key in the past, where every branch is nonzero
         b = compose_breakdown(model, tokens, layer, t, s, stage, batch_index=1)
         parts = b.before + b.o_qp + b.o_qg + b.o_kp + b.o_kg
         assert torch.equal(parts, b.composed)  # exactly the sum of the five parts
