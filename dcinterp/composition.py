@@ -23,7 +23,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .model import HookedDCFormer, attention_mask, branch_outputs
+from .model import HookedDCFormer, branch_outputs, visible_keys
 
 Stage = Literal["pre", "post"]
 BRANCHES = ("qp", "qg", "kp", "kg")  # the order of the paper's Fig. 7
@@ -124,7 +124,7 @@ def compose_breakdown(
     """
     prompt, acts = _prompt_stage_activations(model, tokens, layer, stage, batch_index)
     t, s = query_pos % prompt.shape[1], key_pos % prompt.shape[1]
-    if not attention_mask(prompt.shape[1], model.blocks[layer].attn.window, "cpu")[t, s]:
+    if not visible_keys(prompt.shape[1], model.blocks[layer].attn.window, "cpu")[t, s]:
         raise ValueError(f"key_pos {key_pos} is hidden from query_pos {query_pos} in layer {layer} (a future key or "
                          "outside the local window): its scores are masked, there is no composition to break down")
     H, R = model.cfg.n_heads, model.cfg.dcmha_rank

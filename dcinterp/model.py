@@ -363,7 +363,7 @@ class Unembed(nn.Module):
         return resid @ self.W_U
 
 
-def attention_mask(n: int, window: int | None, device) -> Bool[Tensor, "t s"]:
+def visible_keys(n: int, window: int | None, device) -> Bool[Tensor, "t s"]:
     """True where query t may see key s: s <= t, and t - window < s for a local layer."""
     t = torch.arange(n, device=device)[:, None]
     s = torch.arange(n, device=device)[None, :]
@@ -371,6 +371,11 @@ def attention_mask(n: int, window: int | None, device) -> Bool[Tensor, "t s"]:
     if window is not None:
         allowed &= s > t - window
     return allowed
+
+
+def attention_mask(n: int, window: int | None, device, dtype=torch.float32) -> Float[Tensor, "t s"]:
+    """The same as an additive mask: 0 where query t may see key s, else -inf."""
+    return torch.zeros(n, n, device=device, dtype=dtype).masked_fill(~visible_keys(n, window, device), float("-inf"))
 
 
 class HookedDCFormer(HookedRootModule):
@@ -421,7 +426,7 @@ class HookedDCFormer(HookedRootModule):
         for block in self.blocks[start_at_layer:stop_at_layer]:
             window = block.attn.window
             if window not in masks:
-                masks[window] = attention_mask(n, window, resid.device)
+                masks[window] = visible_keys(n, window, resid.device)
             resid = block(resid, masks[window])
         if stop_at_layer is not None:
             return resid
