@@ -124,9 +124,6 @@ def compose_breakdown(
     """
     prompt, acts = _prompt_stage_activations(model, tokens, layer, stage, batch_index)
     t, s = query_pos % prompt.shape[1], key_pos % prompt.shape[1]
-    if not visible_keys(prompt.shape[1], model.blocks[layer].attn.window, "cpu")[t, s]:
-        raise ValueError(f"key_pos {key_pos} is hidden from query_pos {query_pos} in layer {layer} (a future key or "
-                         "outside the local window): its scores are masked, there is no composition to break down")
     H, R = model.cfg.n_heads, model.cfg.dcmha_rank
     weights = {  # [head, rank] for the projections, [head] for the gates; zeros where a branch is off
         "w_q1": acts["qw1"][t].T if "qw1" in acts else torch.zeros(H, R),
@@ -137,6 +134,8 @@ def compose_breakdown(
         "w_kg": acts["kg"][s] if "kg" in acts else torch.zeros(H),
     }
     before = acts["before"][:, t, s]
+    if not visible_keys(prompt.shape[1], model.blocks[layer].attn.window, "cpu")[t, s]:
+        before = torch.zeros_like(before)  # a hidden key (future, or out of the window) enters the compose as 0
     outputs = branch_outputs(  # the model's own branch formulas, on a 1 x 1 (query, key) block
         before[None, :, None, None],
         weights["w_q1"].T[None, None], weights["w_q2"].T[None, None],

@@ -127,9 +127,13 @@ class Compose(nn.Module):
             self.hook_kg(kg) if "kg" in self.branches else None,
         )
 
+    def materialised(self) -> bool:
+        """Whether a hook (or the cache) asks for a branch output, so that each branch is its own tensor."""
+        return any(_hooked(getattr(self, f"hook_o_{b}")) for b in self.branches)
+
     def forward(self, A: Float[Tensor, "b h t s"], qw1, qw2, kw1, kw2, qg, kg) -> Float[Tensor, "b h t s"]:
         qw1, qw2, kw1, kw2, qg, kg = self.dynamic_weights(qw1, qw2, kw1, kw2, qg, kg)
-        if any(_hooked(getattr(self, f"hook_o_{b}")) for b in self.branches):
+        if self.materialised():
             out = A
             for branch, o in branch_outputs(A, qw1, qw2, kw1, kw2, qg, kg).items():
                 out = out + getattr(self, f"hook_o_{branch}")(o)
@@ -237,12 +241,14 @@ class Attention(nn.Module):
         Pre-compose mixes heads per (query, key) pair, so a hidden pair only ever feeds itself; but the minimum
         mixed by the compose weights would overflow to inf and give NaN (inf - inf). So the hidden entries go
         into the compose as 0, and with no hook attached the mask is skipped (the entries it hides are never
-        used: the composed scores are masked again before the softmax).
+        used: the composed scores are masked again before the softmax). When a hook or the cache shows the
+        pre-compose branch outputs, they are 0 at hidden keys.
         """
-        if not _hooked(self.hook_attn_scores):
+        if _hooked(self.hook_attn_scores):
+            scores = self.hook_attn_scores(scores.masked_fill(hidden, torch.finfo(scores.dtype).min))
+        elif self.pre_compose is None or not self.pre_compose.materialised():
             return scores
-        masked = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
-        return self.hook_attn_scores(masked).masked_fill(hidden, 0.0)
+        return scores.masked_fill(hidden, 0.0)
 
     def forward(self, x: Float[Tensor, "b p d"], allowed: Bool[Tensor, "t s"]) -> Float[Tensor, "b p d"]:
         cfg = self.cfg

@@ -20,6 +20,7 @@ from transformer_lens.utilities import test_prompt as tl_test_prompt
 
 import dcinterp
 from dcinterp import DCFormerConfig, HookedDCFormer, get_act_name
+from dcinterp.model import visible_keys
 
 FIXTURES = Path(__file__).parent / "fixtures"
 EMBEDDED_TOKENIZER = Path(dcinterp.__file__).parent / "checkpoints" / "pythia-synth" / "tokenizer.json"
@@ -117,8 +118,10 @@ def test_score_hooks_are_masked_as_in_transformer_lens(models, name):
     future = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool).triu(1)
     for layer in range(model.cfg.n_layers):
         scores = cache["attn_scores", layer]
-        assert (scores[..., future] == torch.finfo(scores.dtype).min).all()
-        assert torch.isfinite(scores).all()
+        hidden = ~visible_keys(tokens.shape[1], model.blocks[layer].attn.window, "cpu")  # future, or out of window
+        assert (hidden >= future).all() and (hidden.sum() > future.sum()) == (model.blocks[layer].attn.window is not None)
+        assert (scores[..., hidden] == torch.finfo(scores.dtype).min).all()
+        assert (scores[..., ~hidden] > -1e4).all()
         if not model.cfg.use_dcmha:  # plain MHA: the pattern is the softmax of the scores hook, as in TransformerLens
             torch.testing.assert_close(scores.softmax(-1), cache["pattern", layer], rtol=0, atol=1e-7)
         else:
@@ -145,6 +148,11 @@ def test_masked_scores_hooks_give_no_nan_forward_or_backward(models):
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
     logits[0, -1].logsumexp(-1).backward()
     assert torch.isfinite(embed.grad).all() and embed.grad.abs().sum() > 0
+    # A branch output cached alone is 0 at hidden keys too (the compose input is masked with 0 whenever it is shown)
+    name = "blocks.2.attn.pre_compose.hook_o_kp"
+    _, cache = model.run_with_cache(tokens, names_filter=[name])
+    future = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool).triu(1)
+    assert not cache[name][..., future].any() and cache[name][..., ~future].abs().sum() > 0
 
 
 # --------------------------------------------------------------------------------------------------
