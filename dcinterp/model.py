@@ -212,6 +212,11 @@ class Attention(nn.Module):
             self.hook_composed_scores = HookPoint()  # [batch, head, query, key], after pre-compose, masked
             self.hook_composed_pattern = HookPoint()  # [batch, head, query, key], what multiplies V
 
+        # Only with cfg.use_split_qkv_input: the residual stream entering the block, one copy per head for each
+        # of q, k, v (before ln1), as TransformerLens' forks for direct path patching.
+        self.hook_q_input = HookPoint()  # [batch, pos, head, d_model]
+        self.hook_k_input = HookPoint()
+        self.hook_v_input = HookPoint()
         self.hook_q = HookPoint()  # [batch, pos, head, d_head], after QK-norm, before rotary
         self.hook_k = HookPoint()
         self.hook_v = HookPoint()
@@ -250,11 +255,18 @@ class Attention(nn.Module):
             return scores
         return scores.masked_fill(hidden, 0.0)
 
-    def forward(self, x: Float[Tensor, "b p d"], allowed: Bool[Tensor, "t s"]) -> Float[Tensor, "b p d"]:
+    def forward(
+        self, x: Float[Tensor, "b p d"], allowed: Bool[Tensor, "t s"], qkv_input: tuple[Tensor, ...] | None = None
+    ) -> Float[Tensor, "b p d"]:
+        """`x`: the normed input. `qkv_input`: per-head normed inputs [b, p, h, d] of q, k and v, when split
+        (cfg.use_split_qkv_input); the dynamic compose weights still read `x`."""
         cfg = self.cfg
-        q = torch.einsum("bpd,hde->bphe", x, self.W_Q)
-        k = torch.einsum("bpd,hde->bphe", x, self.W_K)
-        v = torch.einsum("bpd,hde->bphe", x, self.W_V)
+        if qkv_input is None:
+            q = torch.einsum("bpd,hde->bphe", x, self.W_Q)
+            k = torch.einsum("bpd,hde->bphe", x, self.W_K)
+            v = torch.einsum("bpd,hde->bphe", x, self.W_V)
+        else:
+            q, k, v = (torch.einsum("bphd,hde->bphe", xi, W) for xi, W in zip(qkv_input, (self.W_Q, self.W_K, self.W_V)))
         if self.b_Q is not None:
             q, k, v = q + self.b_Q, k + self.b_K, v + self.b_V
         if cfg.use_qk_norm:
@@ -336,9 +348,17 @@ class TransformerBlock(nn.Module):
         self.hook_mlp_out = HookPoint()
         self.hook_resid_post = HookPoint()
 
+    def split_qkv_input(self, resid_pre: Float[Tensor, "b p d"]) -> tuple[Float[Tensor, "b p h d"], ...]:
+        """One copy of the stream per head for each of q, k, v, through its fork hook and ln1 (TransformerLens'
+        use_split_qkv_input: a hook on one head's copy reaches that head's q, k or v alone)."""
+        copies = resid_pre[:, :, None].expand(-1, -1, self.cfg.n_heads, -1)
+        forks = (self.attn.hook_q_input, self.attn.hook_k_input, self.attn.hook_v_input)
+        return tuple(self.ln1(fork(copies.clone())) for fork in forks)
+
     def forward(self, resid_pre: Float[Tensor, "b p d"], allowed: Bool[Tensor, "t s"]) -> Float[Tensor, "b p d"]:
         resid_pre = self.hook_resid_pre(resid_pre)
-        attn_out = self.hook_attn_out(self.attn(self.ln1(resid_pre), allowed))
+        qkv_input = self.split_qkv_input(resid_pre) if self.cfg.use_split_qkv_input else None
+        attn_out = self.hook_attn_out(self.attn(self.ln1(resid_pre), allowed, qkv_input))
         if self.cfg.parallel_residual:
             mlp_out = self.hook_mlp_out(self.mlp(self.ln2(resid_pre)))
             return self.hook_resid_post(resid_pre + attn_out + mlp_out)
@@ -458,6 +478,19 @@ class HookedDCFormer(HookedRootModule):
     def set_use_attn_result(self, use_attn_result: bool) -> None:
         """Compute `blocks.{l}.attn.hook_result` (per-head outputs in the residual basis) or not."""
         self.cfg.use_attn_result = use_attn_result
+
+    def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
+        """Give each head its own copy of the stream for q, k and v (`attn.hook_q_input`, ...), or not.
+
+        What TransformerLens' direct path patching switches on. In a DCMHA layer the dynamic compose weights
+        keep reading the shared normed input: a patch on one head's copy reaches that head's q, k or v only."""
+        self.cfg.use_split_qkv_input = use_split_qkv_input
+
+    def set_use_attn_in(self, use_attn_in: bool) -> None:
+        """TransformerLens' `hook_attn_in` fork is not implemented; only False is accepted."""
+        if use_attn_in:
+            raise NotImplementedError("set_use_attn_in: HookedDCFormer has no hook_attn_in (use set_use_split_qkv_input)")
+        self.cfg.use_attn_in = False
 
     # ----------------------------------------------------------------------------------------------
     # Weights

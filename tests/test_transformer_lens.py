@@ -27,8 +27,8 @@ EMBEDDED_TOKENIZER = Path(dcinterp.__file__).parent / "checkpoints" / "pythia-sy
 CLEAN, CORRUPTED = "Ruth owns a cat .", "Ruth owns a dog ."  # same length: the patching pair
 PROMPT = "Michelle has a burger . Michelle owns a kind of"
 
-# Patching sweeps TransformerLens offers that this model cannot run, and why (the test checks they are all).
-NEEDS_SPLIT_QKV_INPUT = {"get_act_patch_direct_path", "get_act_patch_direct_path_all_sources"}
+# The sweeps with another signature (a corrupted cache and a source head too): test_direct_path_patching.
+DIRECT_PATH = {"get_act_patch_direct_path", "get_act_patch_direct_path_all_sources"}
 # Hooks of one side only, for the Pythia load: ours (rotary as its own hook) / the bridge's module wrappers.
 ONLY_OURS_BY_DESIGN = {"hook_rot_q", "hook_rot_k"}  # TransformerLens' HookedTransformer names; the bridge has none
 BRIDGE_ONLY = re.compile(r"(hook_in|hook_out|hook_cos|hook_sin|hook_hidden_states|hook_unembed)$")
@@ -166,8 +166,8 @@ def patch_inputs(model):
 
 def act_patch_functions(model) -> list[str]:
     names = sorted(name for name in dir(patching) if name.startswith("get_act_patch"))
-    assert NEEDS_SPLIT_QKV_INPUT <= set(names)  # the list of exceptions is not stale
-    skip = NEEDS_SPLIT_QKV_INPUT | ({"get_act_patch_resid_mid"} if model.cfg.parallel_residual else set())
+    assert DIRECT_PATH <= set(names)  # the list of exceptions is not stale
+    skip = DIRECT_PATH | ({"get_act_patch_resid_mid"} if model.cfg.parallel_residual else set())
     return [name for name in names if name not in skip]
 
 
@@ -205,6 +205,37 @@ def test_every_act_patch_function_runs(models, name):
 
     by_hand = metric(model.run_with_hooks(corrupted, fwd_hooks=[(get_act_name("pattern", 0), patch_pattern)]))
     torch.testing.assert_close(results["get_act_patch_attn_head_pattern_all_pos"][0, 1], by_hand)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_direct_path_patching(models, name):
+    """Source head (0, 1)'s clean-minus-corrupted write, added to one destination head's q/k/v input only."""
+    model = models[name]
+    clean, corrupted, clean_cache, metric = patch_inputs(model)
+    _, corrupted_cache = model.run_with_cache(corrupted)
+    reference = model(corrupted)
+    model.set_use_split_qkv_input(True)  # per-head input forks: the forward is unchanged
+    torch.testing.assert_close(model(corrupted), reference, rtol=0, atol=1e-6)
+    model.set_use_split_qkv_input(False)
+    delta = (clean_cache["z", 0][:, :, 1] - corrupted_cache["z", 0][:, :, 1]) @ model.W_O[0, 1]
+    for component in "qkv":
+        result = patching.get_act_patch_direct_path(model, corrupted, clean_cache, corrupted_cache, metric, 0, 1,
+                                                    component=component, verbose=False)
+        assert result.shape == (model.cfg.n_layers, model.cfg.n_heads) and not result[0].any()
+
+        def add_delta(copies, hook):
+            copies[:, :, 2] += delta
+            return copies
+
+        model.set_use_split_qkv_input(True)
+        by_hand = metric(model.run_with_hooks(corrupted, fwd_hooks=[(f"blocks.1.attn.hook_{component}_input", add_delta)]))
+        model.set_use_split_qkv_input(False)
+        torch.testing.assert_close(result[1, 2], by_hand)
+        assert not model.cfg.use_split_qkv_input  # restored by TransformerLens
+    every = patching.get_act_patch_direct_path_all_sources(model, corrupted, clean_cache, corrupted_cache, metric,
+                                                           verbose=False)
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    assert every.shape == (L, H, L, H) and torch.isfinite(every).all()
 
 
 def test_resid_mid_patching_on_a_sequential_model():
