@@ -258,8 +258,9 @@ class Attention(nn.Module):
     def forward(
         self, x: Float[Tensor, "b p d"], mask: Float[Tensor, "t s"], qkv_input: tuple[Tensor, ...] | None = None
     ) -> Float[Tensor, "b p d"]:
-        """`x`: the normed input; `mask`: 0 where a query sees a key, else the dtype's minimum. `qkv_input`: per-head normed inputs [b, p, h, d] of q, k and v, when split
-        (cfg.use_split_qkv_input); the dynamic compose weights still read `x`."""
+        """`x`: the normed input; `mask`: 0 where a query sees a key, else the dtype's minimum (`attention_mask`).
+        `qkv_input`: per-head normed inputs [b, p, h, d] of q, k and v, when split (cfg.use_split_qkv_input);
+        the dynamic compose weights still read `x`."""
         cfg = self.cfg
         if qkv_input is None:
             q = torch.einsum("bpd,hde->bphe", x, self.W_Q)
