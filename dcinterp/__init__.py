@@ -13,9 +13,11 @@ _LAZY = {
     "embedded_models": ".loading",
     "estimate_cache": ".memory",
     "CacheTooLarge": ".memory",
+    "get_act_name": ".model",
 }
 
-__all__ = ["DCFormerConfig", "HookedDCFormer", "CheckpointError", "embedded_models", "estimate_cache", "CacheTooLarge"]
+__all__ = ["DCFormerConfig", "HookedDCFormer", "CheckpointError", "embedded_models", "estimate_cache", "CacheTooLarge",
+           "get_act_name"]
 
 
 def __getattr__(name: str):

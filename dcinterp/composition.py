@@ -29,7 +29,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .checks import check_head, check_key_before_query, check_layer, check_position, find_word
-from .model import HookedDCFormer, branch_outputs
+from .model import HookedDCFormer, branch_outputs, visible_keys
 
 Stage = Literal["pre", "post"]
 BRANCHES = ("qp", "qg", "kp", "kg")  # the order of the paper's Fig. 7
@@ -170,6 +170,8 @@ def compose_breakdown(
         "w_kg": acts["kg"][s] if "kg" in acts else torch.zeros(H),
     }
     before = acts["before"][:, t, s]
+    if not visible_keys(prompt.shape[1], model.blocks[layer].attn.window, "cpu", model.cfg.window)[t, s]:
+        before = torch.zeros_like(before)  # a hidden key (future, or out of the window) enters the compose as 0
     outputs = branch_outputs(  # the model's own branch formulas, on a 1 x 1 (query, key) block
         before[None, :, None, None],
         weights["w_q1"].T[None, None], weights["w_q2"].T[None, None],

@@ -26,6 +26,16 @@ WINDOW_PATTERNS = {
 }
 
 
+def parse_dtype(value: str | torch.dtype) -> torch.dtype:
+    """A torch.dtype from itself or its name ("bfloat16", "torch.bfloat16")."""
+    if isinstance(value, torch.dtype):
+        return value
+    dtype = getattr(torch, str(value).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype: {value!r} is not a floating-point torch dtype (float32, float16, bfloat16, ...)")
+    return dtype
+
+
 @dataclass
 class DCFormerConfig:
     n_layers: int
@@ -67,11 +77,21 @@ class DCFormerConfig:
     # TransformerLens behaviour switches.
     use_attn_result: bool = False  # compute blocks.{l}.attn.hook_result (per-head output in the residual basis)
     default_prepend_bos: bool = False  # to_tokens adds only what the tokenizer adds itself
-    dtype: str = "float32"
+    dtype: torch.dtype = torch.float32  # a torch.dtype, as TransformerLens reads it; "float32" etc. accepted
 
     # Read by TransformerLens' ActivationCache and utilities; set by loading, never saved.
     attn_only: bool = field(default=False, init=False, repr=False)
     device: str | None = field(default=None, init=False, repr=False)  # where the forward starts (the embedding)
+    n_key_value_heads: int | None = field(default=None, init=False, repr=False)  # None: no grouped-query attention
+    use_split_qkv_input: bool = field(default=False, init=False, repr=False)  # per-head q/k/v input forks
+    use_attn_in: bool = field(default=False, init=False, repr=False)  # not supported: always False
+    use_hook_mlp_in: bool = field(default=False, init=False, repr=False)  # not supported: always False
+    positional_embedding_type: str = field(default="rotary", init=False, repr=False)
+
+    def __setattr__(self, name, value) -> None:
+        if name == "dtype":  # config.json and older callers give a name ("bfloat16"); TransformerLens a torch.dtype
+            value = parse_dtype(value)
+        super().__setattr__(name, value)
 
     def __post_init__(self) -> None:
         self.compose_stages = tuple(self.compose_stages)
@@ -117,7 +137,31 @@ class DCFormerConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
+        return self.dtype
+
+    # TransformerLens names for what the fields above already say.
+    @property
+    def d_vocab_out(self) -> int:
+        return self.d_vocab
+
+    @property
+    def parallel_attn_mlp(self) -> bool:
+        return self.parallel_residual
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.act_fn == "swiglu"
+
+    @property
+    def attn_types(self) -> list[str] | None:
+        """"local" or "global" per layer, as TransformerLens writes it; None when every layer is global."""
+        if self.window_type is None:
+            return None
+        return ["local" if self.layer_window(layer) else "global" for layer in range(self.n_layers)]
+
+    @property
+    def original_architecture(self) -> str:
+        return "DCFormer" if self.use_dcmha else "GPTNeoX-like"
 
     @property
     def window_pattern(self) -> str:
@@ -130,7 +174,9 @@ class DCFormerConfig:
         return self.window_size if pattern[layer % len(pattern)] == "L" else None
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        values["dtype"] = str(self.dtype).removeprefix("torch.")
+        return values
 
     @classmethod
     def from_dict(cls, values: dict, source: str = "config") -> "DCFormerConfig":

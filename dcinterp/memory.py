@@ -70,6 +70,8 @@ def hook_shape(model, name: str, batch: int, pos: int) -> tuple[tuple[int, ...],
         return (batch, pos, cfg.mgate_dim), dtype
     if suffix in _PER_HEAD:
         return (batch, pos, H, E), dtype
+    if suffix in ("hook_q_input", "hook_k_input", "hook_v_input"):
+        return ((batch, pos, H, D), dtype) if cfg.use_split_qkv_input else None
     if suffix == "hook_result":
         return ((batch, pos, H, D), dtype) if cfg.use_attn_result else None
     if suffix in _ATTENTION:

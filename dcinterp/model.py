@@ -8,13 +8,15 @@ c dynamic-weight branch, k dynamic-weight hidden unit.
 DCMHA in one layer (x = the normed residual input of the attention):
     scores A = q k^T / sqrt(d_head)                                  hook_attn_scores    [b, h, t, s]
     A' = A + o_qp + o_kp + o_qg + o_kg       (pre-compose)           hook_composed_scores
-    P = softmax(mask(A'))                                            hook_pattern
+    P = softmax(A')                                                  hook_pattern
     P' = P + o_qp + o_kp + o_qg + o_kg       (post-compose)          hook_composed_pattern
     z = P' v,  out = z W_O                                           hook_z
 with, for query t and key s,
     o_qp[m,t,s] = sum_r (sum_n A[n,t,s] qw1[t,r,n]) qw2[t,r,m]   and o_kp the same with key-side weights at s,
     o_qg[n,t,s] = A[n,t,s] qg[t,n],   o_kg[n,t,s] = A[n,t,s] kg[s,n].
 The dynamic weights (qw1, qw2, kw1, kw2, qg, kg for each stage) are computed from x by a small FFN.
+Both score hooks hold the dtype's minimum at the keys a query may not see (future keys, keys outside a local
+window), as TransformerLens does. docs/hooks.md maps every hook to the paper's equations.
 """
 
 from __future__ import annotations
@@ -24,12 +26,17 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 from transformer_lens import ActivationCache, HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
 from .config import DCFormerConfig
+
+# The hooks TransformerLens' get_act_name does not know: in blocks.{layer}.attn, and in its compose stages.
+DCMHA_ACT_NAMES = ("composed_scores", "composed_pattern")
+COMPOSE_ACT_NAMES = ("qw1", "qw2", "kw1", "kw2", "qg", "kg", "o_qp", "o_kp", "o_qg", "o_kg")
 
 BRANCH_DYN_INDEX = {"pre": (0, 1), "post": (2, 3)}  # dynamic-weight branches c: [pre q, pre k, post q, post k]
 
@@ -127,9 +134,13 @@ class Compose(nn.Module):
             self.hook_kg(kg) if "kg" in self.branches else None,
         )
 
+    def materialised(self) -> bool:
+        """Whether a hook (or the cache) asks for a branch output, so that each branch is its own tensor."""
+        return any(_hooked(getattr(self, f"hook_o_{b}")) for b in self.branches)
+
     def forward(self, A: Float[Tensor, "b h t s"], qw1, qw2, kw1, kw2, qg, kg) -> Float[Tensor, "b h t s"]:
         qw1, qw2, kw1, kw2, qg, kg = self.dynamic_weights(qw1, qw2, kw1, kw2, qg, kg)
-        if any(_hooked(getattr(self, f"hook_o_{b}")) for b in self.branches):
+        if self.materialised():
             out = A
             for branch, o in branch_outputs(A, qw1, qw2, kw1, kw2, qg, kg).items():
                 out = out + getattr(self, f"hook_o_{branch}")(o)
@@ -205,15 +216,20 @@ class Attention(nn.Module):
             self.W_dyn_gate = nn.Parameter(torch.empty(D, 4, H))
             self.pre_compose = Compose(cfg) if "pre" in cfg.compose_stages else None
             self.post_compose = Compose(cfg) if "post" in cfg.compose_stages else None
-            self.hook_composed_scores = HookPoint()  # [batch, head, query, key], after pre-compose, unmasked
+            self.hook_composed_scores = HookPoint()  # [batch, head, query, key], after pre-compose, masked
             self.hook_composed_pattern = HookPoint()  # [batch, head, query, key], what multiplies V
 
+        # Only with cfg.use_split_qkv_input: the residual stream entering the block, one copy per head for each
+        # of q, k, v (before ln1), as TransformerLens' forks for direct path patching.
+        self.hook_q_input = HookPoint()  # [batch, pos, head, d_model]
+        self.hook_k_input = HookPoint()
+        self.hook_v_input = HookPoint()
         self.hook_q = HookPoint()  # [batch, pos, head, d_head], after QK-norm, before rotary
         self.hook_k = HookPoint()
         self.hook_v = HookPoint()
         self.hook_rot_q = HookPoint()
         self.hook_rot_k = HookPoint()
-        self.hook_attn_scores = HookPoint()  # [batch, head, query, key], before pre-compose, unmasked
+        self.hook_attn_scores = HookPoint()  # [batch, head, query, key], before pre-compose, masked
         self.hook_pattern = HookPoint()  # [batch, head, query, key], softmax, before post-compose
         self.hook_z = HookPoint()  # [batch, pos, head, d_head]
         self.hook_result = HookPoint()  # [batch, pos, head, d_model], only with cfg.use_attn_result
@@ -231,11 +247,34 @@ class Attention(nn.Module):
             weights[stage] = (w1[:, :, cq], w2[:, :, cq], w1[:, :, ck], w2[:, :, ck], gates[:, :, cq], gates[:, :, ck])
         return weights
 
-    def forward(self, x: Float[Tensor, "b p d"], mask: Float[Tensor, "t s"]) -> Float[Tensor, "b p d"]:
+    def hook_scores_for_compose(self, scores: Float[Tensor, "b h t s"], mask: Float[Tensor, "t s"]) -> Tensor:
+        """`hook_attn_scores` of a DCMHA layer: the hook sees hidden keys at the dtype's minimum, as in TransformerLens.
+
+        Pre-compose mixes heads per (query, key) pair, so a hidden pair only ever feeds itself; but the minimum
+        mixed by the compose weights would overflow to inf and give NaN (inf - inf). So the hidden entries go
+        into the compose as 0, and with no hook attached the mask is skipped (the entries it hides are never
+        used: the composed scores are masked again before the softmax). When a hook or the cache shows the
+        pre-compose branch outputs, they are 0 at hidden keys.
+        """
+        if _hooked(self.hook_attn_scores):
+            scores = self.hook_attn_scores(scores + mask)
+        elif self.pre_compose is None or not self.pre_compose.materialised():
+            return scores
+        return scores.masked_fill(mask != 0, 0.0)
+
+    def forward(
+        self, x: Float[Tensor, "b p d"], mask: Float[Tensor, "t s"], qkv_input: tuple[Tensor, ...] | None = None
+    ) -> Float[Tensor, "b p d"]:
+        """`x`: the normed input; `mask`: 0 where a query sees a key, else the dtype's minimum (`attention_mask`).
+        `qkv_input`: per-head normed inputs [b, p, h, d] of q, k and v, when split (cfg.use_split_qkv_input);
+        the dynamic compose weights still read `x`."""
         cfg = self.cfg
-        q = torch.einsum("bpd,hde->bphe", x, self.W_Q)
-        k = torch.einsum("bpd,hde->bphe", x, self.W_K)
-        v = torch.einsum("bpd,hde->bphe", x, self.W_V)
+        if qkv_input is None:
+            q = torch.einsum("bpd,hde->bphe", x, self.W_Q)
+            k = torch.einsum("bpd,hde->bphe", x, self.W_K)
+            v = torch.einsum("bpd,hde->bphe", x, self.W_V)
+        else:
+            q, k, v = (torch.einsum("bphd,hde->bphe", xi, W) for xi, W in zip(qkv_input, (self.W_Q, self.W_K, self.W_V)))
         if self.b_Q is not None:
             q, k, v = q + self.b_Q, k + self.b_K, v + self.b_V
         if cfg.use_qk_norm:
@@ -245,13 +284,16 @@ class Attention(nn.Module):
         q = self.hook_rot_q(apply_rotary(q, cfg.rotary_dim, cfg.rotary_base, table))
         k = self.hook_rot_k(apply_rotary(k, cfg.rotary_dim, cfg.rotary_base, table))
 
-        scores = self.hook_attn_scores(torch.einsum("bthe,bshe->bhts", q, k) / math.sqrt(cfg.d_head))
+        scores = torch.einsum("bthe,bshe->bhts", q, k) / math.sqrt(cfg.d_head)
+        mask = mask.to(scores.dtype)
         if cfg.use_dcmha:
+            scores = self.hook_scores_for_compose(scores, mask)
             dyn = self.dynamic_weights(x)
             if self.pre_compose is not None:
                 scores = self.pre_compose(scores, *dyn["pre"])
-            scores = self.hook_composed_scores(scores)
-        scores = scores + mask.to(scores.dtype)
+            scores = self.hook_composed_scores(scores + mask)
+        else:
+            scores = self.hook_attn_scores(scores + mask)
         pattern = self.hook_pattern(scores.softmax(-1, dtype=torch.float32).to(scores.dtype))
         if cfg.use_dcmha:
             if self.post_compose is not None:
@@ -299,6 +341,8 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    hook_out_is_single_residual_stream = True  # TransformerLens' logit lens reads hook_resid_post as the stream
+
     def __init__(self, cfg: DCFormerConfig, layer: int):
         super().__init__()
         self.cfg = cfg
@@ -313,9 +357,17 @@ class TransformerBlock(nn.Module):
         self.hook_mlp_out = HookPoint()
         self.hook_resid_post = HookPoint()
 
-    def forward(self, resid_pre: Float[Tensor, "b p d"], mask: Tensor) -> Float[Tensor, "b p d"]:
+    def split_qkv_input(self, resid_pre: Float[Tensor, "b p d"]) -> tuple[Float[Tensor, "b p h d"], ...]:
+        """One copy of the stream per head for each of q, k, v, through its fork hook and ln1 (TransformerLens'
+        use_split_qkv_input: a hook on one head's copy reaches that head's q, k or v alone)."""
+        copies = resid_pre[:, :, None].expand(-1, -1, self.cfg.n_heads, -1)
+        forks = (self.attn.hook_q_input, self.attn.hook_k_input, self.attn.hook_v_input)
+        return tuple(self.ln1(fork(copies.clone())) for fork in forks)
+
+    def forward(self, resid_pre: Float[Tensor, "b p d"], mask: Float[Tensor, "t s"]) -> Float[Tensor, "b p d"]:
         resid_pre = self.hook_resid_pre(resid_pre)
-        attn_out = self.hook_attn_out(self.attn(self.ln1(resid_pre), mask))
+        qkv_input = self.split_qkv_input(resid_pre) if self.cfg.use_split_qkv_input else None
+        attn_out = self.hook_attn_out(self.attn(self.ln1(resid_pre), mask, qkv_input))
         if self.cfg.parallel_residual:
             mlp_out = self.hook_mlp_out(self.mlp(self.ln2(resid_pre)))
             return self.hook_resid_post(resid_pre + attn_out + mlp_out)
@@ -346,17 +398,25 @@ class Unembed(nn.Module):
         return resid @ self.W_U
 
 
-def attention_mask(
-    n: int, window: int | None, device, dtype=torch.float32, semantics: str = "training"
-) -> Float[Tensor, "t s"]:
-    """Additive mask: 0 where query t may see key s, else -inf. s <= t, and for a local layer
-    t - window < s ("training": `window` keys) or t - window <= s ("official-inference": window + 1 keys)."""
+def visible_keys(n: int, window: int | None, device, semantics: str = "training") -> Bool[Tensor, "t s"]:
+    """True where query t may see key s: s <= t, and for a local layer t - window < s ("training": `window`
+    keys) or t - window <= s ("official-inference": window + 1 keys)."""
     t = torch.arange(n, device=device)[:, None]
     s = torch.arange(n, device=device)[None, :]
     allowed = s <= t
     if window is not None:
         allowed &= s > t - window - int(semantics == "official-inference")
-    return torch.zeros(n, n, device=device, dtype=dtype).masked_fill(~allowed, float("-inf"))
+    return allowed
+
+
+def attention_mask(
+    n: int, window: int | None, device, dtype=torch.float32, semantics: str = "training"
+) -> Float[Tensor, "t s"]:
+    """The same as an additive mask: 0 where query t may see key s, else the dtype's minimum (as TransformerLens).
+
+    Added to the scores it gives the minimum at hidden keys (an add: faster than masked_fill on a CPU)."""
+    hidden = ~visible_keys(n, window, device, semantics)
+    return torch.zeros(n, n, device=device, dtype=dtype).masked_fill(hidden, torch.finfo(dtype).min)
 
 
 class HookedDCFormer(HookedRootModule):
@@ -384,27 +444,40 @@ class HookedDCFormer(HookedRootModule):
     # Forward
     def forward(
         self,
-        input: Int[Tensor, "b p"] | str | list[str],
+        input: Int[Tensor, "b p"] | str | list[str] | Float[Tensor, "b p d"],
         return_type: Literal["logits", "loss", "both"] | None = "logits",
         loss_per_token: bool = False,
+        prepend_bos: bool | None = None,
+        start_at_layer: int | None = None,
+        tokens: Int[Tensor, "b p"] | None = None,
         stop_at_layer: int | None = None,
     ):
-        tokens = self.to_tokens(input) if isinstance(input, (str, list)) else input
-        tokens = tokens.to(self.input_device)
-        n = tokens.shape[1]
+        """Logits (or loss) for tokens or text, as TransformerLens' forward.
+
+        `stop_at_layer=l` returns the residual stream entering block l. `start_at_layer=l` takes that residual
+        stream as `input` and runs blocks l onwards (pass `tokens` as well for a loss).
+        """
+        if start_at_layer is None:
+            tokens = self.to_tokens(input, prepend_bos=prepend_bos) if isinstance(input, (str, list)) else input
+            tokens = tokens.to(self.input_device)
+            resid = self.hook_embed(self.embed(tokens))
+        else:
+            resid = input.to(self.input_device)
+        n = resid.shape[1]
         masks = {}
-        resid = self.hook_embed(self.embed(tokens))
-        for block in self.blocks[:stop_at_layer]:
+        for block in self.blocks[start_at_layer:stop_at_layer]:
             window = block.attn.window
             if window not in masks:
-                masks[window] = attention_mask(n, window, tokens.device, semantics=self.cfg.window)
+                masks[window] = attention_mask(n, window, resid.device, resid.dtype, semantics=self.cfg.window)
             resid = block(resid, masks[window])
         if stop_at_layer is not None:
             return resid
         logits = self.unembed(self.ln_final(resid))
         if return_type == "logits":
             return logits
-        loss = lm_cross_entropy(logits, tokens, per_token=loss_per_token)
+        if tokens is None:
+            raise ValueError("forward: return_type 'loss' with start_at_layer needs the tokens (tokens=...)")
+        loss = lm_cross_entropy(logits, tokens.to(logits.device), per_token=loss_per_token)
         if return_type == "loss":
             return loss
         if return_type == "both":
@@ -433,6 +506,19 @@ class HookedDCFormer(HookedRootModule):
     def set_use_attn_result(self, use_attn_result: bool) -> None:
         """Compute `blocks.{l}.attn.hook_result` (per-head outputs in the residual basis) or not."""
         self.cfg.use_attn_result = use_attn_result
+
+    def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
+        """Give each head its own copy of the stream for q, k and v (`attn.hook_q_input`, ...), or not.
+
+        What TransformerLens' direct path patching switches on. In a DCMHA layer the dynamic compose weights
+        keep reading the shared normed input: a patch on one head's copy reaches that head's q, k or v only."""
+        self.cfg.use_split_qkv_input = use_split_qkv_input
+
+    def set_use_attn_in(self, use_attn_in: bool) -> None:
+        """TransformerLens' `hook_attn_in` fork is not implemented; only False is accepted."""
+        if use_attn_in:
+            raise NotImplementedError("set_use_attn_in: HookedDCFormer has no hook_attn_in (use set_use_split_qkv_input)")
+        self.cfg.use_attn_in = False
 
     # ----------------------------------------------------------------------------------------------
     # Weights
@@ -484,8 +570,22 @@ class HookedDCFormer(HookedRootModule):
     def W_U(self) -> Float[Tensor, "d_model d_vocab"]:
         return self.unembed.W_U
 
-    def _stack(self, name: str) -> Tensor:
-        return torch.stack([getattr(block.attn, name) for block in self.blocks])
+    @property
+    def b_U(self) -> Float[Tensor, "d_vocab"]:
+        """Zeros: neither DCFormer nor Pythia has an unembedding bias (TransformerLens code reads one)."""
+        return self.W_U.new_zeros(self.cfg.d_vocab)
+
+    def _stack(self, name: str, part: str = "attn") -> Tensor:
+        """One weight of every block's `attn` or `mlp`, stacked [layer, ...]; a bias the model lacks as zeros."""
+        weights = [getattr(getattr(block, part), name) for block in self.blocks]
+        if weights[0] is None:
+            return torch.zeros(len(weights), *self._bias_shape(name), device=self.input_device, dtype=self.cfg.dtype)
+        return torch.stack(weights)
+
+    def _bias_shape(self, name: str) -> tuple[int, ...]:
+        cfg = self.cfg
+        return {"b_Q": (cfg.n_heads, cfg.d_head), "b_K": (cfg.n_heads, cfg.d_head), "b_V": (cfg.n_heads, cfg.d_head),
+                "b_O": (cfg.d_model,), "b_in": (cfg.d_mlp,), "b_out": (cfg.d_model,)}[name]
 
     @property
     def W_Q(self) -> Float[Tensor, "layer head d_model d_head"]:
@@ -502,6 +602,58 @@ class HookedDCFormer(HookedRootModule):
     @property
     def W_O(self) -> Float[Tensor, "layer head d_head d_model"]:
         return self._stack("W_O")
+
+    @property
+    def b_Q(self) -> Float[Tensor, "layer head d_head"]:
+        return self._stack("b_Q")
+
+    @property
+    def b_K(self) -> Float[Tensor, "layer head d_head"]:
+        return self._stack("b_K")
+
+    @property
+    def b_V(self) -> Float[Tensor, "layer head d_head"]:
+        return self._stack("b_V")
+
+    @property
+    def b_O(self) -> Float[Tensor, "layer d_model"]:
+        return self._stack("b_O")
+
+    @property
+    def W_in(self) -> Float[Tensor, "layer d_model d_mlp"]:
+        return self._stack("W_in", "mlp")
+
+    @property
+    def W_gate(self) -> Float[Tensor, "layer d_model d_mlp"] | None:
+        """SwiGLU's gate projection (TransformerLens' name); None for a GELU MLP."""
+        return self._stack("W_gate", "mlp") if self.cfg.act_fn == "swiglu" else None
+
+    @property
+    def W_out(self) -> Float[Tensor, "layer d_mlp d_model"]:
+        return self._stack("W_out", "mlp")
+
+    @property
+    def b_in(self) -> Float[Tensor, "layer d_mlp"]:
+        return self._stack("b_in", "mlp")
+
+    @property
+    def b_out(self) -> Float[Tensor, "layer d_model"]:
+        return self._stack("b_out", "mlp")
+
+    def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> Tensor:
+        """Sum of the attention and MLP output biases written into the residual stream before `layer`.
+
+        As TransformerLens: `mlp_input=True` adds layer `layer`'s attention bias (the stream entering its MLP
+        in a sequential block). `ActivationCache.get_full_resid_decomposition` reads it.
+        """
+        if mlp_input and layer >= self.cfg.n_layers:
+            raise ValueError(f"accumulated_bias: mlp_input needs layer < n_layers ({self.cfg.n_layers}), not {layer}")
+        bias = self.b_O[:layer].sum(0)
+        if include_mlp_biases:
+            bias = bias + self.b_out[:layer].sum(0)
+        if mlp_input:
+            bias = bias + self.b_O[layer]
+        return bias
 
     @property
     def QK(self):
@@ -536,8 +688,12 @@ class HookedDCFormer(HookedRootModule):
             raise ValueError("this model has no tokenizer attached; pass token ids, or set model.tokenizer")
         return self.tokenizer
 
-    def to_tokens(self, input: str | list[str], prepend_bos: bool | None = None) -> Int[Tensor, "b p"]:
-        """Token ids [batch, pos], right-padded. BOS only where the tokenizer adds it itself, unless prepend_bos."""
+    def to_tokens(
+        self, input: str | list[str], prepend_bos: bool | None = None, padding_side: Literal["left", "right"] | None = None
+    ) -> Int[Tensor, "b p"]:
+        """Token ids [batch, pos], padded on the right (or `padding_side="left"`).
+
+        BOS only where the tokenizer adds it itself, unless prepend_bos."""
         tokenizer = self._need_tokenizer()
         texts = [input] if isinstance(input, str) else list(input)
         prepend_bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
@@ -547,7 +703,11 @@ class HookedDCFormer(HookedRootModule):
             ids = [i if i[:1] == [bos] else [bos, *i] for i in ids]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         width = max(len(i) for i in ids)
-        return torch.tensor([i + [pad] * (width - len(i)) for i in ids], device=self.input_device)
+        if padding_side == "left":
+            ids = [[pad] * (width - len(i)) + i for i in ids]
+        else:
+            ids = [i + [pad] * (width - len(i)) for i in ids]
+        return torch.tensor(ids, device=self.input_device)
 
     def to_string(self, tokens) -> str | list[str]:
         tokenizer = self._need_tokenizer()
@@ -559,16 +719,94 @@ class HookedDCFormer(HookedRootModule):
             return [tokenizer.decode(t) for t in tokens]
         return tokenizer.decode(tokens)
 
-    def to_str_tokens(self, input) -> list[str]:
+    def to_str_tokens(
+        self, input, prepend_bos: bool | None = None, padding_side: Literal["left", "right"] | None = None
+    ) -> list[str] | list[list[str]]:
+        """One string per token, as TransformerLens: a string or 1-d ids give a list, a list gives one list per item.
+
+        A [batch, pos] tensor (or array) gives one list per row, where TransformerLens raises; a [1, pos] one a
+        single list. `prepend_bos` and `padding_side` apply to strings only."""
         tokenizer = self._need_tokenizer()
-        ids = self.to_tokens(input)[0].tolist() if isinstance(input, str) else list(torch.as_tensor(input).flatten().tolist())
-        return [tokenizer.decode([i]) for i in ids]
+        if isinstance(input, list):
+            return [self.to_str_tokens(item, prepend_bos, padding_side) for item in input]
+        if isinstance(input, str):
+            ids = self.to_tokens(input, prepend_bos=prepend_bos, padding_side=padding_side)[0]
+        else:
+            ids = torch.as_tensor(input)
+            if ids.ndim == 2 and ids.shape[0] > 1:
+                return [self.to_str_tokens(row) for row in ids]
+            ids = ids.reshape(-1)
+        return [tokenizer.decode([i]) for i in ids.tolist()]
 
     def to_single_token(self, string: str) -> int:
         ids = self.to_tokens(string)[0]
         if ids.numel() != 1:
             raise ValueError(f"{string!r} is {ids.numel()} tokens, not one")
         return int(ids.item())
+
+    # ----------------------------------------------------------------------------------------------
+    # Generation
+    @torch.no_grad()
+    def generate(
+        self,
+        input: str | list[str] | Int[Tensor, "b p"] = "",
+        max_new_tokens: int = 10,
+        stop_at_eos: bool = True,
+        eos_token_id: int | None = None,
+        do_sample: bool = True,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        temperature: float = 1.0,
+        freq_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        use_past_kv_cache: bool = True,
+        prepend_bos: bool | None = None,
+        return_type: Literal["input", "str", "tokens"] = "input",
+        verbose: bool = False,
+    ) -> str | list[str] | Int[Tensor, "b p"]:
+        """Continue a prompt token by token, as TransformerLens' `generate` (same arguments and defaults).
+
+        Greedy with `do_sample=False`, else sampled with TransformerLens' `sample_logits` (temperature, top-k,
+        top-p, frequency and repetition penalties). Sequences that reach EOS are padded with EOS; generation
+        stops when all have. Hooks attached to the model (`with model.hooks(...)`, `add_hook`) are active at every
+        step. There is no key-value cache: each step runs the whole sequence again (`use_past_kv_cache` is
+        accepted and ignored), so a hook sees every position at every step.
+        """
+        from transformer_lens.utilities import sample_logits
+
+        if isinstance(input, (str, list)):
+            texts = [input] if isinstance(input, str) else input
+            lengths = {len(self.to_tokens(t, prepend_bos=prepend_bos)[0]) for t in texts}
+            if len(lengths) > 1:
+                raise ValueError("generate: the prompts have different token counts; pass them one at a time")
+            tokens = self.to_tokens(input, prepend_bos=prepend_bos)
+        else:
+            tokens = input.to(self.input_device)
+            if tokens.ndim == 1:
+                tokens = tokens[None]
+        if stop_at_eos and eos_token_id is None:
+            eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
+            if eos_token_id is None:
+                raise ValueError("generate: stop_at_eos needs an eos_token_id (the model has no tokenizer with one)")
+        finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+        for _ in tqdm(range(max_new_tokens), disable=not verbose):
+            final_logits = self(tokens)[:, -1]
+            if do_sample:
+                new = sample_logits(final_logits, top_k=top_k, top_p=top_p, temperature=temperature,
+                                    freq_penalty=freq_penalty, repetition_penalty=repetition_penalty, tokens=tokens)
+            else:
+                new = final_logits.argmax(-1)
+            new = new.to(tokens.device)
+            if stop_at_eos:
+                new = new.masked_fill(finished, eos_token_id)
+                finished |= new == eos_token_id
+            tokens = torch.cat([tokens, new[:, None]], dim=1)
+            if stop_at_eos and finished.all():
+                break
+        if return_type == "tokens" or (return_type == "input" and isinstance(input, Tensor)):
+            return tokens
+        strings = self.to_string(tokens)
+        return strings[0] if isinstance(input, str) else strings
 
     # ----------------------------------------------------------------------------------------------
     # Loading and saving (see dcinterp.loading)
@@ -599,3 +837,22 @@ def lm_cross_entropy(logits: Float[Tensor, "b p v"], tokens: Int[Tensor, "b p"],
     logprobs = logits[:, :-1].float().log_softmax(-1)
     loss = -logprobs.gather(-1, tokens[:, 1:, None])[..., 0]
     return loss if per_token else loss.mean()
+
+
+def get_act_name(name: str, layer: int | None = None, layer_type: str | None = None) -> str:
+    """TransformerLens' `get_act_name`, knowing DCMHA's hooks as well.
+
+    `get_act_name("composed_pattern", 2)` is `blocks.2.attn.hook_composed_pattern`; a compose stage's hooks take
+    the stage as layer_type: `get_act_name("o_kp", 16, "post")` is `blocks.16.attn.post_compose.hook_o_kp`.
+    Every other name goes to TransformerLens unchanged.
+    """
+    from transformer_lens.utilities import get_act_name as tl_get_act_name
+
+    if layer is not None and name in DCMHA_ACT_NAMES:
+        return f"blocks.{layer}.attn.hook_{name}"
+    if layer is not None and name in COMPOSE_ACT_NAMES:
+        stage = (layer_type or "").removesuffix("_compose")
+        if stage not in ("pre", "post"):
+            raise ValueError(f"get_act_name: {name!r} is a compose-stage hook; pass layer_type 'pre' or 'post'")
+        return f"blocks.{layer}.attn.{stage}_compose.hook_{name}"
+    return tl_get_act_name(name, layer, layer_type)

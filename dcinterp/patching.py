@@ -38,7 +38,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .attribution import Target, target_value
-from .model import HookedDCFormer, attention_mask, branch_outputs
+from .model import HookedDCFormer, branch_outputs, visible_keys
 from .synth.contrast import PairTokens
 
 STAGES = ("pre", "post")
@@ -325,6 +325,10 @@ def _through_softmax(model: HookedDCFormer, site: Site, sources: dict[str, Tenso
                      gradients: dict[str, Tensor]) -> Tensor:
     """gradient at the pattern . the pattern's exact change when the pre-compose site takes its source value."""
     attn = f"blocks.{site.layer}.attn"
+    composed = activations[f"{attn}.hook_composed_scores"]
+    # The score hooks hold the dtype's minimum at hidden keys (as TransformerLens): mixed by the compose
+    # weights they would overflow, so hidden entries enter as 0 and the mask is added once, at the softmax.
+    hidden = ~visible_keys(composed.shape[-1], model.blocks[site.layer].attn.window, composed.device, model.cfg.window)
     if site.name in BRANCH_OUTPUTS:
         change = torch.zeros_like(activations[site.hook_name])
         change[site.index()] = (sources[site.hook_name] - activations[site.hook_name])[site.index()]
@@ -333,12 +337,11 @@ def _through_softmax(model: HookedDCFormer, site: Site, sources: dict[str, Tenso
         patched = dict(weights)
         patched[site.name] = weights[site.name].clone()
         patched[site.name][site.index()] = sources[site.hook_name][site.index()]
-        scores = activations[f"{attn}.hook_attn_scores"]
+        scores = activations[f"{attn}.hook_attn_scores"].masked_fill(hidden, 0)
         change = branch_outputs(scores, **patched)[site.branch] - branch_outputs(scores, **weights)[site.branch]
-    composed = activations[f"{attn}.hook_composed_scores"]
-    mask = attention_mask(composed.shape[-1], model.blocks[site.layer].attn.window, composed.device)
-    before = (composed + mask).softmax(-1, dtype=torch.float32)
-    after = (composed + change + mask).softmax(-1, dtype=torch.float32)
+    composed, change = composed.masked_fill(hidden, 0).float(), change.masked_fill(hidden, 0).float()
+    before = composed.masked_fill(hidden, float("-inf")).softmax(-1)
+    after = (composed + change).masked_fill(hidden, float("-inf")).softmax(-1)
     return (gradients[f"{attn}.hook_pattern"].float() * (after - before)).sum()
 
 

@@ -10,7 +10,8 @@ from dcinterp.notebooks import available, main, run_notebook
 
 NOTEBOOKS = {
     # notebook: (parameters that keep the run short, figures it must write)
-    "case_study": ({"n_steps": 16}, ["case_study_attribution.png", "case_study_breakdown.png", "case_study_attention.png"]),
+    "case_study": ({"n_steps": 16}, ["case_study_attribution.png", "case_study_breakdown.png", "case_study_attention.png",
+                                     "case_study_attention_heads.html"]),
     "synthetic_eval": ({"limit": 74}, ["synthetic_eval.png"]),
     "composition_maps": ({}, ["composition_maps_pre.png", "composition_maps_post.png", "composition_maps_keys.png",
                               "composition_map_interactive.html", "composition_along_sequence.png"]),

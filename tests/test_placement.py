@@ -97,6 +97,7 @@ def test_half_precision_on_the_cpu_says_so_in_one_line():
 def test_estimate_cache_is_exact(name):
     model = HookedDCFormer.from_pretrained(name)
     model.set_use_attn_result(True)
+    model.set_use_split_qkv_input(True)
     try:
         tokens = torch.randint(0, 50, (2, 11))
         _, cache = model.run_with_cache(tokens)
@@ -107,6 +108,7 @@ def test_estimate_cache_is_exact(name):
         assert estimate_cache(model, tokens, selected).nbytes == sum(v.numel() * v.element_size() for v in cache.values())
     finally:
         model.set_use_attn_result(False)
+        model.set_use_split_qkv_input(False)
 
 
 def test_estimate_for_dcpythia_6_9b_at_2048_tokens():
