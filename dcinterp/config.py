@@ -63,7 +63,8 @@ class DCFormerConfig:
     window_type: str | None = None  # "LG", "LGLL", "LGL6", another L/G pattern ("LGG"), or None: all global
     # "training": a local layer admits window_size keys (t - window_size < s <= t), as the authors' JAX training;
     # "official-inference": window_size + 1 keys and rotary tables rounded to float16, as their PyTorch inference
-    # code (modeling_dcpythia.py), to match its outputs exactly. docs/conventions.md.
+    # code for DCPythia (modeling_dcpythia.py), to match its outputs exactly; DCFormer++'s inference code admits
+    # window_size keys, so keep "training" for those. docs/conventions.md.
     window: str = "training"
 
     # DCMHA. use_dcmha=False gives plain MHA (Pythia / Transformer++ baselines).
