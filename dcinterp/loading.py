@@ -62,7 +62,7 @@ def load_pretrained(path_or_name, dtype=None, device=None, device_map=None, max_
     else:
         known = ["dcinterp", "dcpythia", "dcformer", "gpt_neox"]
         raise CheckpointError(f"{config_file}: unknown model_type {model_type!r} (known: {', '.join(known)})")
-    cfg.dtype = str(dtype).removeprefix("torch.")
+    cfg.dtype = dtype
 
     with torch.device("meta"):
         model = HookedDCFormer(cfg, init=False)

@@ -1,7 +1,5 @@
 """Every notebook runs top to bottom on the embedded models and writes its figures."""
 
-import json
-
 import nbformat
 import pytest
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -93,27 +92,14 @@ def table_json(table: pd.DataFrame, checkpoint: str, data: Path) -> dict:
 
 
 def write_outputs(table: pd.DataFrame, summary: dict, figure, out_dir: Path) -> None:
-    """Write the CSV, the JSON and the figure to partial files, then rename them all into place."""
-    from .evaluate import EvalError
+    """Write the CSV, the JSON and the figure, all or none (`evaluate.write_files`)."""
+    from .evaluate import write_files
 
-    writers = {
+    write_files(out_dir, {
         "ablation.csv": lambda path: table.to_csv(path, index=False),
         "ablation.json": lambda path: path.write_text(json.dumps(summary, indent=2) + "\n"),
         "ablation.png": lambda path: figure.savefig(path, dpi=130, format="png"),
-    }
-    staged: list[tuple[Path, Path]] = []
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for name, write in writers.items():
-            partial = out_dir / f".{name}.{os.getpid()}.partial"
-            staged.append((partial, out_dir / name))
-            write(partial)
-        for partial, final in staged:
-            os.replace(partial, final)
-    except OSError as error:
-        for partial, _ in staged:
-            partial.unlink(missing_ok=True)
-        raise EvalError(f"{out_dir}: cannot write the results ({error.strerror or error})") from None
+    })
 
 
 def _positive_int(text: str) -> int:

@@ -546,19 +546,23 @@ def eval_device(name: str | None) -> str:
 
 
 def write_outputs(results: pd.DataFrame, summary: dict, out_dir: Path) -> None:
-    """Write results.csv and summary.json to partial files, then rename both into place."""
-    writers = {
-        "results.csv": lambda f: results.to_csv(f, index=False),
-        "summary.json": lambda f: f.write(json.dumps(summary, indent=2) + "\n"),
-    }
+    """Write results.csv and summary.json, both or neither (see `write_files`)."""
+    write_files(out_dir, {
+        "results.csv": lambda path: results.to_csv(path, index=False),
+        "summary.json": lambda path: path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8"),
+    })
+
+
+def write_files(out_dir: Path, writers: dict) -> None:
+    """Run each `writers[name](path)` on a partial file in out_dir, then rename them all into place; on an
+    OSError remove the partial files and raise one EvalError line: no half-written output."""
     staged: list[tuple[Path, Path]] = []
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         for name, write in writers.items():
             partial = out_dir / f".{name}.{os.getpid()}.partial"
             staged.append((partial, out_dir / name))
-            with open(partial, "x", encoding="utf-8", newline="") as f:
-                write(f)
+            write(partial)
         for partial, final in staged:
             os.replace(partial, final)
     except OSError as error:
