@@ -41,9 +41,22 @@ def site(tmp_path_factory) -> Path:
     before = {path.name for path in ROOT.iterdir()}
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # Material's banner about MkDocs 2.0, printed on every build
     result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
-         "--site-dir", str(site_dir)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(site_dir),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}\n{result.stderr}"
     assert "WARNING" not in result.stderr, result.stderr
@@ -64,8 +77,13 @@ def test_site_builds_strictly_with_every_public_function(site):
     for module in public_modules():
         html = (site / "reference" / module / "index.html").read_text()
         mod = importlib.import_module(module)
-        functions = [name for name, value in vars(mod).items() if not name.startswith("_")
-                     and (inspect.isfunction(value) or inspect.isclass(value)) and value.__module__ == module]
+        functions = [
+            name
+            for name, value in vars(mod).items()
+            if not name.startswith("_")
+            and (inspect.isfunction(value) or inspect.isclass(value))
+            and value.__module__ == module
+        ]
         missing = [name for name in functions if f'id="{module}.{name}"' not in html]
         assert not missing, f"{module}: no entry in the API reference for {missing}"
 

@@ -43,7 +43,7 @@ def markdown_lists(text: str) -> str:
 
 def _next_is_argument(lines: list[str], i: int) -> bool:
     """An argument line starts a list only if another argument line follows before the next blank line."""
-    for line in lines[i + 1:]:
+    for line in lines[i + 1 :]:
         if not line.strip():
             return False
         if ARGUMENT.match(line):
