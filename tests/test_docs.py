@@ -94,3 +94,21 @@ def test_pages_show_their_figures(site):
         for image in re.findall(r'<img[^>]+src="([^"]+)"', html):
             if not image.startswith(("http", "data:")):
                 assert (site / page).parent.joinpath(image).resolve().exists(), f"{page}: {image} is not in the site"
+
+
+def test_plain_text_docstrings_become_markdown():
+    sys.path.insert(0, str(ROOT / "docs" / "_build"))
+    try:
+        from griffe_plaintext import markdown_lists
+    finally:
+        sys.path.pop(0)
+    text = (
+        "Options:\n- a: one\n  more of a\n- b: two\nAfter the list.\n"
+        "tokens: prompts\n    [batch, pos]\nn_steps, method: as captum\n"
+        "Equations:\n    A' = A W\nwith W the map."
+    )
+    assert markdown_lists(text) == (
+        "Options:\n\n- a: one\n  more of a\n- b: two\n\nAfter the list.\n"
+        "\n- `tokens`: prompts\n    [batch, pos]\n- `n_steps`, `method`: as captum\n"
+        "\nEquations:\n\n    A' = A W\n\nwith W the map."
+    )
