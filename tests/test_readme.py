@@ -17,6 +17,14 @@ def test_readme_is_short():
     assert len(lines) <= 150, f"README.md has {len(lines)} lines: move the details into a page under docs/"
 
 
+def test_readme_links_point_to_files():
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README.read_text())
+    local = [target for target in targets if "://" not in target]
+    assert local, "the README links into the docs"
+    missing = [target for target in local if not (README.parent / target).exists()]
+    assert not missing, f"README.md links to files that do not exist: {missing}"
+
+
 def test_readme_example_runs():
     blocks = python_blocks(README.read_text())
     assert len(blocks) == 1, "README.md should hold exactly one Python example"
