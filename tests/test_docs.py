@@ -112,3 +112,18 @@ def test_plain_text_docstrings_become_markdown():
         "\n- `tokens`: prompts\n    [batch, pos]\n- `n_steps`, `method`: as captum\n"
         "\nEquations:\n\n    A' = A W\n\nwith W the map."
     )
+
+
+def test_the_guides_examples_run():
+    """The Python blocks of the pages that run on the embedded models, in reading order and one namespace (a later
+    page's example uses the `model` and `tokens` of an earlier one), as a reader would paste them."""
+    import matplotlib.pyplot as plt
+
+    namespace = {"__name__": "docs_examples"}
+    for page in ["getting-started.md", "attribution.md", "composition.md", "circuits.md"]:
+        path = ROOT / "docs" / page
+        blocks = re.findall(r"^```python\n(.*?)^```", path.read_text(), flags=re.DOTALL | re.MULTILINE)
+        assert blocks, f"{page} has no Python example"
+        for block in blocks:
+            exec(compile(block, str(path), "exec"), namespace)
+    plt.close("all")
