@@ -12,6 +12,8 @@ can be batched with right padding.
   of a checkpoint; "answer" the mean over answers of each answer's perplexity exp(nll / tokens); "answer-nll"
   exp of the mean over answers of each answer's mean nll. summary.json holds all three under ppl_by_pooling.
 
+Command line:
+
     python -m dcinterp.synth eval --checkpoint PATH [--checkpoint PATH ...] [--data released|FILE] [--out DIR]
 
 Python: `evaluate(model, records)` and `evaluate_naive(model, records)` give one row per answer
