@@ -90,6 +90,15 @@ def logit_offset(model) -> Tensor:
     return offset
 
 
+def require_raw_weights(model, analysis: str) -> None:
+    """A ValueError for the analyses that read the released weights as the paper does (Eq. 12's norms, Fig. 5's
+    W_Q W_K^T): folding and centring change them, and what was folded cannot be told apart again."""
+    changed = [k for k in ("fold_ln", "center_writing_weights") if model.weight_processing.get(k)]
+    if changed:
+        raise ValueError(f"{analysis}: reads the released weights as the paper does, and this model's are processed "
+                         f"({', '.join(changed)}); load it with HookedDCFormer.from_pretrained_no_processing")
+
+
 class DCActivationCache(ActivationCache):
     """TransformerLens' `ActivationCache`, whose `apply_ln_to_stack` applies the norm's weight as well.
 
