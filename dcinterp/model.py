@@ -605,6 +605,10 @@ class HookedDCFormer(HookedRootModule):
         device = self.embed.W_E.device
         return torch.device(self.cfg.device) if device.type == "meta" and self.cfg.device else device
 
+    def tl_named_parameters(self):
+        """TransformerBridge's name for the parameters under TransformerLens names (what ours already are)."""
+        return self.named_parameters()
+
     @property
     def W_E(self) -> Float[Tensor, "d_vocab d_model"]:
         return self.embed.W_E
