@@ -461,6 +461,14 @@ class HookedDCFormer(HookedRootModule):
             self.init_weights()
         self.setup()
 
+    def setup(self) -> None:
+        """TransformerLens' setup, plus TransformerBridge's block aliases `blocks.{l}.hook_in` (= hook_resid_pre) and
+        `hook_out` (= hook_resid_post) for hooks by name (what `get_act_name("in", l)` gives); caches use the real names."""
+        super().setup()
+        for layer, block in enumerate(self.blocks):
+            self.mod_dict[f"blocks.{layer}.hook_in"] = block.hook_resid_pre
+            self.mod_dict[f"blocks.{layer}.hook_out"] = block.hook_resid_post
+
     # ----------------------------------------------------------------------------------------------
     # Forward
     def forward(
