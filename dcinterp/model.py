@@ -43,7 +43,21 @@ BRANCH_DYN_INDEX = {"pre": (0, 1), "post": (2, 3)}  # dynamic-weight branches c:
 
 
 def _hooked(hook: HookPoint) -> bool:
-    return bool(hook.fwd_hooks or hook.bwd_hooks or hook._forward_hooks or hook._backward_hooks)
+    """Whether anything reads or sets the hook point: a TransformerLens or torch hook, or a wrapped forward."""
+    return bool(hook.fwd_hooks or hook.bwd_hooks or hook._forward_hooks or hook._backward_hooks) or _wrapped(hook)
+
+
+def _wrapped(hook: HookPoint) -> bool:
+    """nnsight reads and sets a module's output by replacing its `forward`; it intervenes only while one of its
+    traces is active, so outside them the fused compose path stays. Any other replaced forward counts as a reader."""
+    forward = hook.__dict__.get("forward")
+    if forward is None:
+        return False
+    active = getattr(getattr(forward, "state", None), "active", None)
+    try:
+        return active is None or active()[0] is not None
+    except Exception:
+        return True
 
 
 class Norm(nn.Module):
