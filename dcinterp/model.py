@@ -22,6 +22,7 @@ window), as TransformerLens does. docs/hooks.md maps every hook to the paper's e
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Literal
 
 import torch
@@ -777,9 +778,10 @@ class HookedDCFormer(HookedRootModule):
         tokenizer = self._need_tokenizer()
         texts = [input] if isinstance(input, str) else list(input)
         prepend_bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
-        encodings = [tokenizer(t, return_offsets_mapping=tokenizer.unk_token_id is not None) for t in texts]
+        check_unknown = _has_unknown_token(tokenizer)
+        encodings = [tokenizer(t, return_offsets_mapping=check_unknown) for t in texts]
         ids = [e["input_ids"] for e in encodings]
-        if tokenizer.unk_token_id is not None:
+        if check_unknown:
             allow_unknown = self.allow_unknown_tokens if allow_unknown is None else allow_unknown
             _report_unknown(texts, encodings, tokenizer, allow_unknown)
         if prepend_bos:
@@ -833,13 +835,13 @@ class HookedDCFormer(HookedRootModule):
             if tokens.shape[0] != 1:
                 raise ValueError(f"get_token_position: tokens of shape {tuple(tokens.shape)}; pass [pos] or [1, pos]")
             tokens = tokens[0]
+        if mode not in ("first", "last"):
+            raise ValueError(f"get_token_position: mode must be 'first' or 'last', not {mode!r}")
         if isinstance(single_token, str):
             single_token = self.to_single_token(single_token)
         positions = (tokens == int(single_token)).nonzero()[:, 0]
         if not len(positions):
             raise ValueError(f"get_token_position: token {int(single_token)} does not occur in the input")
-        if mode not in ("first", "last"):
-            raise ValueError(f"get_token_position: mode must be 'first' or 'last', not {mode!r}")
         return int(positions[0] if mode == "first" else positions[-1])
 
     def to_single_token(self, string: str) -> int:
@@ -976,6 +978,14 @@ def lm_cross_entropy(logits: Float[Tensor, "b p v"], tokens: Int[Tensor, "b p"],
     return loss if per_token else loss.sum() / kept.sum()
 
 
+def _has_unknown_token(tokenizer) -> bool:
+    """Whether unknown text can become an unknown token: a word-level vocabulary with its own [UNK] (byte-level BPE
+    tokenizers such as Pythia's name <|endoftext|> as unk, bos and eos, and never produce it for unknown text)."""
+    unk = tokenizer.unk_token_id
+    return (unk is not None and unk not in (tokenizer.bos_token_id, tokenizer.eos_token_id)
+            and getattr(tokenizer, "is_fast", False))
+
+
 def _report_unknown(texts: list[str], encodings, tokenizer, allow_unknown: bool) -> None:
     """The words the tokenizer maps to its unknown token: a ValueError naming them, or one warning line."""
     unk = tokenizer.unk_token_id
@@ -987,8 +997,6 @@ def _report_unknown(texts: list[str], encodings, tokenizer, allow_unknown: bool)
     message = f"to_tokens: not in the tokenizer's vocabulary (they become {tokenizer.unk_token}): {listed}"
     if not allow_unknown:
         raise ValueError(message + "; pass allow_unknown=True to go on with a warning")
-    import warnings
-
     warnings.warn(message, stacklevel=3)
 
 

@@ -122,6 +122,10 @@ class DCActivationCache(ActivationCache):
             norm = block.ln2 if mlp_input else block.ln1
         return stack * norm.w.to(stack.device)
 
+    def apply_slice_to_batch_dim(self, batch_slice):
+        sliced = super().apply_slice_to_batch_dim(batch_slice)
+        return DCActivationCache(sliced.cache_dict, self.model, has_batch_dim=sliced.has_batch_dim)
+
 
 # --------------------------------------------------------------------------------------------------
 # The steps, on parameters in place
