@@ -50,13 +50,16 @@ def _hooked(hook: HookPoint) -> bool:
 
 def _wrapped(hook: HookPoint) -> bool:
     """nnsight reads and sets a module's output by replacing its `forward`; it intervenes only while one of its
-    traces is active, so outside them the fused compose path stays. Any other replaced forward counts as a reader."""
+    traces is active, so outside them the fused compose path stays. accelerate's device hooks (`_hf_hook`) only move
+    tensors; any other replaced forward counts as a reader."""
     forward = hook.__dict__.get("forward")
     if forward is None:
         return False
     active = getattr(getattr(forward, "state", None), "active", None)
+    if active is None:
+        return not hasattr(hook, "_hf_hook")
     try:
-        return active is None or active()[0] is not None
+        return active()[0] is not None
     except Exception:
         return True
 

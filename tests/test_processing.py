@@ -206,3 +206,10 @@ def test_analyses_agree_or_refuse_on_a_processed_model(paths):
     with pytest.raises(ValueError, match=r"head_diversity \(Fig. 5\): reads the released weights"):
         head_diversity(processed)
     ov_logits(raw, 2, 0, [food])
+
+
+def test_processing_a_disk_offloaded_model_is_refused_in_one_line(tmp_path):
+    device_map = {"embed": "cpu", "blocks.0": "cpu", "blocks.1": "disk", "blocks.2": "cpu", "ln_final": "cpu",
+                  "unembed": "cpu"}
+    with pytest.raises(ValueError, match=r"process_weights_: 'blocks.1.\S+' is offloaded \(meta\)"):
+        HookedDCFormer.from_pretrained("pythia-synth", device_map=device_map, offload_folder=tmp_path, fold_ln=True)
