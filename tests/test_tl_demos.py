@@ -174,6 +174,25 @@ def test_exploratory_analysis_demo(model, ioi):
     close(by_hand("v", patch_head_vector, model.cfg.n_heads), every_head[3])
     close(by_hand("attn", patch_head_pattern, model.cfg.n_heads), every_head[4])
 
+    # circuitsvis on the top heads' patterns, and test_prompt, as the demo calls them
+    from circuitsvis.attention import attention_heads
+
+    top_heads = torch.topk(per_head_logit_diffs.flatten(), k=3).indices
+    patterns = torch.stack([cache["attn", int(h) // model.cfg.n_heads][0, int(h) % model.cfg.n_heads] for h in top_heads])
+    html = attention_heads(attention=patterns, tokens=model.to_str_tokens(tokens[0]),
+                           attention_head_names=[f"L{int(h) // model.cfg.n_heads}H{int(h) % model.cfg.n_heads}"
+                                                 for h in top_heads]).show_code()
+    assert "Michelle" in html
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        utils.test_prompt(prompts[0], answers[0][0], model, prepend_bos=True, prepend_space_to_answer=False)
+    logits = model(model.to_tokens(prompts[0], prepend_bos=True))[0, -1]
+    rank = int((logits > logits[model.to_single_token(answers[0][0])]).sum())
+    assert f"Rank: {rank} " in printed.getvalue()
+
     # Ablating the top head with a permanent hook that run_with_cache removes afterwards
     top = per_head_logit_diffs.flatten().argmax().item()
     top_layer, top_head = divmod(top, model.cfg.n_heads)
@@ -303,6 +322,57 @@ def test_attribution_patching_demo(model, ioi):
     residual_attr = einops.reduce(corrupted_grad_residual * (clean_residual - corrupted_residual),
                                   "component batch pos d_model -> component pos", "sum")
     assert residual_attr.shape == (len(residual_labels), clean_tokens.shape[1]) and torch.isfinite(residual_attr).all()
+    # layer outputs, head outputs, head vectors, patterns, head paths: the demo's functions as written
+    clean_layer_out, labels = clean_cache.decompose_resid(-1, return_labels=True)
+    layer_out_attr = einops.reduce(corrupted_grad_cache.decompose_resid(-1, return_labels=False)
+                                   * (clean_layer_out - corrupted_cache.decompose_resid(-1, return_labels=False)),
+                                   "component batch pos d_model -> component pos", "sum")
+    head_out_attr = einops.reduce(corrupted_grad_cache.stack_head_results(-1, return_labels=False)
+                                  * (clean_cache.stack_head_results(-1, return_labels=False)
+                                     - corrupted_cache.stack_head_results(-1, return_labels=False)),
+                                  "component batch pos d_model -> component pos", "sum")
+    # a layer's attention output is its heads' results plus b_O (the same in both runs): the attributions add up
+    attn_rows = [i for i, label in enumerate(labels) if label.endswith("attn_out")]
+    close(head_out_attr.reshape(model.cfg.n_layers, model.cfg.n_heads, -1).sum(1), layer_out_attr[attn_rows])
+
+    def stack_head_vector_from_cache(cache, activation_name):
+        stacked = torch.stack([cache[activation_name, l] for l in range(model.cfg.n_layers)], dim=0)
+        return einops.rearrange(stacked, "layer batch pos head_index d_head -> (layer head_index) batch pos d_head")
+
+    head_vector_attr = {}
+    for activation_name in ["k", "q", "v", "z"]:
+        head_vector_attr[activation_name] = einops.reduce(
+            stack_head_vector_from_cache(corrupted_grad_cache, activation_name)
+            * (stack_head_vector_from_cache(clean_cache, activation_name)
+               - stack_head_vector_from_cache(corrupted_cache, activation_name)),
+            "component batch pos d_head -> component pos", "sum")
+    close(head_vector_attr["z"], head_out_attr)  # result = z W_O is linear in z: the same first-order effect
+    stacked_pattern = lambda cache: einops.rearrange(
+        torch.stack([cache["pattern", l] for l in range(model.cfg.n_layers)], dim=0),
+        "layer batch head_index dest_pos src_pos -> (layer head_index) batch dest_pos src_pos")
+    head_pattern_attr = einops.reduce(stacked_pattern(corrupted_grad_cache)
+                                      * (stacked_pattern(clean_cache) - stacked_pattern(corrupted_cache)),
+                                      "component batch dest_pos src_pos -> component dest_pos src_pos", "sum")
+    assert torch.isfinite(head_pattern_attr).all()
+
+    def head_vector_grad_input(grad_cache, activation_name, layer):
+        W = {"q": model.blocks[layer].attn.W_Q, "k": model.blocks[layer].attn.W_K,
+             "v": model.blocks[layer].attn.W_V}[activation_name]
+        return einops.einsum(grad_cache[activation_name, layer], grad_cache["scale", layer, "ln1"].squeeze(-1), W,
+                             "batch pos head_index d_head, batch pos, head_index d_model d_head -> "
+                             "batch pos head_index d_model")
+
+    full_vector_grad_input = torch.stack([torch.stack([head_vector_grad_input(corrupted_grad_cache, name, l)
+                                                       for l in range(model.cfg.n_layers)]) for name in "qkv"])
+    diff_head_result = einops.rearrange(clean_cache.stack_head_results(-1) - corrupted_cache.stack_head_results(-1),
+                                        "(layer head_index) batch pos d_model -> layer batch pos head_index d_model",
+                                        layer=model.cfg.n_layers, head_index=model.cfg.n_heads)
+    path_attr = einops.einsum(full_vector_grad_input, diff_head_result,
+                              "qkv layer_end batch pos head_end d_model, layer_start batch pos head_start d_model -> "
+                              "qkv layer_end head_end layer_start head_start pos")
+    assert path_attr.shape == (3, model.cfg.n_layers, model.cfg.n_heads, model.cfg.n_layers, model.cfg.n_heads,
+                               clean_tokens.shape[1]) and torch.isfinite(path_attr).all()
+
     # the gradient is the derivative: a small step along (clean - corrupted) at the final stream changes the
     # metric by the attribution times the step
     step = 1e-3
