@@ -60,7 +60,7 @@ def _wrapped(hook: HookPoint) -> bool:
         return not hasattr(hook, "_hf_hook")
     try:
         return active()[0] is not None
-    except Exception:
+    except Exception:  # noqa: BLE001 (nnsight's internals changed: count the hook point as read)
         return True
 
 

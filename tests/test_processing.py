@@ -76,7 +76,7 @@ def test_attention_hooks_are_unchanged_by_folding(paths, name):
     # what the norms see: the scales are unchanged too (centring the writers leaves a centred stream as it is)
     _, scales = processed.run_with_cache(tokens, names_filter=lambda hook: hook.endswith("hook_scale"))
     _, raw_scales = raw.run_with_cache(tokens, names_filter=lambda hook: hook.endswith("hook_scale"))
-    for hook in raw_scales.keys():
+    for hook in raw_scales.keys():  # noqa: SIM118 (an ActivationCache)
         torch.testing.assert_close(scales[hook], raw_scales[hook], rtol=1e-4, atol=1e-5, msg=hook)
 
 

@@ -20,8 +20,12 @@ CONTEXT, BATCH_PROMPTS, STEPS = 32, 16, 300
 
 
 def train_sae(model, hook_name: str, d_in: int, texts: list[str], tmp_path):
-    from sae_lens import (LanguageModelSAERunnerConfig, LanguageModelSAETrainingRunner, LoggingConfig,
-                          StandardTrainingSAEConfig)
+    from sae_lens import (
+        LanguageModelSAERunnerConfig,
+        LanguageModelSAETrainingRunner,
+        LoggingConfig,
+        StandardTrainingSAEConfig,
+    )
 
     batch_tokens = CONTEXT * BATCH_PROMPTS
     cfg = LanguageModelSAERunnerConfig(

@@ -203,7 +203,7 @@ def test_exploratory_analysis_demo(model, ioi):
         return z
 
     model.blocks[top_layer].attn.hook_z.add_hook(ablate_top_head_hook)
-    ablated_logits, ablated_cache = model.run_with_cache(tokens)
+    ablated_logits, _ablated_cache = model.run_with_cache(tokens)
     close(ablated_logits, model.run_with_hooks(tokens, fwd_hooks=[(f"blocks.{top_layer}.attn.hook_z",
                                                                    ablate_top_head_hook)]))
     # TransformerLens 4 (HookedRootModule and TransformerBridge alike) removes only the hooks run_with_cache added
@@ -431,7 +431,8 @@ def test_main_demo(model):
     correct, incorrect = model.to_single_token(answers[0][0]), model.to_single_token(answers[0][1])
     logits_to_logit_diff = lambda logits: logits[0, -1, correct] - logits[0, -1, incorrect]
     clean_logits, clean_cache = model.run_with_cache(clean_tokens)
-    clean_logit_diff, corrupted_logit_diff = logits_to_logit_diff(clean_logits), logits_to_logit_diff(model(corrupted_tokens))
+    clean_logit_diff = logits_to_logit_diff(clean_logits)
+    corrupted_logit_diff = logits_to_logit_diff(model(corrupted_tokens))
 
     def residual_stream_patching_hook(resid_pre, hook, position):
         resid_pre[:, position, :] = clean_cache[hook.name][:, position, :]
@@ -477,7 +478,7 @@ def test_main_demo(model):
     raw = HookedDCFormer.from_pretrained(model_name(model))
     b_U = raw.ln_final.b @ raw.W_U
     close(model.unembed.b_U, b_U - b_U.mean())
-    bias_values, bias_indices = model.unembed.b_U.sort(descending=True)
+    _bias_values, bias_indices = model.unembed.b_U.sort(descending=True)
     assert isinstance(model.to_string(bias_indices[0]), str)
     assert model.to_str_tokens("Ruth owns a cat .") == ["Ruth", "owns", "a", "cat", "."]
     multi = model.to_tokens(["Ruth owns a cat .", "Ruth owns a cat . Ruth owns a dog ."])
