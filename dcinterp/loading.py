@@ -52,7 +52,8 @@ def load_pretrained(path_or_name, dtype=None, device=None, device_map=None, max_
     dtype = resolve_dtype(dtype)
     if model_type == "dcinterp":
         try:
-            cfg = DCFormerConfig.from_dict({k: v for k, v in raw.items() if k != "model_type"}, source=str(config_file))
+            values = {k: v for k, v in raw.items() if k not in ("model_type", "weight_processing")}
+            cfg = DCFormerConfig.from_dict(values, source=str(config_file))
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{config_file}: {e}") from None
         convert = convert_own
@@ -85,6 +86,7 @@ def load_pretrained(path_or_name, dtype=None, device=None, device_map=None, max_
         take.finish()
         placer.finish()
     model.tokenizer = load_tokenizer(directory)
+    model.weight_processing = dict(raw.get("weight_processing", {})) if model_type == "dcinterp" else {}
     if processing:  # in place, before accelerate's hooks: no second copy of the weights
         model.process_weights_(**processing)
     dispatch(model, device_map, offload_folder)
@@ -120,6 +122,10 @@ def save_pretrained(model: HookedDCFormer, directory) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.cfg.save(directory / "config.json")
+    if model.weight_processing:  # a processed model says so when it is loaded again (dcinterp.processing)
+        config = read_json(directory / "config.json")
+        (directory / "config.json").write_text(json.dumps({**config, "weight_processing": model.weight_processing},
+                                                          indent=2) + "\n")
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     save_safetensors(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
     if model.tokenizer is not None:

@@ -129,6 +129,9 @@ def test_a_processed_model_saves_and_loads(tmp_path):
     tokens = some_tokens(model)
     torch.testing.assert_close(again(tokens), model(tokens), rtol=0, atol=0)
     assert again.unembed._parameters["b_U"] is not None and again.blocks[0].attn.b_dyn_in is not None
+    assert again.weight_processing == model.weight_processing  # so Eq. 12 and Fig. 5 still refuse it
+    with pytest.raises(ValueError, match="reads the released weights"):
+        head_diversity(again)
 
 
 @pytest.mark.parametrize("name", ["dcpythia-synth", "pythia-synth", "dcformer-tiny"])
