@@ -111,16 +111,24 @@ class DCActivationCache(ActivationCache):
 
     def apply_ln_to_stack(self, residual_stack, layer=None, mlp_input=False, *args, **kwargs):
         stack = super().apply_ln_to_stack(residual_stack, layer, mlp_input, *args, **kwargs)
-        n_layers = self.model.cfg.n_layers
-        final = layer is None or layer == -1 or layer == n_layers
+        final = layer is None or layer == -1 or layer == self.model.cfg.n_layers
         if final and kwargs.get("recompute_ln", False):
             return stack  # the real ln_final, weight and bias applied (TransformerLens 4's logit-lens path)
-        if final:
-            norm = self.model.ln_final
-        else:
-            block = self.model.blocks[layer]
-            norm = block.ln2 if mlp_input else block.ln1
-        return stack * norm.w.to(stack.device)
+        return stack * self._norm(layer, mlp_input).w.to(stack.device)
+
+    def _stack_neuron_results_apply_ln_projected(self, layer, pos_slice, neuron_slice, project_2d, mlp_input=False):
+        """TransformerLens 4's shortcut for `stack_neuron_results(apply_ln=True, project_output_onto=p)`: the norm's
+        weight goes into the projection (LN(x) * w @ p = LN(x) @ (w * p))."""
+        weight = self._norm(layer, mlp_input).w.to(project_2d.device, project_2d.dtype)
+        return super()._stack_neuron_results_apply_ln_projected(layer, pos_slice, neuron_slice,
+                                                                project_2d * weight[:, None], mlp_input=mlp_input)
+
+    def _norm(self, layer, mlp_input: bool):
+        """The norm that reads the stream entering `layer` (its MLP with mlp_input; ln_final past the last block)."""
+        if layer is None or layer == -1 or layer == self.model.cfg.n_layers:
+            return self.model.ln_final
+        block = self.model.blocks[layer]
+        return block.ln2 if mlp_input else block.ln1
 
     def apply_slice_to_batch_dim(self, batch_slice):
         sliced = super().apply_slice_to_batch_dim(batch_slice)

@@ -164,6 +164,11 @@ def test_one_residual_story_adds_up_to_the_logits(paths, name, processed):
                                logits[..., 0], rtol=0, atol=1e-4)
     if hasattr(cache, "logit_lens"):  # TransformerLens 4
         torch.testing.assert_close(cache.logit_lens().values[-1], logits[:, -1], rtol=0, atol=1e-4)  # last position
+    # neurons through the final norm, projected on a token's direction: the shortcut path equals the plain one
+    direction = model.tokens_to_residual_directions(0)
+    plain = cache.stack_neuron_results(-1, apply_ln=True) @ direction
+    torch.testing.assert_close(cache.stack_neuron_results(-1, apply_ln=True, project_output_onto=direction), plain,
+                               rtol=0, atol=1e-5)
     if processed:  # the final norm is folded away: only its centring and scaling are left
         assert model.ln_final.w.eq(1).all() and (model.ln_final.b is None or not model.ln_final.b.any())
 
