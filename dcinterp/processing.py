@@ -116,12 +116,13 @@ class DCActivationCache(ActivationCache):
             return stack  # the real ln_final, weight and bias applied (TransformerLens 4's logit-lens path)
         return stack * self._norm(layer, mlp_input).w.to(stack.device)
 
-    def _stack_neuron_results_apply_ln_projected(self, layer, pos_slice, neuron_slice, project_2d, mlp_input=False):
-        """TransformerLens 4's shortcut for `stack_neuron_results(apply_ln=True, project_output_onto=p)`: the norm's
+    def _stack_neuron_results_apply_ln_projected(self, layer, pos_slice, neuron_slice, project_2d, *args, **kwargs):
+        """TransformerLens' shortcut for `stack_neuron_results(apply_ln=True, project_output_onto=p)`: the norm's
         weight goes into the projection (LN(x) * w @ p = LN(x) @ (w * p))."""
+        mlp_input = kwargs.get("mlp_input", args[0] if args else False)
         weight = self._norm(layer, mlp_input).w.to(project_2d.device, project_2d.dtype)
         return super()._stack_neuron_results_apply_ln_projected(layer, pos_slice, neuron_slice,
-                                                                project_2d * weight[:, None], mlp_input=mlp_input)
+                                                                project_2d * weight[:, None], *args, **kwargs)
 
     def _norm(self, layer, mlp_input: bool):
         """The norm that reads the stream entering `layer` (its MLP with mlp_input; ln_final past the last block)."""
