@@ -51,3 +51,19 @@ def test_nnsight_sets_a_branch_output_as_run_with_hooks(wrapped):
     # outside a trace the wrapped model computes the compose fused again, as with no hook
     assert not model.blocks[1].attn.post_compose.materialised()
     torch.testing.assert_close(model(tokens), model.run_with_hooks(tokens), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["blocks.0.attn.hook_attn_scores", "blocks.1.attn.pre_compose.hook_qw1",
+                                  "blocks.2.attn.pre_compose.hook_o_qg", "blocks.1.attn.hook_composed_pattern",
+                                  "blocks.2.mlp.hook_post"])
+def test_nnsight_sets_other_hook_points_as_run_with_hooks(wrapped, name):
+    model, nn_model, tokens = wrapped
+    expected = model.run_with_hooks(tokens, fwd_hooks=[(name, lambda x, hook: x * 0.5)])
+    with nn_model.trace(tokens):
+        point = envoy(nn_model, name)
+        point.output = point.output * 0.5
+        out = nn_model.output.save()
+    # inside a trace every compose branch runs materialised; run_with_hooks fuses the ones it does not hook: the
+    # summation order differs, so logits of size ~10 agree to float32 rounding
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    assert (out - model(tokens)).abs().max() > 1e-3
