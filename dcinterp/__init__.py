@@ -14,10 +14,11 @@ _LAZY = {
     "estimate_cache": ".memory",
     "CacheTooLarge": ".memory",
     "get_act_name": ".model",
+    "logit_offset": ".processing",
 }
 
 __all__ = ["DCFormerConfig", "HookedDCFormer", "CheckpointError", "embedded_models", "estimate_cache", "CacheTooLarge",
-           "get_act_name"]
+           "get_act_name", "logit_offset"]
 
 
 def __getattr__(name: str):

@@ -157,11 +157,11 @@ def target_value(
     final = model.ln_final(resid[rows, position][:, None])[:, 0]  # [batch, d_model]
     answer = torch.as_tensor(target, device=resid.device).expand(tokens.shape[0])
     if target_type == "logit":
-        return (final * model.W_U[:, answer].T).sum(-1).float()
+        return ((final * model.W_U[:, answer].T).sum(-1) + model.b_U[answer]).float()
     if target_type == "logprob":
-        return (final @ model.W_U).float().log_softmax(-1)[rows, answer]
+        return model.unembed(final).float().log_softmax(-1)[rows, answer]
     if target_type == "prob":
-        return (final @ model.W_U).float().softmax(-1)[rows, answer]
+        return model.unembed(final).float().softmax(-1)[rows, answer]
     raise ValueError(f"target_type must be one of {TARGET_TYPES}, not {target_type!r}")
 
 

@@ -42,6 +42,7 @@ from transformer_lens import FactoredMatrix
 
 from .checks import check_head, check_layer, word_token
 from .model import HookedDCFormer
+from .processing import require_raw_weights
 
 
 # --------------------------------------------------------------------------------------------------
@@ -87,6 +88,7 @@ def ov_logits(
     use_mlp: add the first MLP's output to the embedding (the paper's choice); final_norm: apply the final
     norm before unembedding. The OV product runs in float32; the unembedding in the model's dtype.
     """
+    require_raw_weights(model, "ov_logits (Eq. 12)")
     layer, head = check_layer(model, layer), check_head(model, head)
     tokens = input_ids(model, tokens).to(model.input_device)
     if not ((tokens >= 0) & (tokens < model.cfg.d_vocab)).all():
@@ -260,6 +262,7 @@ def head_diversity(
     QK and OV circuits (lower: more diverse heads). One layer's weights at a time, in `dtype`, on their device.
     The options are the conventions of the module docstring (defaults: the paper's reading, QK-norm folded in).
     """
+    require_raw_weights(model, "head_diversity (Fig. 5)")
     _check_choice("qk_norm", qk_norm, ("fold", "ignore"))
     layers = list(range(model.cfg.n_layers)) if layers is None else [check_layer(model, l, "layers") for l in layers]
     qk, ov = [], []

@@ -36,13 +36,14 @@ class CheckpointError(ValueError):
 # --------------------------------------------------------------------------------------------------
 # Entry points
 def load_pretrained(path_or_name, dtype=None, device=None, device_map=None, max_memory=None,
-                    offload_folder=None) -> HookedDCFormer:
+                    offload_folder=None, processing: dict | None = None) -> HookedDCFormer:
     """Build the model on the meta device, then stream the weights into it one tensor at a time.
 
     Each tensor is read from the memory-mapped checkpoint, converted once into `dtype` and copied straight to
     the device it will live on (`device`, or the one `device_map` gives its module): peak memory is the
     weights in their target dtype plus one tensor, and nothing stays mapped. With a `device_map` the model is
     dispatched with accelerate (blocks across GPUs, CPU or disk offload); the forward moves activations.
+    `processing`: `process_weights_` keywords, applied in place before dispatch (no second copy of the weights).
     """
     directory = resolve_checkpoint(path_or_name)
     config_file = directory / "config.json"
@@ -51,7 +52,8 @@ def load_pretrained(path_or_name, dtype=None, device=None, device_map=None, max_
     dtype = resolve_dtype(dtype)
     if model_type == "dcinterp":
         try:
-            cfg = DCFormerConfig.from_dict({k: v for k, v in raw.items() if k != "model_type"}, source=str(config_file))
+            values = {k: v for k, v in raw.items() if k not in ("model_type", "weight_processing")}
+            cfg = DCFormerConfig.from_dict(values, source=str(config_file))
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{config_file}: {e}") from None
         convert = convert_own
@@ -76,14 +78,36 @@ def load_pretrained(path_or_name, dtype=None, device=None, device_map=None, max_
 
     with CheckpointFiles(directory) as files:
         take = _Taker(files)
+        if model_type == "dcinterp":
+            add_folded_biases(model, files)
         placer = _Placer(model, dtype, device_map, offload_folder, directory)
         for key, value in _reshape_errors_named(convert(take, cfg), take, files):
             placer.put(key, value, files.origin(take.last))
         take.finish()
         placer.finish()
     model.tokenizer = load_tokenizer(directory)
+    model.weight_processing = dict(raw.get("weight_processing", {})) if model_type == "dcinterp" else {}
+    if processing:  # in place, before accelerate's hooks: no second copy of the weights
+        model.process_weights_(**processing)
     dispatch(model, device_map, offload_folder)
     return model.eval().requires_grad_(False)  # inference: no autograd graph over the weights
+
+
+def add_folded_biases(model: HookedDCFormer, files: "CheckpointFiles") -> None:
+    """A saved processed model has biases a released one lacks (`unembed.b_U`, `attn.b_dyn_in`, ...): make room."""
+    expected = dict(model.named_parameters())
+    for key in files.keys():
+        module_name, _, name = key.rpartition(".")
+        if key in expected or LEGACY_KEYS.get(key) or not name.startswith("b_"):
+            continue
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
+            continue  # the placer names it as unexpected
+        if getattr(module, name, None) is None or name in module._parameters and module._parameters[name] is None:
+            module.__dict__.pop(name, None)
+            shape = files.get(key).shape
+            module.register_parameter(name, nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False))
 
 
 def _reshape_errors_named(converted, take: "_Taker", files: "CheckpointFiles"):
@@ -98,6 +122,10 @@ def save_pretrained(model: HookedDCFormer, directory) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.cfg.save(directory / "config.json")
+    if model.weight_processing:  # a processed model says so when it is loaded again (dcinterp.processing)
+        config = read_json(directory / "config.json")
+        (directory / "config.json").write_text(json.dumps({**config, "weight_processing": model.weight_processing},
+                                                          indent=2) + "\n")
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     save_safetensors(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
     if model.tokenizer is not None:

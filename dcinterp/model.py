@@ -22,6 +22,7 @@ window), as TransformerLens does. docs/hooks.md maps every hook to the paper's e
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Literal
 
 import torch
@@ -29,10 +30,11 @@ import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 from tqdm.auto import tqdm
-from transformer_lens import ActivationCache, HookedRootModule
+from transformer_lens import HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
 from .config import DCFormerConfig
+from .processing import PROCESSING_OPTIONS, DCActivationCache
 
 # The hooks TransformerLens' get_act_name does not know: in blocks.{layer}.attn, and in its compose stages.
 DCMHA_ACT_NAMES = ("composed_scores", "composed_pattern")
@@ -42,7 +44,24 @@ BRANCH_DYN_INDEX = {"pre": (0, 1), "post": (2, 3)}  # dynamic-weight branches c:
 
 
 def _hooked(hook: HookPoint) -> bool:
-    return bool(hook.fwd_hooks or hook.bwd_hooks or hook._forward_hooks or hook._backward_hooks)
+    """Whether anything reads or sets the hook point: a TransformerLens or torch hook, or a wrapped forward."""
+    return bool(hook.fwd_hooks or hook.bwd_hooks or hook._forward_hooks or hook._backward_hooks) or _wrapped(hook)
+
+
+def _wrapped(hook: HookPoint) -> bool:
+    """nnsight reads and sets a module's output by replacing its `forward`; it intervenes only while one of its
+    traces is active, so outside them the fused compose path stays. accelerate's device hooks (`_hf_hook`) only move
+    tensors; any other replaced forward counts as a reader."""
+    forward = hook.__dict__.get("forward")
+    if forward is None:
+        return False
+    active = getattr(getattr(forward, "state", None), "active", None)
+    if active is None:
+        return not hasattr(hook, "_hf_hook")
+    try:
+        return active()[0] is not None
+    except Exception:  # noqa: BLE001 (nnsight's internals changed: count the hook point as read)
+        return True
 
 
 class Norm(nn.Module):
@@ -214,6 +233,9 @@ class Attention(nn.Module):
             self.W_dyn_in = nn.Parameter(torch.empty(D, 4, K))
             self.W_dyn_out = nn.Parameter(torch.empty(4, K, 2 * R, H))
             self.W_dyn_gate = nn.Parameter(torch.empty(D, 4, H))
+            # Biases only a folded LayerNorm gives them (dcinterp.processing): None in the released models.
+            self.register_parameter("b_dyn_in", None)  # [4, K]
+            self.register_parameter("b_dyn_gate", None)  # [4, H]
             self.pre_compose = Compose(cfg) if "pre" in cfg.compose_stages else None
             self.post_compose = Compose(cfg) if "post" in cfg.compose_stages else None
             self.hook_composed_scores = HookPoint()  # [batch, head, query, key], after pre-compose, masked
@@ -237,11 +259,13 @@ class Attention(nn.Module):
     def dynamic_weights(self, x: Float[Tensor, "b p d"]) -> dict[str, tuple[Tensor, ...]]:
         """Per stage: (qw1, qw2, kw1, kw2 [b, p, rank, head], qg, kg [b, p, head]), computed from x."""
         R = self.cfg.dcmha_rank
-        hidden = F.gelu(torch.einsum("bpd,dck->bpck", x, self.W_dyn_in))
+        hidden = torch.einsum("bpd,dck->bpck", x, self.W_dyn_in)
+        hidden = F.gelu(hidden + self.b_dyn_in if self.b_dyn_in is not None else hidden)
         w = torch.einsum("bpck,ckrh->bpcrh", hidden, self.W_dyn_out)
         w1, w2 = w[:, :, :, :R], w[:, :, :, R:]
         w1 = w1 * torch.rsqrt(w1.pow(2).mean(-1, keepdim=True) + 1e-6)  # RMSNorm without scale over heads
-        gates = torch.tanh(torch.einsum("bpd,dch->bpch", x, self.W_dyn_gate))
+        gates = torch.einsum("bpd,dch->bpch", x, self.W_dyn_gate)
+        gates = torch.tanh(gates + self.b_dyn_gate if self.b_dyn_gate is not None else gates)
         weights = {}
         for stage, (cq, ck) in BRANCH_DYN_INDEX.items():
             weights[stage] = (w1[:, :, cq], w2[:, :, cq], w1[:, :, ck], w2[:, :, ck], gates[:, :, cq], gates[:, :, ck])
@@ -388,14 +412,26 @@ class Embed(nn.Module):
 
 
 class Unembed(nn.Module):
-    """Unembedding (no bias in DCFormer or Pythia), as TransformerLens' `Unembed` (`model.unembed.W_U`)."""
+    """Unembedding, as TransformerLens' `Unembed` (`model.unembed.W_U`, `model.unembed.b_U`).
+
+    DCFormer and Pythia have no unembedding bias: `b_U` reads as zeros until weight processing folds the final
+    LayerNorm's bias into it (then it is a parameter, and the forward adds it)."""
 
     def __init__(self, cfg: DCFormerConfig):
         super().__init__()
         self.W_U = nn.Parameter(torch.empty(cfg.d_model, cfg.d_vocab))
+        self.register_parameter("b_U", None)
+
+    def __getattr__(self, name: str):
+        value = super().__getattr__(name)
+        if name == "b_U" and value is None:
+            return self.W_U.new_zeros(self.W_U.shape[1])
+        return value
 
     def forward(self, resid: Float[Tensor, "b p d"]) -> Float[Tensor, "b p v"]:
-        return resid @ self.W_U
+        logits = resid @ self.W_U
+        bias = self._parameters["b_U"]
+        return logits + bias if bias is not None else logits
 
 
 def visible_keys(n: int, window: int | None, device, semantics: str = "training") -> Bool[Tensor, "t s"]:
@@ -431,6 +467,9 @@ class HookedDCFormer(HookedRootModule):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.cache_memory_fraction: float | None = 0.5  # run_with_cache's guard (see dcinterp.memory)
+        self.weight_processing: dict[str, bool] = {}  # what process_weights_ did (dcinterp.processing)
+        self.use_activation_grads = False  # set_use_activation_grads: the forward starts an autograd graph
+        self.allow_unknown_tokens = False  # to_tokens: unknown words raise (True: one warning line)
         self.embed = Embed(cfg)
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
         self.blocks = nn.ModuleList(TransformerBlock(cfg, layer) for layer in range(cfg.n_layers))
@@ -439,6 +478,14 @@ class HookedDCFormer(HookedRootModule):
         if init:
             self.init_weights()
         self.setup()
+
+    def setup(self) -> None:
+        """TransformerLens' setup, plus TransformerBridge's block aliases `blocks.{l}.hook_in` (= hook_resid_pre) and
+        `hook_out` (= hook_resid_post) for hooks by name (what `get_act_name("in", l)` gives); caches use the real names."""
+        super().setup()
+        for layer, block in enumerate(self.blocks):
+            self.mod_dict[f"blocks.{layer}.hook_in"] = block.hook_resid_pre
+            self.mod_dict[f"blocks.{layer}.hook_out"] = block.hook_resid_post
 
     # ----------------------------------------------------------------------------------------------
     # Forward
@@ -460,9 +507,9 @@ class HookedDCFormer(HookedRootModule):
         if start_at_layer is None:
             tokens = self.to_tokens(input, prepend_bos=prepend_bos) if isinstance(input, (str, list)) else input
             tokens = tokens.to(self.input_device)
-            resid = self.hook_embed(self.embed(tokens))
+            resid = self.hook_embed(self._graph_start(self.embed(tokens)))
         else:
-            resid = input.to(self.input_device)
+            resid = self._graph_start(input.to(self.input_device))
         n = resid.shape[1]
         masks = {}
         for block in self.blocks[start_at_layer:stop_at_layer]:
@@ -484,6 +531,22 @@ class HookedDCFormer(HookedRootModule):
             return logits, loss
         return None
 
+    def _graph_start(self, resid: Tensor) -> Tensor:
+        """With frozen weights nothing needs a graph, so the forward keeps none, unless a backward hook is attached
+        or `set_use_activation_grads(True)`: then the stream starts one, and activation gradients flow."""
+        if resid.requires_grad or not torch.is_grad_enabled():
+            return resid
+        if self.use_activation_grads or any(hook.bwd_hooks for hook in self.hook_dict.values()):
+            return resid.detach().requires_grad_(True)
+        return resid
+
+    def set_use_activation_grads(self, use_activation_grads: bool) -> None:
+        """Let `model(tokens)[...].backward()` reach the activations (and backward hooks) with frozen weights.
+
+        Attaching a backward hook (`add_hook(name, fn, "bwd")`, `run_with_cache(incl_bwd=True)`) does it by
+        itself; the weights stay frozen and get no gradient. The gradients equal an unfrozen model's."""
+        self.use_activation_grads = use_activation_grads
+
     def run_with_cache(self, *args, return_cache_object: bool = True, remove_batch_dim: bool = False,
                        allow_large_cache: bool = False, **kwargs):
         """As `HookedRootModule.run_with_cache`, returning a TransformerLens `ActivationCache`.
@@ -500,8 +563,14 @@ class HookedDCFormer(HookedRootModule):
             check_cache_fits(self, estimate, self.cache_memory_fraction)
         out, cache = super().run_with_cache(*args, remove_batch_dim=remove_batch_dim, **kwargs)
         if return_cache_object:
-            cache = ActivationCache(cache, self, has_batch_dim=not remove_batch_dim)
+            cache = DCActivationCache(cache, self, has_batch_dim=not remove_batch_dim)
         return out, cache
+
+    def loss_fn(self, logits: Float[Tensor, "b p v"], tokens: Int[Tensor, "b p"],
+                attention_mask: Int[Tensor, "b p"] | None = None, per_token: bool = False) -> Tensor:
+        """Next-token cross-entropy, as TransformerLens' `loss_fn` (positions where a token or the next one is
+        masked out are left out of the mean, and 0 per token)."""
+        return lm_cross_entropy(logits, tokens.to(logits.device), per_token, attention_mask)
 
     def set_use_attn_result(self, use_attn_result: bool) -> None:
         """Compute `blocks.{l}.attn.hook_result` (per-head outputs in the residual basis) or not."""
@@ -562,6 +631,10 @@ class HookedDCFormer(HookedRootModule):
         device = self.embed.W_E.device
         return torch.device(self.cfg.device) if device.type == "meta" and self.cfg.device else device
 
+    def tl_named_parameters(self):
+        """TransformerBridge's name for the parameters under TransformerLens names (what ours already are)."""
+        return self.named_parameters()
+
     @property
     def W_E(self) -> Float[Tensor, "d_vocab d_model"]:
         return self.embed.W_E
@@ -572,8 +645,8 @@ class HookedDCFormer(HookedRootModule):
 
     @property
     def b_U(self) -> Float[Tensor, "d_vocab"]:
-        """Zeros: neither DCFormer nor Pythia has an unembedding bias (TransformerLens code reads one)."""
-        return self.W_U.new_zeros(self.cfg.d_vocab)
+        """`unembed.b_U`: zeros (neither DCFormer nor Pythia has one) until `fold_ln` folds the final norm's bias."""
+        return self.unembed.b_U
 
     def _stack(self, name: str, part: str = "attn") -> Tensor:
         """One weight of every block's `attn` or `mlp`, stacked [layer, ...]; a bias the model lacks as zeros."""
@@ -670,16 +743,18 @@ class HookedDCFormer(HookedRootModule):
         return FactoredMatrix(self.W_V, self.W_O)
 
     def tokens_to_residual_directions(self, tokens) -> Tensor:
-        """Residual directions whose dot product with the normalised final residual gives each token's logit.
+        """The columns of `W_U` for the tokens, as TransformerLens: [*tokens.shape, d_model].
 
-        The final norm's weight is folded in, so `ActivationCache.logit_attrs` attributes logits exactly.
+        Dotted with `cache.apply_ln_to_stack(...)` (the final norm applied with its weight, see
+        `dcinterp.processing.DCActivationCache`) they give each component's share of the logit; the shares add
+        up to the logit less `dcinterp.logit_offset(model)` (the final norm's bias through `W_U`, plus `b_U`).
         """
         if isinstance(tokens, str):
             tokens = self.to_single_token(tokens)
         if isinstance(tokens, int):
             tokens = torch.tensor(tokens)
-        directions = (self.ln_final.w[:, None] * self.W_U)[:, tokens.to(self.W_U.device)]
-        return directions.movedim(0, -1)
+        tokens = torch.as_tensor(tokens)
+        return self.W_U[:, tokens.to(self.W_U.device)].movedim(0, -1)
 
     # ----------------------------------------------------------------------------------------------
     # Tokenizer helpers (TransformerLens names)
@@ -689,15 +764,29 @@ class HookedDCFormer(HookedRootModule):
         return self.tokenizer
 
     def to_tokens(
-        self, input: str | list[str], prepend_bos: bool | None = None, padding_side: Literal["left", "right"] | None = None
+        self,
+        input: str | list[str],
+        prepend_bos: bool | None = None,
+        padding_side: Literal["left", "right"] | None = None,
+        move_to_device: bool = True,
+        truncate: bool = True,
+        allow_unknown: bool | None = None,
     ) -> Int[Tensor, "b p"]:
-        """Token ids [batch, pos], padded on the right (or `padding_side="left"`).
+        """Token ids [batch, pos], as TransformerLens: padded on the right (or `padding_side="left"`), cut to
+        `cfg.n_ctx` tokens (`truncate`), on the model's input device (`move_to_device`).
 
-        BOS only where the tokenizer adds it itself, unless prepend_bos."""
+        BOS only where the tokenizer adds it itself, unless prepend_bos. Words the tokenizer does not know raise a
+        ValueError naming them (never a silent [UNK]); `allow_unknown=True` (or `model.allow_unknown_tokens = True`,
+        for code that calls to_tokens for you) turns it into one warning line."""
         tokenizer = self._need_tokenizer()
         texts = [input] if isinstance(input, str) else list(input)
         prepend_bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
-        ids = [tokenizer(t)["input_ids"] for t in texts]
+        check_unknown = _has_unknown_token(tokenizer)
+        encodings = [tokenizer(t, return_offsets_mapping=check_unknown) for t in texts]
+        ids = [e["input_ids"] for e in encodings]
+        if check_unknown:
+            allow_unknown = self.allow_unknown_tokens if allow_unknown is None else allow_unknown
+            _report_unknown(texts, encodings, tokenizer, allow_unknown)
         if prepend_bos:
             bos = tokenizer.bos_token_id
             ids = [i if i[:1] == [bos] else [bos, *i] for i in ids]
@@ -707,7 +796,10 @@ class HookedDCFormer(HookedRootModule):
             ids = [[pad] * (width - len(i)) + i for i in ids]
         else:
             ids = [i + [pad] * (width - len(i)) for i in ids]
-        return torch.tensor(ids, device=self.input_device)
+        tokens = torch.tensor(ids)
+        if truncate:
+            tokens = tokens[:, : self.cfg.n_ctx]
+        return tokens.to(self.input_device) if move_to_device else tokens
 
     def to_string(self, tokens) -> str | list[str]:
         tokenizer = self._need_tokenizer()
@@ -737,6 +829,23 @@ class HookedDCFormer(HookedRootModule):
                 return [self.to_str_tokens(row) for row in ids]
             ids = ids.reshape(-1)
         return [tokenizer.decode([i]) for i in ids.tolist()]
+
+    def get_token_position(self, single_token: str | int | Tensor, input: str | Tensor, mode: str = "first",
+                           prepend_bos: bool | None = None, padding_side: Literal["left", "right"] | None = None) -> int:
+        """Position of a token in a string or a [pos] / [1, pos] token tensor ("first" or "last" occurrence)."""
+        tokens = self.to_tokens(input, prepend_bos, padding_side) if isinstance(input, str) else torch.as_tensor(input)
+        if tokens.ndim == 2:
+            if tokens.shape[0] != 1:
+                raise ValueError(f"get_token_position: tokens of shape {tuple(tokens.shape)}; pass [pos] or [1, pos]")
+            tokens = tokens[0]
+        if mode not in ("first", "last"):
+            raise ValueError(f"get_token_position: mode must be 'first' or 'last', not {mode!r}")
+        if isinstance(single_token, str):
+            single_token = self.to_single_token(single_token)
+        positions = (tokens == int(single_token)).nonzero()[:, 0]
+        if not len(positions):
+            raise ValueError(f"get_token_position: token {int(single_token)} does not occur in the input")
+        return int(positions[0] if mode == "first" else positions[-1])
 
     def to_single_token(self, string: str) -> int:
         ids = self.to_tokens(string)[0]
@@ -812,8 +921,15 @@ class HookedDCFormer(HookedRootModule):
     # Loading and saving (see dcinterp.loading)
     @classmethod
     def from_pretrained(cls, path_or_name, dtype=None, device=None, device_map=None, max_memory=None,
-                        offload_folder=None) -> "HookedDCFormer":
+                        offload_folder=None, fold_ln: bool = False, center_writing_weights: bool = False,
+                        center_unembed: bool = False, fold_value_biases: bool = False,
+                        refactor_factored_attn_matrices: bool = False) -> "HookedDCFormer":
         """Load a local checkpoint directory (DCPythia, DCFormer, GPT-NeoX/Pythia, dcinterp) or an embedded model.
+
+        The weights come as released (the paper's Eq. 12 reads the raw norms), as TransformerLens 4's
+        `TransformerBridge`; TransformerLens' processing is one argument away: `fold_ln=True,
+        center_writing_weights=True, center_unembed=True` (and `fold_value_biases=True`), done in place before
+        dispatch (`dcinterp.processing`, docs/weight-processing.md).
 
         The weights stream from the (memory-mapped) files straight into `dtype` on `device`, or across devices
         with `device_map` ("auto", "balanced", "sequential" or {module name: device}, with `max_memory` as in
@@ -822,8 +938,28 @@ class HookedDCFormer(HookedRootModule):
         """
         from .loading import load_pretrained
 
+        processing = dict(fold_ln=fold_ln, center_writing_weights=center_writing_weights, center_unembed=center_unembed,
+                          fold_value_biases=fold_value_biases,
+                          refactor_factored_attn_matrices=refactor_factored_attn_matrices)
         return load_pretrained(path_or_name, dtype=dtype, device=device, device_map=device_map,
-                               max_memory=max_memory, offload_folder=offload_folder)
+                               max_memory=max_memory, offload_folder=offload_folder,
+                               processing=processing if any(processing.values()) else None)
+
+    @classmethod
+    def from_pretrained_no_processing(cls, path_or_name, **kwargs) -> "HookedDCFormer":
+        """TransformerLens' name for a load with the weights as released (what `from_pretrained` gives by default)."""
+        for option in PROCESSING_OPTIONS:
+            kwargs[option] = False
+        return cls.from_pretrained(path_or_name, **kwargs)
+
+    def process_weights_(self, fold_ln: bool = True, center_writing_weights: bool = True, center_unembed: bool = True,
+                         fold_value_biases: bool = True, refactor_factored_attn_matrices: bool = False):
+        """TransformerLens' weight processing, in place (`dcinterp.processing.process_weights_`); returns the model."""
+        from .processing import process_weights_
+
+        return process_weights_(self, fold_ln=fold_ln, center_writing_weights=center_writing_weights,
+                                center_unembed=center_unembed, fold_value_biases=fold_value_biases,
+                                refactor_factored_attn_matrices=refactor_factored_attn_matrices)
 
     def save_pretrained(self, directory) -> None:
         """Write `config.json`, `model.safetensors` and the tokenizer (if any) to a directory."""
@@ -832,11 +968,39 @@ class HookedDCFormer(HookedRootModule):
         save_pretrained(self, directory)
 
 
-def lm_cross_entropy(logits: Float[Tensor, "b p v"], tokens: Int[Tensor, "b p"], per_token: bool = False) -> Tensor:
-    """Next-token cross-entropy; per token [batch, pos-1] or the mean."""
+def lm_cross_entropy(logits: Float[Tensor, "b p v"], tokens: Int[Tensor, "b p"], per_token: bool = False,
+                     attention_mask: Int[Tensor, "b p"] | None = None) -> Tensor:
+    """Next-token cross-entropy; per token [batch, pos-1] or the mean (over unmasked pairs, as TransformerLens)."""
     logprobs = logits[:, :-1].float().log_softmax(-1)
     loss = -logprobs.gather(-1, tokens[:, 1:, None])[..., 0]
-    return loss if per_token else loss.mean()
+    if attention_mask is None:
+        return loss if per_token else loss.mean()
+    mask = attention_mask.to(loss.device).bool()
+    kept = mask[:, :-1] & mask[:, 1:]
+    loss = loss.masked_fill(~kept, 0.0)
+    return loss if per_token else loss.sum() / kept.sum()
+
+
+def _has_unknown_token(tokenizer) -> bool:
+    """Whether unknown text can become an unknown token: a word-level vocabulary with its own [UNK] (byte-level BPE
+    tokenizers such as Pythia's name <|endoftext|> as unk, bos and eos, and never produce it for unknown text)."""
+    unk = tokenizer.unk_token_id
+    return (unk is not None and unk not in (tokenizer.bos_token_id, tokenizer.eos_token_id)
+            and getattr(tokenizer, "is_fast", False))
+
+
+def _report_unknown(texts: list[str], encodings, tokenizer, allow_unknown: bool) -> None:
+    """The words the tokenizer maps to its unknown token: a ValueError naming them, or one warning line."""
+    unk = tokenizer.unk_token_id
+    words = sorted({text[a:b] for text, e in zip(texts, encodings)
+                    for tid, (a, b) in zip(e["input_ids"], e["offset_mapping"]) if tid == unk})
+    if not words:
+        return
+    listed = ", ".join(repr(w) for w in words[:10]) + (f" and {len(words) - 10} more" if len(words) > 10 else "")
+    message = f"to_tokens: not in the tokenizer's vocabulary (they become {tokenizer.unk_token}): {listed}"
+    if not allow_unknown:
+        raise ValueError(message + "; pass allow_unknown=True to go on with a warning")
+    warnings.warn(message, stacklevel=3)
 
 
 def get_act_name(name: str, layer: int | None = None, layer_type: str | None = None) -> str:

@@ -239,7 +239,8 @@ class LogitDiff:
         final = model.ln_final(resid[rows, position][:, None])[:, 0]
         W_U = model.W_U
         direction = W_U[:, self.clean_answer.to(W_U.device)] - W_U[:, self.corrupt_answer.to(W_U.device)]
-        return torch.einsum("bd,db->b", final, direction).float()
+        bias = model.b_U[self.clean_answer.to(W_U.device)] - model.b_U[self.corrupt_answer.to(W_U.device)]
+        return (torch.einsum("bd,db->b", final, direction) + bias).float()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,118 @@
+"""The rest of the TransformerLens model API on HookedDCFormer: loss_fn, get_token_position, to_tokens' keywords,
+unknown words, unembed.b_U, and activation gradients with frozen weights."""
+
+import warnings
+
+import pytest
+import torch
+from transformer_lens.utilities import lm_cross_entropy_loss
+
+from dcinterp import HookedDCFormer
+
+PROMPT = "Michelle has a burger . Michelle owns a kind of"
+
+
+@pytest.fixture(scope="module")
+def model() -> HookedDCFormer:
+    return HookedDCFormer.from_pretrained("dcpythia-synth")
+
+
+def test_loss_fn_is_transformer_lens_cross_entropy(model):
+    tokens = model.to_tokens([PROMPT, "Ruth owns a cat ."], padding_side="right")
+    logits = model(tokens)
+    torch.testing.assert_close(model.loss_fn(logits, tokens), lm_cross_entropy_loss(logits, tokens))
+    torch.testing.assert_close(model.loss_fn(logits, tokens), model(tokens, return_type="loss"))
+    mask = (tokens != model.tokenizer.pad_token_id).long()
+    torch.testing.assert_close(model.loss_fn(logits, tokens, attention_mask=mask),
+                               lm_cross_entropy_loss(logits, tokens, attention_mask=mask))
+    per_token = model.loss_fn(logits, tokens, attention_mask=mask, per_token=True)
+    assert per_token.shape == (2, tokens.shape[1] - 1) and not per_token[1, 5:].any()
+
+
+def test_get_token_position(model):
+    text = "Michelle has a burger . Michelle owns a kind of"
+    assert model.get_token_position("Michelle", text) == 0
+    assert model.get_token_position("Michelle", text, mode="last") == 5
+    assert model.get_token_position("Michelle", text, prepend_bos=True) == 1
+    tokens = model.to_tokens(text)
+    assert model.get_token_position(model.to_single_token("burger"), tokens) == 3
+    assert model.get_token_position("of", tokens[0], mode="last") == tokens.shape[1] - 1
+    with pytest.raises(ValueError, match="does not occur"):
+        model.get_token_position("cat", text)
+
+
+def test_to_tokens_keywords(model):
+    tokens = model.to_tokens(["a cat", "Ruth owns a cat"], padding_side="left", prepend_bos=True)
+    pad, bos = model.tokenizer.pad_token_id, model.tokenizer.bos_token_id
+    assert tokens[0, :2].tolist() == [pad, pad] and tokens[0, 2] == bos and tokens[1, 0] == bos
+    long_text = " ".join(["cat"] * (model.cfg.n_ctx + 10))
+    assert model.to_tokens(long_text).shape == (1, model.cfg.n_ctx)  # truncate=True, as TransformerLens
+    assert model.to_tokens(long_text, truncate=False).shape == (1, model.cfg.n_ctx + 10)
+    assert model.to_tokens("a cat", move_to_device=False).device == torch.device("cpu")
+    assert model.unembed.b_U.shape == (model.cfg.d_vocab,) and not model.unembed.b_U.any()
+    assert [name for name, _ in model.tl_named_parameters()] == [name for name, _ in model.named_parameters()]
+
+
+def test_unknown_words_are_named_never_silent(model):
+    with pytest.raises(ValueError, match=r"to_tokens: not in the tokenizer's vocabulary .*'Zorblax', 'quux'.*allow_unknown"):
+        model.to_tokens("Ruth owns a Zorblax . a quux")
+    with pytest.warns(UserWarning, match=r"to_tokens: not in the tokenizer's vocabulary \(they become \[UNK\]\): 'Zorblax'"):
+        tokens = model.to_tokens("Ruth owns a Zorblax", allow_unknown=True)
+    assert tokens[0, -1] == model.tokenizer.unk_token_id
+    model.allow_unknown_tokens = True  # for code that tokenizes for you (SAELens, test_prompt)
+    try:
+        with pytest.warns(UserWarning, match="'Zorblax'"):
+            model("Ruth owns a Zorblax")
+    finally:
+        model.allow_unknown_tokens = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.to_tokens(PROMPT)  # known words: nothing said
+
+
+# --------------------------------------------------------------------------------------------------
+# Activation gradients with frozen weights
+def metric(logits):
+    return logits[:, -1, 7].sum() - logits[:, -1, 3].sum()
+
+
+def grads_through_hooks(model, tokens, names):
+    grads = {}
+    model.reset_hooks()
+    for name in names:
+        model.add_hook(name, lambda g, hook: grads.__setitem__(hook.name, g.detach().clone()), "bwd")
+    metric(model(tokens)).backward()
+    model.reset_hooks()
+    return grads
+
+
+def test_activation_gradients_with_frozen_weights(model):
+    tokens = model.to_tokens([PROMPT, "Ruth has a cat . Ruth owns a kind of"])
+    assert not any(p.requires_grad for p in model.parameters())
+    assert not model(tokens).requires_grad  # a plain forward keeps no graph
+    names = ["hook_embed", "blocks.1.hook_resid_pre", "blocks.2.attn.hook_z", "blocks.1.attn.hook_composed_pattern",
+             "blocks.1.attn.post_compose.hook_o_kp", "blocks.0.attn.pre_compose.hook_qw1", "ln_final.hook_scale"]
+    frozen = grads_through_hooks(model, tokens, names)
+    assert set(frozen) == set(names) and not any(p.grad is not None for p in model.parameters())
+    unfrozen_model = HookedDCFormer.from_pretrained("dcpythia-synth").requires_grad_(True)
+    unfrozen = grads_through_hooks(unfrozen_model, tokens, names)
+    for name in names:
+        torch.testing.assert_close(frozen[name], unfrozen[name], rtol=1e-5, atol=1e-6, msg=name)
+        assert frozen[name].abs().sum() > 0, name
+    # run_with_cache(incl_bwd=True) as TransformerLens: the gradients of the loss land in the cache
+    _, cache = model.run_with_cache(tokens, return_type="loss", incl_bwd=True,
+                                    names_filter=lambda name: name.endswith("hook_z"))
+    assert cache["blocks.2.attn.hook_z_grad"].abs().sum() > 0
+    assert not model(tokens).requires_grad  # the hooks are gone: no graph again
+    # one documented call, for a backward with no hook attached
+    model.set_use_activation_grads(True)
+    try:
+        model(tokens)[0, -1, 7].backward()  # what failed with "element 0 of tensors does not require grad"
+        out = model(tokens)
+        assert out.requires_grad and not any(p.requires_grad for p in model.parameters())
+    finally:
+        model.set_use_activation_grads(False)
+    with torch.no_grad():
+        model.add_hook("hook_embed", lambda g, hook: None, "bwd")
+        assert not model(tokens).requires_grad  # no_grad wins
+        model.reset_hooks()
