@@ -797,7 +797,9 @@ class HookedDCFormer(HookedRootModule):
         else:
             ids = [i + [pad] * (width - len(i)) for i in ids]
         tokens = torch.tensor(ids)
-        if truncate:
+        if truncate and tokens.shape[1] > self.cfg.n_ctx:
+            warnings.warn(f"to_tokens: {tokens.shape[1]} tokens cut to the model's n_ctx = {self.cfg.n_ctx} "
+                          "(truncate=False keeps them all)", stacklevel=2)
             tokens = tokens[:, : self.cfg.n_ctx]
         return tokens.to(self.input_device) if move_to_device else tokens
 

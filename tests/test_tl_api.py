@@ -46,7 +46,8 @@ def test_to_tokens_keywords(model):
     pad, bos = model.tokenizer.pad_token_id, model.tokenizer.bos_token_id
     assert tokens[0, :2].tolist() == [pad, pad] and tokens[0, 2] == bos and tokens[1, 0] == bos
     long_text = " ".join(["cat"] * (model.cfg.n_ctx + 10))
-    assert model.to_tokens(long_text).shape == (1, model.cfg.n_ctx)  # truncate=True, as TransformerLens
+    with pytest.warns(UserWarning, match=f"cut to the model's n_ctx = {model.cfg.n_ctx}"):
+        assert model.to_tokens(long_text).shape == (1, model.cfg.n_ctx)  # truncate=True, as TransformerLens
     assert model.to_tokens(long_text, truncate=False).shape == (1, model.cfg.n_ctx + 10)
     assert model.to_tokens("a cat", move_to_device=False).device == torch.device("cpu")
     assert model.unembed.b_U.shape == (model.cfg.d_vocab,) and not model.unembed.b_U.any()
