@@ -34,7 +34,7 @@ from captum.attr import IntegratedGradients
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .checks import check_head, check_layer, check_position, check_token_ids, word_token
+from .checks import check_finite, check_head, check_layer, check_position, check_token_ids, word_token
 from .model import HookedDCFormer
 
 TargetFn = Callable[[Tensor, Tensor], Tensor]  # (logits [N, pos, vocab], tokens [N, pos]) -> [N]
@@ -124,11 +124,13 @@ def gate_hooks(alpha: Float[Tensor, "batch layer head"], baseline: Tensor | None
 
     def make_hook(layer: int):
         def hook(z: Float[Tensor, "batch pos head d_head"], hook) -> Tensor:
-            gate = alpha[:, layer, None, :, None].to(z.dtype)
+            # In float32 whatever the model's dtype: a bfloat16 gate would round the quadrature's points
+            # (alpha = 0.0199 has 3 significant digits) and its gradient sum(dz * (z - base)).
+            gate = alpha[:, layer, None, :, None].float()
             if baseline is None:
-                return z * gate
-            base = baseline[layer].to(z.dtype)
-            return base + gate * (z - base)
+                return (z.float() * gate).to(z.dtype)
+            base = baseline[layer].float()
+            return (base + gate * (z.float() - base)).to(z.dtype)
 
         return hook
 
@@ -271,6 +273,15 @@ def head_attribution(
     with torch.no_grad():
         f_input = forward(ones, *args)
         f_baseline = forward(torch.zeros_like(ones), *args)
+
+    def rerun():  # where a non-finite number appears, at three points of the path
+        for value in (1.0, 0.5, 0.0):
+            alpha = torch.full_like(ones, value, requires_grad=True)
+            with torch.enable_grad():
+                torch.autograd.grad(forward(alpha, *args).sum(), alpha)
+
+    check_finite(model, {"an attribution": per_prompt, "f(input)": f_input, "f(baseline)": f_baseline},
+                 "head_attribution", rerun)
     delta = per_prompt.sum((1, 2)) - (f_input - f_baseline)
     by_task = {}
     for task in dict.fromkeys(tasks or ()):

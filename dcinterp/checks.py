@@ -88,3 +88,46 @@ def find_word(model, tokens, word: str, occurrence: int = -1, name: str = "word"
     if not -len(ends) <= occurrence < len(ends):
         raise ValueError(f"{name}={word!r} occurs {len(ends)} times, there is no occurrence {occurrence}")
     return ends[occurrence]
+
+
+# --------------------------------------------------------------------------------------------------
+# Non-finite numbers: a refusal that says where they appeared
+class NonFiniteError(FloatingPointError):
+    """An analysis met a NaN or an infinity; the message names the hook (and layer) where it first appeared."""
+
+
+def first_nonfinite(model, run) -> str | None:
+    """Runs `run()` (a forward, and a backward if it takes one) with every hook point watched, and says where a
+    non-finite number first appeared: the first activation in forward order, else the first gradient in backward
+    order (the backward runs from the last layer down, so that is where it started). None if nowhere."""
+    found: list[str] = []
+
+    def watch(x, hook):
+        if not isinstance(x, Tensor) or not x.is_floating_point():
+            return x
+        if not found and not torch.isfinite(x).all():
+            found.append(f"the activation at {hook.name}")
+        if x.requires_grad:
+            def on_grad(g, name=hook.name):
+                if not found and not torch.isfinite(g).all():
+                    found.append(f"the gradient at {name}")
+            x.register_hook(on_grad)
+        return x
+
+    with model.hooks(fwd_hooks=[(lambda name: True, watch)]):
+        run()
+    return found[0] if found else None
+
+
+def check_finite(model, values: dict[str, Tensor], what: str, run) -> None:
+    """A `NonFiniteError` if any of `values` ({argument name: tensor}) is NaN or infinite, naming where the first
+    non-finite number appeared (found by running `run()` again with every hook watched, see `first_nonfinite`)."""
+    bad = [name for name, value in values.items() if not torch.isfinite(torch.as_tensor(value)).all()]
+    if not bad:
+        return
+    where = first_nonfinite(model, run)
+    dtype = getattr(model.cfg, "dtype", None)
+    place = f"it first appears in {where}" if where else "a run with every hook watched did not meet it"
+    advice = "float16 overflows past 65504: load the model in bfloat16 or float32" if dtype == torch.float16 \
+        else "load the model in float32"
+    raise NonFiniteError(f"{what}: {bad[0]} is not finite in {dtype}; {place}; {advice}")

@@ -240,7 +240,10 @@ class Attention(nn.Module):
         hidden = F.gelu(torch.einsum("bpd,dck->bpck", x, self.W_dyn_in))
         w = torch.einsum("bpck,ckrh->bpcrh", hidden, self.W_dyn_out)
         w1, w2 = w[:, :, :, :R], w[:, :, :, R:]
-        w1 = w1 * torch.rsqrt(w1.pow(2).mean(-1, keepdim=True) + 1e-6)  # RMSNorm without scale over heads
+        # RMSNorm without scale over heads, in float32: in float16 the backward of rsqrt overflows (the mean
+        # square can be ~4e-4, where d rsqrt/du = -u^-1.5 / 2 is ~6.5e4, past float16's 65504).
+        w1f = w1.float()
+        w1 = (w1f * torch.rsqrt(w1f.pow(2).mean(-1, keepdim=True) + 1e-6)).to(w1.dtype)
         gates = torch.tanh(torch.einsum("bpd,dch->bpch", x, self.W_dyn_gate))
         weights = {}
         for stage, (cq, ck) in BRANCH_DYN_INDEX.items():

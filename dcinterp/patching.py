@@ -38,6 +38,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .attribution import Target, target_value
+from .checks import check_finite
 from .model import HookedDCFormer, branch_outputs, visible_keys
 from .synth.contrast import PairTokens
 
@@ -391,6 +392,10 @@ def _patching_table(model, pairs, direction, per_head, names, layers, deltas_of)
         raise ValueError("pairs: the clean and corrupted prompts give the same mean logit difference "
                          f"({ld_clean.item():.4g}); there is nothing to restore")
     deltas = deltas_of(model, base, cache_sites(model, source, hook_names), metric, site_list).cpu()
+    values = {f"the change at {site.hook_name}" + ("" if site.head is None else f" head {site.head}"): delta
+              for site, delta in zip(site_list, deltas)}
+    check_finite(model, {"the clean-minus-corrupt logit difference": torch.tensor(scale), **values},
+                 "patching", lambda: site_gradients(model, base, metric, hook_names))
     return pd.DataFrame({
         "layer": [site.layer for site in site_list],
         "stage": [site.stage for site in site_list],
