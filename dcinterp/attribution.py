@@ -34,7 +34,7 @@ from captum.attr import IntegratedGradients
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .checks import check_finite, check_head, check_layer, check_position, check_token_ids, word_token
+from .checks import check_finite, check_head, check_layer, check_position, check_token_ids, check_tokens, real_lengths, word_token
 from .model import HookedDCFormer
 
 TargetFn = Callable[[Tensor, Tensor], Tensor]  # (logits [N, pos, vocab], tokens [N, pos]) -> [N]
@@ -42,6 +42,7 @@ Target = int | str | Tensor | TargetFn
 TargetType = Literal["logit", "logprob", "prob"]
 TARGET_TYPES = ("logit", "logprob", "prob")
 Path = Literal["joint", "per-layer"]
+IG_METHODS = ("gausslegendre", "riemann_trapezoid", "riemann_middle", "riemann_left", "riemann_right")  # captum's
 Baseline = Literal["zero", "mean"] | Tensor
 
 
@@ -102,7 +103,8 @@ def head_baseline(
     """The head outputs that alpha = 0 stands for: None for zero, else a tensor that broadcasts against
     `hook_z` [batch, pos, head, d_head] once indexed by layer.
 
-    "mean" averages `hook_z` over the reference batch and its positions ([layer, head, d_head]).
+    "mean" averages `hook_z` over the reference batch's real tokens ([layer, head, d_head]; the trailing pad
+    tokens of the model's tokenizer do not count).
     A tensor is taken as is: [layer, head, d_head] or [layer, pos, head, d_head].
     """
     if isinstance(baseline, Tensor):
@@ -113,10 +115,13 @@ def head_baseline(
         raise ValueError(f"baseline must be 'zero', 'mean' or a tensor, not {baseline!r}")
     if reference_tokens is None:
         raise ValueError("baseline='mean' needs reference_tokens (the reference batch)")
+    reference_tokens = check_tokens(model, reference_tokens, "reference_tokens")
+    real = torch.arange(reference_tokens.shape[1], device=reference_tokens.device) < real_lengths(
+        model, reference_tokens)[:, None]  # pads (the tokenizer's, trailing) never count
     names = [f"blocks.{l}.attn.hook_z" for l in range(model.cfg.n_layers)]
     with torch.no_grad():
         _, cache = model.run_with_cache(reference_tokens, names_filter=names, stop_at_layer=model.cfg.n_layers)
-    return torch.stack([cache[name].float().mean((0, 1)) for name in names])
+    return torch.stack([cache[name].float()[real.to(cache[name].device)].mean(0) for name in names])
 
 
 def gate_hooks(alpha: Float[Tensor, "batch layer head"], baseline: Tensor | None) -> list[tuple[str, Callable]]:
@@ -181,15 +186,20 @@ def _gated_target(model: HookedDCFormer, target: Target, target_type: str, basel
 # Attribution and ablation
 def _prepare(model: HookedDCFormer, tokens, target: Target, position, target_type: str):
     """Checked inputs: (tokens [batch, pos] on the model's device, target as token ids or a function, positions)."""
-    tokens = torch.as_tensor(tokens, device=model.input_device)
-    tokens = tokens[None] if tokens.ndim == 1 else tokens
-    if target_type not in TARGET_TYPES:
+    tokens = check_tokens(model, tokens)
+    if not isinstance(target_type, str) or target_type not in TARGET_TYPES:
         raise ValueError(f"target_type must be one of {TARGET_TYPES}, not {target_type!r}")
     position = check_position(position, tokens.shape[1], "position")
     if isinstance(target, str):
         target = word_token(model, target, piece="first", name="target")
     elif not callable(target):
         check_token_ids(target, model.cfg.d_vocab, "target")
+        if torch.as_tensor(target).numel() not in (1, tokens.shape[0]) or torch.as_tensor(target).ndim > 1:
+            raise ValueError(f"target must be one token id or one per prompt ({tokens.shape[0]}), "
+                             f"not shape {tuple(torch.as_tensor(target).shape)}")
+    if torch.as_tensor(position).ndim > 1 or torch.as_tensor(position).numel() not in (1, tokens.shape[0]):
+        raise ValueError(f"position must be one position or one per prompt ({tokens.shape[0]}), "
+                         f"not shape {tuple(torch.as_tensor(position).shape)}")
     return tokens, target, position
 
 
@@ -243,6 +253,12 @@ def head_attribution(
     """
     if path not in ("joint", "per-layer"):
         raise ValueError(f"path must be 'joint' or 'per-layer', not {path!r}")
+    if not isinstance(n_steps, int) or isinstance(n_steps, bool) or n_steps < 1:
+        raise ValueError(f"n_steps must be a positive integer, not {n_steps!r}")
+    if method not in IG_METHODS:
+        raise ValueError(f"method must be one of {IG_METHODS}, not {method!r}")
+    if internal_batch_size is not None and (not isinstance(internal_batch_size, int) or internal_batch_size < 1):
+        raise ValueError(f"internal_batch_size must be a positive integer or None, not {internal_batch_size!r}")
     tokens, target, position = _prepare(model, tokens, target, position, target_type)
     batch, device = tokens.shape[0], tokens.device
     if tasks is not None and len(tasks) != batch:

@@ -131,3 +131,49 @@ def check_finite(model, values: dict[str, Tensor], what: str, run) -> None:
     advice = "float16 overflows past 65504: load the model in bfloat16 or float32" if dtype == torch.float16 \
         else "load the model in float32"
     raise NonFiniteError(f"{what}: {bad[0]} is not finite in {dtype}; {place}; {advice}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Batches of prompts
+def check_tokens(model, tokens, name: str = "tokens") -> Tensor:
+    """Token ids as a [batch, pos] tensor on the model's input device ([pos] becomes one prompt), or a one-line
+    ValueError/TypeError naming `name`: not integers, not 1-d or 2-d, no prompts or no positions, ids out of the
+    vocabulary."""
+    try:
+        values = torch.as_tensor(tokens)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(f"{name} must be token ids (a tensor [batch, pos]), not {type(tokens).__name__}: {error}") \
+            from None
+    if values.dtype.is_floating_point or values.dtype == torch.bool or values.is_complex():
+        raise TypeError(f"{name} must be integer token ids, not {values.dtype}")
+    if values.ndim == 1:
+        values = values[None]
+    if values.ndim != 2:
+        raise ValueError(f"{name} must be [batch, pos] token ids, not a tensor of shape {tuple(values.shape)}")
+    if values.shape[0] == 0 or values.shape[1] == 0:
+        raise ValueError(f"{name} is empty ({values.shape[0]} prompts of {values.shape[1]} tokens): pass at least one "
+                         "prompt")
+    d_vocab = model.cfg.d_vocab
+    if not ((values >= 0) & (values < d_vocab)).all():
+        raise ValueError(f"{name} holds ids outside the vocabulary 0..{d_vocab - 1}")
+    return values.to(model.input_device)
+
+
+def real_lengths(model, tokens: Tensor, lengths=None, name: str = "lengths") -> Tensor:
+    """How many real tokens each prompt of a right-padded batch has [batch]: `lengths` as given (checked), else
+    every position up to the prompt's trailing run of the tokenizer's pad token (a model without a tokenizer or
+    a tokenizer without a pad token: every position is real; pass `lengths`, e.g. `pairs.position + 1`)."""
+    batch, n_pos = tokens.shape
+    if lengths is not None:
+        values = torch.as_tensor(lengths)
+        if values.dtype.is_floating_point or values.shape != (batch,) or not ((values >= 1) & (values <= n_pos)).all():
+            raise ValueError(f"{name} must hold one length in 1..{n_pos} per prompt ({batch} prompts), not {lengths!r}")
+        return values.to(tokens.device)
+    pad = getattr(model.tokenizer, "pad_token_id", None)
+    if pad is None:
+        return torch.full((batch,), n_pos, device=tokens.device)
+    trailing = (tokens == pad).flip(-1).long().cumprod(-1).sum(-1)
+    values = n_pos - trailing
+    if (values == 0).any():
+        raise ValueError(f"{name}: prompt {int((values == 0).nonzero()[0])} is all padding")
+    return values

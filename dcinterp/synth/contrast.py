@@ -109,6 +109,10 @@ def tokenize_pairs(pairs: list[ContrastPair], tokenizer) -> PairTokens:
     """Token ids of the pairs; ValueError if a pair's prompts differ in length or its answers start alike."""
     import torch
 
+    if not pairs:
+        raise ValueError("pairs is empty: pass at least one ContrastPair (from contrast_pairs)")
+    if not all(isinstance(pair, ContrastPair) for pair in pairs):
+        raise TypeError("pairs must be ContrastPair objects (from contrast_pairs)")
     clean = [tokenizer(pair.clean)["input_ids"] for pair in pairs]
     corrupt = [tokenizer(pair.corrupt)["input_ids"] for pair in pairs]
     answers = [(answer_token(tokenizer, p.clean, p.clean_answer), answer_token(tokenizer, p.corrupt, p.corrupt_answer))
