@@ -24,6 +24,7 @@ Targets may be words where the model has a tokenizer: the first token of the wor
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -34,7 +35,8 @@ from captum.attr import IntegratedGradients
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .checks import check_finite, check_head, check_layer, check_position, check_token_ids, check_tokens, real_lengths, word_token
+from .checks import (check_finite, check_head, check_layer, check_position, check_token_ids, check_tokens, real_lengths,
+                     word_token)
 from .model import HookedDCFormer
 
 TargetFn = Callable[[Tensor, Tensor], Tensor]  # (logits [N, pos, vocab], tokens [N, pos]) -> [N]
@@ -42,6 +44,7 @@ Target = int | str | Tensor | TargetFn
 TargetType = Literal["logit", "logprob", "prob"]
 TARGET_TYPES = ("logit", "logprob", "prob")
 Path = Literal["joint", "per-layer"]
+COMPLETENESS_SHARE = 0.05  # head_attribution warns where |delta| exceeds this share of |f(input) - f(baseline)|
 IG_METHODS = ("gausslegendre", "riemann_trapezoid", "riemann_middle", "riemann_left", "riemann_right")  # captum's
 Baseline = Literal["zero", "mean"] | Tensor
 
@@ -161,14 +164,15 @@ def target_value(
     resid = model.run_with_hooks(tokens, fwd_hooks=list(fwd_hooks), stop_at_layer=model.cfg.n_layers)
     rows = torch.arange(tokens.shape[0], device=resid.device)
     position = torch.as_tensor(position, device=resid.device).expand(tokens.shape[0])
-    final = model.ln_final(resid[rows, position][:, None])[:, 0]  # [batch, d_model]
+    # The read-out in float32 (a bfloat16 logit has 3 significant digits: IG's completeness gap would be its noise).
+    final = model.ln_final(resid[rows, position][:, None].float())[:, 0]  # [batch, d_model]
     answer = torch.as_tensor(target, device=resid.device).expand(tokens.shape[0])
     if target_type == "logit":
-        return (final * model.W_U[:, answer].T).sum(-1).float()
+        return (final * model.W_U[:, answer].T.float()).sum(-1)
     if target_type == "logprob":
-        return (final @ model.W_U).float().log_softmax(-1)[rows, answer]
+        return (final.to(model.W_U.dtype) @ model.W_U).float().log_softmax(-1)[rows, answer]
     if target_type == "prob":
-        return (final @ model.W_U).float().softmax(-1)[rows, answer]
+        return (final.to(model.W_U.dtype) @ model.W_U).float().softmax(-1)[rows, answer]
     raise ValueError(f"target_type must be one of {TARGET_TYPES}, not {target_type!r}")
 
 
@@ -209,6 +213,21 @@ def _integrate(forward: Callable, ones: Tensor, args: tuple, n_steps: int, metho
         ones, baselines=torch.zeros_like(ones), additional_forward_args=args,
         n_steps=n_steps, method=method, internal_batch_size=internal_batch_size,
     ).detach().float()
+
+
+def warn_incomplete(total_score: Tensor, total_effect: Tensor, n_steps: int, method: str, dtype) -> None:
+    """Warn, with the numbers, where the scores miss more than COMPLETENESS_SHARE of the total effect."""
+    gap = (total_score - total_effect).abs()
+    share = gap / total_effect.abs()
+    over = (share > COMPLETENESS_SHARE) & (gap > 1e-4)
+    if over.any():
+        worst = int(share.masked_fill(~over, 0).flatten().argmax())
+        warnings.warn(
+            f"head_attribution: the scores miss {share.flatten()[worst]:.1%} of the total effect "
+            f"({total_effect.flatten()[worst]:.4g}, gap {gap.flatten()[worst]:.3g}) in {int(over.sum())} of "
+            f"{over.numel()} prompt(s){' x layers' if over.ndim > 1 else ''}, more than {COMPLETENESS_SHARE:.0%}, "
+            f"with n_steps={n_steps}, method={method!r} in {dtype}: raise n_steps, or load the model in float32 "
+            "(docs/conventions.md, IG completeness)", stacklevel=3)
 
 
 def _one_layer(forward: Callable, layer: int, n_layers: int) -> Callable:
@@ -299,6 +318,10 @@ def head_attribution(
     check_finite(model, {"an attribution": per_prompt, "f(input)": f_input, "f(baseline)": f_baseline},
                  "head_attribution", rerun)
     delta = per_prompt.sum((1, 2)) - (f_input - f_baseline)
+    if path == "joint":
+        warn_incomplete(per_prompt.sum((1, 2)), f_input - f_baseline, n_steps, method, model.cfg.dtype)
+    else:
+        warn_incomplete(per_prompt.sum(2), f_input[:, None] - f_layer_baseline, n_steps, method, model.cfg.dtype)
     by_task = {}
     for task in dict.fromkeys(tasks or ()):
         rows = torch.tensor([t == task for t in tasks], device=per_prompt.device)

@@ -352,10 +352,10 @@ class LogitDiff:
         resid = model.run_with_hooks(tokens, fwd_hooks=list(fwd_hooks), stop_at_layer=model.cfg.n_layers)
         rows = torch.arange(tokens.shape[0], device=resid.device)
         position = torch.as_tensor(self.position, device=resid.device).expand(tokens.shape[0])
-        final = model.ln_final(resid[rows, position][:, None])[:, 0]
+        final = model.ln_final(resid[rows, position][:, None].float())[:, 0]  # read out in float32
         W_U = model.W_U
-        direction = W_U[:, self.clean_answer.to(W_U.device)] - W_U[:, self.corrupt_answer.to(W_U.device)]
-        return torch.einsum("bd,db->b", final, direction).float()
+        direction = W_U[:, self.clean_answer.to(W_U.device)].float() - W_U[:, self.corrupt_answer.to(W_U.device)].float()
+        return torch.einsum("bd,db->b", final, direction)
 
 
 # --------------------------------------------------------------------------------------------------
