@@ -381,6 +381,9 @@ def head_ablation(
     tokens, target, position = _prepare(model, tokens, target, position, target_type)
     cfg = model.cfg
     heads = heads if heads is not None else [(l, h) for l in range(cfg.n_layers) for h in range(cfg.n_heads)]
+    if isinstance(heads, (str, Tensor)) or not heads or not all(isinstance(lh, (tuple, list)) and len(lh) == 2
+                                                               for lh in heads):
+        raise ValueError(f"heads must be a non-empty list of (layer, head) pairs, not {heads!r}")
     heads = [(check_layer(model, l, "heads: layer"), check_head(model, h, "heads: head")) for l, h in heads]
     base = head_baseline(model, baseline, reference_tokens)
     alpha = torch.ones(tokens.shape[0], cfg.n_layers, cfg.n_heads, device=tokens.device)

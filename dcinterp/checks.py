@@ -3,6 +3,7 @@ and words resolved to token ids (with the piece rule stated) where a tokenizer i
 
 from __future__ import annotations
 
+import operator
 from typing import Literal
 
 import torch
@@ -11,19 +12,26 @@ from torch import Tensor
 Piece = Literal["only", "first", "last"]
 
 
+def check_index(value, n: int, name: str, what: str) -> int:
+    """An integer index (Python, numpy or 0-d tensor; not a bool) in -n..n-1 as 0..n-1, or one line naming `name`."""
+    if isinstance(value, bool) or isinstance(value, Tensor) and value.numel() != 1:
+        raise TypeError(f"{name} must be an integer index, not {value!r}")
+    try:
+        index = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer index, not {value!r}") from None
+    if not -n <= index < n:
+        raise ValueError(f"{name}={value!r} is out of range: the model has {what} 0..{n - 1}")
+    return index % n
+
+
 def check_layer(model, layer: int, name: str = "layer") -> int:
     """`layer` as a non-negative index, or a ValueError naming the valid range."""
-    n = model.cfg.n_layers
-    if not isinstance(layer, int) or not -n <= layer < n:
-        raise ValueError(f"{name}={layer!r} is out of range: the model has layers 0..{n - 1}")
-    return layer % n
+    return check_index(layer, model.cfg.n_layers, name, "layers")
 
 
 def check_head(model, head: int, name: str = "head") -> int:
-    n = model.cfg.n_heads
-    if not isinstance(head, int) or not -n <= head < n:
-        raise ValueError(f"{name}={head!r} is out of range: the model has heads 0..{n - 1}")
-    return head % n
+    return check_index(head, model.cfg.n_heads, name, "heads")
 
 
 def check_position(position, n_pos: int, name: str = "position") -> Tensor | int:

@@ -307,6 +307,10 @@ def branch_ablation(
         component helps the target).
     """
     tokens, target, position = _prepare(model, tokens, target, position, target_type)
+    if mean_over not in ("position", "token"):
+        raise ValueError(f"mean_over must be 'position' or 'token', not {mean_over!r}")
+    if isinstance(components, (str, Component)):
+        raise TypeError(f"components must be a list of Component, not {components!r}")
     components = branch_components(model) if components is None else list(components)
     check_components(model, components)
     means = None
