@@ -70,9 +70,10 @@ def contrast_pairs(task: str | int, n: int = 16, seed: int = 0, kind: str | None
     if task.qk_pattern not in KIND_PATTERNS[kind]:
         raise ValueError(f"kind {kind!r} does not apply to {task_id} ({task.qk_pattern}); it applies to "
                          + ", ".join(KIND_PATTERNS[kind]))
-    for name, value, least in (("n", n, 1), ("shots", shots, 0), ("seed", seed, None)):
+    for name, value, least, what in (("n", n, 1, "positive"), ("shots", shots, 0, "not negative"),
+                                     ("seed", seed, None, "an integer")):
         if isinstance(value, bool) or not isinstance(value, int) or least is not None and value < least:
-            raise ValueError(f"{name} must be an integer{'' if least is None else f' >= {least}'}, not {value!r}")
+            raise ValueError(f"{name} must be {what}" + (" (an integer)" if least is not None else "") + f", not {value!r}")
     if tokenizer is not None:
         def same_shape(clean: str, corrupt: str, clean_answer: str, corrupt_answer: str) -> bool:
             return (len(tokenizer(clean)["input_ids"]) == len(tokenizer(corrupt)["input_ids"])
