@@ -226,8 +226,10 @@ def warn_incomplete(total_score: Tensor, total_effect: Tensor, n_steps: int, met
             f"head_attribution: the scores miss {share.flatten()[worst]:.1%} of the total effect "
             f"({total_effect.flatten()[worst]:.4g}, gap {gap.flatten()[worst]:.3g}) in {int(over.sum())} of "
             f"{over.numel()} prompt(s){' x layers' if over.ndim > 1 else ''}, more than {COMPLETENESS_SHARE:.0%}, "
-            f"with n_steps={n_steps}, method={method!r} in {dtype}: raise n_steps, or load the model in float32 "
-            "(docs/conventions.md, IG completeness)", stacklevel=3)
+            f"with n_steps={n_steps}, method={method!r} in {dtype}: raise n_steps"
+            + ("" if dtype == torch.float32 else " (more steps do not lower half precision's rounding floor: load the "
+               "model in float32 for that)") + "; docs/conventions.md, 'Half precision and IG completeness'",
+            stacklevel=3)
 
 
 def _one_layer(forward: Callable, layer: int, n_layers: int) -> Callable:

@@ -78,3 +78,21 @@ def test_a_non_finite_number_is_refused_with_the_hook_where_it_appeared(pairs):
         attribution_patching(model, pairs, layers=[0])
     with pytest.raises(NonFiniteError, match=r"head_attribution: .*blocks\.1\.attn\.hook_v; float16 overflows"):
         head_attribution(model, pairs.clean[:1], pairs.clean_answer[:1], position=pairs.position[:1], n_steps=2)
+
+
+def test_default_ig_in_bfloat16_is_complete_within_the_stated_share(pairs):
+    """docs/conventions.md: the default (Gauss-Legendre, 50 steps) on the embedded model in bfloat16 stays below
+    COMPLETENESS_SHARE of the total effect, and so does not warn."""
+    from dcinterp.attribution import COMPLETENESS_SHARE
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the completeness warning would fail the test
+        result = head_attribution(load(torch.bfloat16), pairs.clean, pairs.clean_answer, position=pairs.position)
+    total = (result.f_input - result.f_baseline).abs()
+    assert total.min() > 1 and (result.delta.abs() < COMPLETENESS_SHARE * total).all()
+
+
+def test_a_large_completeness_gap_warns_with_the_numbers(reference, pairs):
+    with pytest.warns(UserWarning, match=r"head_attribution: the scores miss .* of the total effect .* n_steps=2"):
+        result = head_attribution(reference, pairs.clean, pairs.clean_answer, position=pairs.position, n_steps=2)
+    assert (result.delta.abs() > 0.05 * (result.f_input - result.f_baseline).abs()).any()
