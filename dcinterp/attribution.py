@@ -396,4 +396,6 @@ def head_ablation(
         ablated = target_value(model, tokens, target, position, target_type, gate_hooks(alpha, base))
         alpha[:, layer, head] = 1
         effect[layer, head] = (ablated - clean).mean().item()
+    check_finite(model, {"the clean target": clean, **{f"the effect of L{l}H{h}": effect[l, h] for l, h in heads}},
+                 "head_ablation", lambda: target_value(model, tokens, target, position, target_type))
     return HeadAblation(effect, clean.cpu(), heads, target_type)

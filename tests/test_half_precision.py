@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dcinterp import HookedDCFormer
-from dcinterp.attribution import head_attribution
+from dcinterp.attribution import head_ablation, head_attribution
 from dcinterp.checks import NonFiniteError
 from dcinterp.patching import activation_patching, attribution_patching, branch_ablation
 from dcinterp.synth import contrast_pairs, tokenize_pairs
@@ -96,3 +96,11 @@ def test_a_large_completeness_gap_warns_with_the_numbers(reference, pairs):
     with pytest.warns(UserWarning, match=r"head_attribution: the scores miss .* of the total effect .* n_steps=2"):
         result = head_attribution(reference, pairs.clean, pairs.clean_answer, position=pairs.position, n_steps=2)
     assert (result.delta.abs() > 0.05 * (result.f_input - result.f_baseline).abs()).any()
+
+
+def test_head_ablation_refuses_a_non_finite_number_with_its_hook(pairs):
+    model = load(torch.float16)
+    with torch.no_grad():
+        model.blocks[2].mlp.W_in.mul_(0).add_(6e4)  # the MLP's pre-activation overflows float16
+    with pytest.raises(NonFiniteError, match=r"head_ablation: .* first appears in the activation at blocks\.2\.mlp\."):
+        head_ablation(model, pairs.clean[:1], pairs.clean_answer[:1], heads=[(0, 0)], position=pairs.position[:1])
