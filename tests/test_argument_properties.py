@@ -22,7 +22,7 @@ from dcinterp.attribution import head_ablation, head_attribution
 from dcinterp.circuits import head_diversity, ov_circuit, ov_logits, ov_top_tokens, qk_circuit
 from dcinterp.composition import attention_distributions, compose_breakdown, composition_maps_along_keys, donor_heads
 from dcinterp.patching import (
-    SITE_NAMES, Component, Site, activation_patching, attribution_patching, branch_ablation, branch_components,
+    Component, Site, activation_patching, attribution_patching, branch_ablation, branch_components,
     sites,
 )
 from dcinterp.synth import contrast_pairs, tokenize_pairs
