@@ -24,6 +24,7 @@ Targets may be words where the model has a tokenizer: the first token of the wor
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -34,7 +35,8 @@ from captum.attr import IntegratedGradients
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .checks import check_head, check_layer, check_position, check_token_ids, word_token
+from .checks import (check_finite, check_head, check_layer, check_position, check_token_ids, check_tokens, real_lengths,
+                     word_token)
 from .model import HookedDCFormer
 
 TargetFn = Callable[[Tensor, Tensor], Tensor]  # (logits [N, pos, vocab], tokens [N, pos]) -> [N]
@@ -42,6 +44,8 @@ Target = int | str | Tensor | TargetFn
 TargetType = Literal["logit", "logprob", "prob"]
 TARGET_TYPES = ("logit", "logprob", "prob")
 Path = Literal["joint", "per-layer"]
+COMPLETENESS_SHARE = 0.05  # head_attribution warns where |delta| exceeds this share of |f(input) - f(baseline)|
+IG_METHODS = ("gausslegendre", "riemann_trapezoid", "riemann_middle", "riemann_left", "riemann_right")  # captum's
 Baseline = Literal["zero", "mean"] | Tensor
 
 
@@ -102,7 +106,8 @@ def head_baseline(
     """The head outputs that alpha = 0 stands for: None for zero, else a tensor that broadcasts against
     `hook_z` [batch, pos, head, d_head] once indexed by layer.
 
-    "mean" averages `hook_z` over the reference batch and its positions ([layer, head, d_head]).
+    "mean" averages `hook_z` over the reference batch's real tokens ([layer, head, d_head]; the trailing pad
+    tokens of the model's tokenizer do not count).
     A tensor is taken as is: [layer, head, d_head] or [layer, pos, head, d_head].
     """
     if isinstance(baseline, Tensor):
@@ -113,10 +118,13 @@ def head_baseline(
         raise ValueError(f"baseline must be 'zero', 'mean' or a tensor, not {baseline!r}")
     if reference_tokens is None:
         raise ValueError("baseline='mean' needs reference_tokens (the reference batch)")
+    reference_tokens = check_tokens(model, reference_tokens, "reference_tokens")
+    real = torch.arange(reference_tokens.shape[1], device=reference_tokens.device) < real_lengths(
+        model, reference_tokens)[:, None]  # pads (the tokenizer's, trailing) never count
     names = [f"blocks.{l}.attn.hook_z" for l in range(model.cfg.n_layers)]
     with torch.no_grad():
         _, cache = model.run_with_cache(reference_tokens, names_filter=names, stop_at_layer=model.cfg.n_layers)
-    return torch.stack([cache[name].float().mean((0, 1)) for name in names])
+    return torch.stack([cache[name].float()[real.to(cache[name].device)].mean(0) for name in names])
 
 
 def gate_hooks(alpha: Float[Tensor, "batch layer head"], baseline: Tensor | None) -> list[tuple[str, Callable]]:
@@ -124,11 +132,13 @@ def gate_hooks(alpha: Float[Tensor, "batch layer head"], baseline: Tensor | None
 
     def make_hook(layer: int):
         def hook(z: Float[Tensor, "batch pos head d_head"], hook) -> Tensor:
-            gate = alpha[:, layer, None, :, None].to(z.dtype)
+            # In float32 whatever the model's dtype: a bfloat16 gate would round the quadrature's points
+            # (alpha = 0.0199 has 3 significant digits) and its gradient sum(dz * (z - base)).
+            gate = alpha[:, layer, None, :, None].float()
             if baseline is None:
-                return z * gate
-            base = baseline[layer].to(z.dtype)
-            return base + gate * (z - base)
+                return (z.float() * gate).to(z.dtype)
+            base = baseline[layer].float()
+            return (base + gate * (z.float() - base)).to(z.dtype)
 
         return hook
 
@@ -154,14 +164,15 @@ def target_value(
     resid = model.run_with_hooks(tokens, fwd_hooks=list(fwd_hooks), stop_at_layer=model.cfg.n_layers)
     rows = torch.arange(tokens.shape[0], device=resid.device)
     position = torch.as_tensor(position, device=resid.device).expand(tokens.shape[0])
-    final = model.ln_final(resid[rows, position][:, None])[:, 0]  # [batch, d_model]
+    # The read-out in float32 (a bfloat16 logit has 3 significant digits: IG's completeness gap would be its noise).
+    final = model.ln_final(resid[rows, position][:, None].float())[:, 0]  # [batch, d_model]
     answer = torch.as_tensor(target, device=resid.device).expand(tokens.shape[0])
     if target_type == "logit":
-        return ((final * model.W_U[:, answer].T).sum(-1) + model.b_U[answer]).float()
+        return (final * model.W_U[:, answer].T.float()).sum(-1) + model.b_U[answer].float()
     if target_type == "logprob":
-        return model.unembed(final).float().log_softmax(-1)[rows, answer]
+        return model.unembed(final.to(model.W_U.dtype)).float().log_softmax(-1)[rows, answer]
     if target_type == "prob":
-        return model.unembed(final).float().softmax(-1)[rows, answer]
+        return model.unembed(final.to(model.W_U.dtype)).float().softmax(-1)[rows, answer]
     raise ValueError(f"target_type must be one of {TARGET_TYPES}, not {target_type!r}")
 
 
@@ -179,15 +190,20 @@ def _gated_target(model: HookedDCFormer, target: Target, target_type: str, basel
 # Attribution and ablation
 def _prepare(model: HookedDCFormer, tokens, target: Target, position, target_type: str):
     """Checked inputs: (tokens [batch, pos] on the model's device, target as token ids or a function, positions)."""
-    tokens = torch.as_tensor(tokens, device=model.input_device)
-    tokens = tokens[None] if tokens.ndim == 1 else tokens
-    if target_type not in TARGET_TYPES:
+    tokens = check_tokens(model, tokens)
+    if not isinstance(target_type, str) or target_type not in TARGET_TYPES:
         raise ValueError(f"target_type must be one of {TARGET_TYPES}, not {target_type!r}")
     position = check_position(position, tokens.shape[1], "position")
     if isinstance(target, str):
         target = word_token(model, target, piece="first", name="target")
     elif not callable(target):
         check_token_ids(target, model.cfg.d_vocab, "target")
+        if torch.as_tensor(target).numel() not in (1, tokens.shape[0]) or torch.as_tensor(target).ndim > 1:
+            raise ValueError(f"target must be one token id or one per prompt ({tokens.shape[0]}), "
+                             f"not shape {tuple(torch.as_tensor(target).shape)}")
+    if torch.as_tensor(position).ndim > 1 or torch.as_tensor(position).numel() not in (1, tokens.shape[0]):
+        raise ValueError(f"position must be one position or one per prompt ({tokens.shape[0]}), "
+                         f"not shape {tuple(torch.as_tensor(position).shape)}")
     return tokens, target, position
 
 
@@ -197,6 +213,23 @@ def _integrate(forward: Callable, ones: Tensor, args: tuple, n_steps: int, metho
         ones, baselines=torch.zeros_like(ones), additional_forward_args=args,
         n_steps=n_steps, method=method, internal_batch_size=internal_batch_size,
     ).detach().float()
+
+
+def warn_incomplete(total_score: Tensor, total_effect: Tensor, n_steps: int, method: str, dtype) -> None:
+    """Warn, with the numbers, where the scores miss more than COMPLETENESS_SHARE of the total effect."""
+    gap = (total_score - total_effect).abs()
+    share = gap / total_effect.abs()
+    over = (share > COMPLETENESS_SHARE) & (gap > 1e-4)
+    if over.any():
+        worst = int(share.masked_fill(~over, 0).flatten().argmax())
+        warnings.warn(
+            f"head_attribution: the scores miss {share.flatten()[worst]:.1%} of the total effect "
+            f"({total_effect.flatten()[worst]:.4g}, gap {gap.flatten()[worst]:.3g}) in {int(over.sum())} of "
+            f"{over.numel()} prompt(s){' x layers' if over.ndim > 1 else ''}, more than {COMPLETENESS_SHARE:.0%}, "
+            f"with n_steps={n_steps}, method={method!r} in {dtype}: raise n_steps"
+            + ("" if dtype == torch.float32 else " (more steps do not lower half precision's rounding floor: load the "
+               "model in float32 for that)") + "; docs/conventions.md, 'Half precision and IG completeness'",
+            stacklevel=3)
 
 
 def _one_layer(forward: Callable, layer: int, n_layers: int) -> Callable:
@@ -241,6 +274,12 @@ def head_attribution(
     """
     if path not in ("joint", "per-layer"):
         raise ValueError(f"path must be 'joint' or 'per-layer', not {path!r}")
+    if not isinstance(n_steps, int) or isinstance(n_steps, bool) or n_steps < 1:
+        raise ValueError(f"n_steps must be a positive integer, not {n_steps!r}")
+    if method not in IG_METHODS:
+        raise ValueError(f"method must be one of {IG_METHODS}, not {method!r}")
+    if internal_batch_size is not None and (not isinstance(internal_batch_size, int) or internal_batch_size < 1):
+        raise ValueError(f"internal_batch_size must be a positive integer or None, not {internal_batch_size!r}")
     tokens, target, position = _prepare(model, tokens, target, position, target_type)
     batch, device = tokens.shape[0], tokens.device
     if tasks is not None and len(tasks) != batch:
@@ -271,7 +310,20 @@ def head_attribution(
     with torch.no_grad():
         f_input = forward(ones, *args)
         f_baseline = forward(torch.zeros_like(ones), *args)
+
+    def rerun():  # where a non-finite number appears, at three points of the path
+        for value in (1.0, 0.5, 0.0):
+            alpha = torch.full_like(ones, value, requires_grad=True)
+            with torch.enable_grad():
+                torch.autograd.grad(forward(alpha, *args).sum(), alpha)
+
+    check_finite(model, {"an attribution": per_prompt, "f(input)": f_input, "f(baseline)": f_baseline},
+                 "head_attribution", rerun)
     delta = per_prompt.sum((1, 2)) - (f_input - f_baseline)
+    if path == "joint":
+        warn_incomplete(per_prompt.sum((1, 2)), f_input - f_baseline, n_steps, method, model.cfg.dtype)
+    else:
+        warn_incomplete(per_prompt.sum(2), f_input[:, None] - f_layer_baseline, n_steps, method, model.cfg.dtype)
     by_task = {}
     for task in dict.fromkeys(tasks or ()):
         rows = torch.tensor([t == task for t in tasks], device=per_prompt.device)
@@ -331,6 +383,9 @@ def head_ablation(
     tokens, target, position = _prepare(model, tokens, target, position, target_type)
     cfg = model.cfg
     heads = heads if heads is not None else [(l, h) for l in range(cfg.n_layers) for h in range(cfg.n_heads)]
+    if isinstance(heads, (str, Tensor)) or not heads or not all(isinstance(lh, (tuple, list)) and len(lh) == 2
+                                                               for lh in heads):
+        raise ValueError(f"heads must be a non-empty list of (layer, head) pairs, not {heads!r}")
     heads = [(check_layer(model, l, "heads: layer"), check_head(model, h, "heads: head")) for l, h in heads]
     base = head_baseline(model, baseline, reference_tokens)
     alpha = torch.ones(tokens.shape[0], cfg.n_layers, cfg.n_heads, device=tokens.device)
@@ -341,4 +396,6 @@ def head_ablation(
         ablated = target_value(model, tokens, target, position, target_type, gate_hooks(alpha, base))
         alpha[:, layer, head] = 1
         effect[layer, head] = (ablated - clean).mean().item()
+    check_finite(model, {"the clean target": clean, **{f"the effect of L{l}H{h}": effect[l, h] for l, h in heads}},
+                 "head_ablation", lambda: target_value(model, tokens, target, position, target_type))
     return HeadAblation(effect, clean.cpu(), heads, target_type)

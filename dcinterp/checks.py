@@ -3,6 +3,7 @@ and words resolved to token ids (with the piece rule stated) where a tokenizer i
 
 from __future__ import annotations
 
+import operator
 from typing import Literal
 
 import torch
@@ -11,19 +12,26 @@ from torch import Tensor
 Piece = Literal["only", "first", "last"]
 
 
+def check_index(value, n: int, name: str, what: str) -> int:
+    """An integer index (Python, numpy or 0-d tensor; not a bool) in -n..n-1 as 0..n-1, or one line naming `name`."""
+    if isinstance(value, bool) or isinstance(value, Tensor) and value.numel() != 1:
+        raise TypeError(f"{name} must be an integer index, not {value!r}")
+    try:
+        index = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer index, not {value!r}") from None
+    if not -n <= index < n:
+        raise ValueError(f"{name}={value!r} is out of range: the model has {what} 0..{n - 1}")
+    return index % n
+
+
 def check_layer(model, layer: int, name: str = "layer") -> int:
     """`layer` as a non-negative index, or a ValueError naming the valid range."""
-    n = model.cfg.n_layers
-    if not isinstance(layer, int) or not -n <= layer < n:
-        raise ValueError(f"{name}={layer!r} is out of range: the model has layers 0..{n - 1}")
-    return layer % n
+    return check_index(layer, model.cfg.n_layers, name, "layers")
 
 
 def check_head(model, head: int, name: str = "head") -> int:
-    n = model.cfg.n_heads
-    if not isinstance(head, int) or not -n <= head < n:
-        raise ValueError(f"{name}={head!r} is out of range: the model has heads 0..{n - 1}")
-    return head % n
+    return check_index(head, model.cfg.n_heads, name, "heads")
 
 
 def check_position(position, n_pos: int, name: str = "position") -> Tensor | int:
@@ -88,3 +96,92 @@ def find_word(model, tokens, word: str, occurrence: int = -1, name: str = "word"
     if not -len(ends) <= occurrence < len(ends):
         raise ValueError(f"{name}={word!r} occurs {len(ends)} times, there is no occurrence {occurrence}")
     return ends[occurrence]
+
+
+# --------------------------------------------------------------------------------------------------
+# Non-finite numbers: a refusal that says where they appeared
+class NonFiniteError(FloatingPointError):
+    """An analysis met a NaN or an infinity; the message names the hook (and layer) where it first appeared."""
+
+
+def first_nonfinite(model, run) -> str | None:
+    """Runs `run()` (a forward, and a backward if it takes one) with every hook point watched, and says where a
+    non-finite number first appeared: the first activation in forward order, else the first gradient in backward
+    order (the backward runs from the last layer down, so that is where it started). None if nowhere."""
+    found: list[str] = []
+
+    def watch(x, hook):
+        if not isinstance(x, Tensor) or not x.is_floating_point():
+            return x
+        if not found and not torch.isfinite(x).all():
+            found.append(f"the activation at {hook.name}")
+        if x.requires_grad:
+            def on_grad(g, name=hook.name):
+                if not found and not torch.isfinite(g).all():
+                    found.append(f"the gradient at {name}")
+            x.register_hook(on_grad)
+        return x
+
+    with model.hooks(fwd_hooks=[(lambda name: True, watch)]):
+        run()
+    return found[0] if found else None
+
+
+def check_finite(model, values: dict[str, Tensor], what: str, run) -> None:
+    """A `NonFiniteError` if any of `values` ({argument name: tensor}) is NaN or infinite, naming where the first
+    non-finite number appeared (found by running `run()` again with every hook watched, see `first_nonfinite`)."""
+    bad = [name for name, value in values.items() if not torch.isfinite(torch.as_tensor(value)).all()]
+    if not bad:
+        return
+    where = first_nonfinite(model, run)
+    dtype = getattr(model.cfg, "dtype", None)
+    place = f"it first appears in {where}" if where else "a run with every hook watched did not meet it"
+    advice = "float16 overflows past 65504: load the model in bfloat16 or float32" if dtype == torch.float16 \
+        else "load the model in float32"
+    raise NonFiniteError(f"{what}: {bad[0]} is not finite in {dtype}; {place}; {advice}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Batches of prompts
+def check_tokens(model, tokens, name: str = "tokens") -> Tensor:
+    """Token ids as a [batch, pos] tensor on the model's input device ([pos] becomes one prompt), or a one-line
+    ValueError/TypeError naming `name`: not integers, not 1-d or 2-d, no prompts or no positions, ids out of the
+    vocabulary."""
+    try:
+        values = torch.as_tensor(tokens)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(f"{name} must be token ids (a tensor [batch, pos]), not {type(tokens).__name__}: {error}") \
+            from None
+    if values.dtype.is_floating_point or values.dtype == torch.bool or values.is_complex():
+        raise TypeError(f"{name} must be integer token ids, not {values.dtype}")
+    if values.ndim == 1:
+        values = values[None]
+    if values.ndim != 2:
+        raise ValueError(f"{name} must be [batch, pos] token ids, not a tensor of shape {tuple(values.shape)}")
+    if values.shape[0] == 0 or values.shape[1] == 0:
+        raise ValueError(f"{name} is empty ({values.shape[0]} prompts of {values.shape[1]} tokens): pass at least one "
+                         "prompt")
+    d_vocab = model.cfg.d_vocab
+    if not ((values >= 0) & (values < d_vocab)).all():
+        raise ValueError(f"{name} holds ids outside the vocabulary 0..{d_vocab - 1}")
+    return values.to(model.input_device)
+
+
+def real_lengths(model, tokens: Tensor, lengths=None, name: str = "lengths") -> Tensor:
+    """How many real tokens each prompt of a right-padded batch has [batch]: `lengths` as given (checked), else
+    every position up to the prompt's trailing run of the tokenizer's pad token (a model without a tokenizer or
+    a tokenizer without a pad token: every position is real; pass `lengths`, e.g. `pairs.position + 1`)."""
+    batch, n_pos = tokens.shape
+    if lengths is not None:
+        values = torch.as_tensor(lengths)
+        if values.dtype.is_floating_point or values.shape != (batch,) or not ((values >= 1) & (values <= n_pos)).all():
+            raise ValueError(f"{name} must hold one length in 1..{n_pos} per prompt ({batch} prompts), not {lengths!r}")
+        return values.to(tokens.device)
+    pad = getattr(model.tokenizer, "pad_token_id", None)
+    if pad is None:
+        return torch.full((batch,), n_pos, device=tokens.device)
+    trailing = (tokens == pad).flip(-1).long().cumprod(-1).sum(-1)
+    values = n_pos - trailing
+    if (values == 0).any():
+        raise ValueError(f"{name}: prompt {int((values == 0).nonzero()[0])} is all padding")
+    return values

@@ -41,6 +41,7 @@ from torch import Tensor
 from transformer_lens import FactoredMatrix
 
 from .checks import check_head, check_layer, word_token
+from .config import parse_dtype
 from .model import HookedDCFormer
 from .processing import require_raw_weights
 
@@ -71,7 +72,13 @@ def input_ids(model: HookedDCFormer, tokens) -> Tensor:
         tokens = [tokens]
     if isinstance(tokens, (list, tuple)) and any(isinstance(t, str) for t in tokens):
         tokens = [word_token(model, t, piece="only", name="tokens") if isinstance(t, str) else t for t in tokens]
-    return torch.as_tensor(tokens).flatten()
+    try:
+        ids = torch.as_tensor(tokens).flatten()
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"tokens must be token ids or words, not {tokens!r}") from None
+    if ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"tokens must be one or more integer token ids or words, not {tokens!r}")
+    return ids
 
 
 @torch.no_grad()
@@ -121,6 +128,8 @@ def ov_top_tokens(
     One row per (input, rank): input, rank, token, logit, and input_str / token_str when the model has a
     tokenizer. `frame.pivot(index="input_str", columns="rank", values="token_str")` gives the paper's table.
     """
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= model.cfg.d_vocab:
+        raise ValueError(f"k={k!r} must be an integer in 1..{model.cfg.d_vocab} (the vocabulary's size)")
     tokens = input_ids(model, tokens)
     top = ov_logits(model, layer, head, tokens, use_mlp, final_norm).topk(k, dim=-1)
     frame = pd.DataFrame({
@@ -264,6 +273,7 @@ def head_diversity(
     """
     require_raw_weights(model, "head_diversity (Fig. 5)")
     _check_choice("qk_norm", qk_norm, ("fold", "ignore"))
+    dtype = parse_dtype(dtype)
     layers = list(range(model.cfg.n_layers)) if layers is None else [check_layer(model, l, "layers") for l in layers]
     qk, ov = [], []
     for layer in layers:

@@ -28,7 +28,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .checks import check_head, check_key_before_query, check_layer, check_position, find_word
+from .checks import check_head, check_key_before_query, check_layer, check_position, check_tokens, find_word
 from .model import HookedDCFormer, branch_outputs, visible_keys
 
 Stage = Literal["pre", "post"]
@@ -95,10 +95,12 @@ def _check_stage(model: HookedDCFormer, stage: str) -> None:
 
 
 def _single_prompt(model: HookedDCFormer, tokens, batch_index: int) -> Int[Tensor, "1 pos"]:
-    tokens = torch.as_tensor(tokens, device=model.input_device)
-    if tokens.ndim == 2 and not -tokens.shape[0] <= batch_index < tokens.shape[0]:
-        raise ValueError(f"batch_index={batch_index} is out of range: the batch has prompts 0..{tokens.shape[0] - 1}")
-    return tokens[None] if tokens.ndim == 1 else tokens[batch_index : batch_index + 1]
+    tokens = check_tokens(model, tokens)
+    if isinstance(batch_index, bool) or not isinstance(batch_index, int) \
+            or not -tokens.shape[0] <= batch_index < tokens.shape[0]:
+        raise ValueError(f"batch_index={batch_index!r} is out of range: the batch has prompts 0..{tokens.shape[0] - 1}")
+    batch_index %= tokens.shape[0]
+    return tokens[batch_index : batch_index + 1]
 
 
 def _position(model: HookedDCFormer, prompt: Tensor, pos: int | str, name: str) -> int:

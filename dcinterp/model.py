@@ -263,7 +263,10 @@ class Attention(nn.Module):
         hidden = F.gelu(hidden + self.b_dyn_in if self.b_dyn_in is not None else hidden)
         w = torch.einsum("bpck,ckrh->bpcrh", hidden, self.W_dyn_out)
         w1, w2 = w[:, :, :, :R], w[:, :, :, R:]
-        w1 = w1 * torch.rsqrt(w1.pow(2).mean(-1, keepdim=True) + 1e-6)  # RMSNorm without scale over heads
+        # RMSNorm without scale over heads, in float32: in float16 the backward of rsqrt overflows (the mean
+        # square can be ~4e-4, where d rsqrt/du = -u^-1.5 / 2 is ~6.5e4, past float16's 65504).
+        w1f = w1.float()
+        w1 = (w1f * torch.rsqrt(w1f.pow(2).mean(-1, keepdim=True) + 1e-6)).to(w1.dtype)
         gates = torch.einsum("bpd,dch->bpch", x, self.W_dyn_gate)
         gates = torch.tanh(gates + self.b_dyn_gate if self.b_dyn_gate is not None else gates)
         weights = {}

@@ -37,7 +37,8 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .attribution import Target, target_value
+from .attribution import Target, _prepare, target_value
+from .checks import check_finite, check_position, check_token_ids, check_tokens, real_lengths
 from .model import HookedDCFormer, branch_outputs, visible_keys
 from .synth.contrast import PairTokens
 
@@ -88,7 +89,10 @@ def sites(model: HookedDCFormer, names: Sequence[str] = SITE_NAMES, layers: Sequ
           per_head: bool = False) -> list[Site]:
     """Every site the model has (its compose stages and branches), layer by layer, stage, then `names` order."""
     cfg = model.cfg
-    unknown = sorted(set(names) - set(SITE_NAMES))
+    names = [names] if isinstance(names, str) else list(names)
+    if not names:
+        raise ValueError(f"names is empty: pass site names ({', '.join(SITE_NAMES)})")
+    unknown = sorted({str(n) for n in names} - set(SITE_NAMES))
     if unknown:
         raise ValueError(f"names: unknown site {unknown[0]!r} (known: {', '.join(SITE_NAMES)})")
     if not cfg.use_dcmha:
@@ -102,11 +106,33 @@ def sites(model: HookedDCFormer, names: Sequence[str] = SITE_NAMES, layers: Sequ
 
 def _check_layers(model: HookedDCFormer, layers: Sequence[int] | None) -> list[int]:
     n_layers = model.cfg.n_layers
+    if isinstance(layers, int):
+        layers = [layers]
     layers = list(range(n_layers)) if layers is None else list(layers)
-    bad = [layer for layer in layers if not 0 <= layer < n_layers]
+    if not layers:
+        raise ValueError("layers is empty: pass layer indices, or None for every layer")
+    bad = [layer for layer in layers if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < n_layers]
     if bad:
         raise ValueError(f"layers: {bad[0]} is not a layer of this {n_layers}-layer model")
     return layers
+
+
+def check_sites(model: HookedDCFormer, site_list: Sequence[Site], name: str = "components") -> None:
+    """A one-line ValueError naming `name` for a site this model does not have (layer, stage, hook or head)."""
+    cfg = model.cfg
+    for site in site_list:
+        if not isinstance(site, Site):
+            raise TypeError(f"{name}: {site!r} is not a Site")
+        if not isinstance(site.layer, int) or not 0 <= site.layer < cfg.n_layers:
+            raise ValueError(f"{name}: layer {site.layer!r} is not a layer of this {cfg.n_layers}-layer model")
+        if site.stage not in cfg.compose_stages or not cfg.use_dcmha:
+            raise ValueError(f"{name}: stage {site.stage!r} is not a compose stage of this model "
+                             f"(it has {', '.join(cfg.compose_stages) if cfg.use_dcmha else 'none'})")
+        if site.name not in SITE_NAMES or SITE_BRANCH[site.name] not in cfg.active_branches:
+            raise ValueError(f"{name}: site {site.name!r} is not one of this model's ({', '.join(SITE_NAMES)}; "
+                             f"branches {', '.join(cfg.active_branches)})")
+        if site.head is not None and (not isinstance(site.head, int) or not 0 <= site.head < cfg.n_heads):
+            raise ValueError(f"{name}: head {site.head!r} is out of range: the model has heads 0..{cfg.n_heads - 1}")
 
 
 @dataclass(frozen=True)
@@ -125,6 +151,18 @@ def branch_components(model: HookedDCFormer, per_head: bool = False,
     """One component per (layer, stage, branch), or per (layer, stage, branch, output head)."""
     return [Component((site,), site.layer, site.stage, site.branch, "all" if site.head is None else site.head)
             for site in sites(model, BRANCH_OUTPUTS, layers, per_head)]
+
+
+def check_components(model: HookedDCFormer, components: Sequence[Component]) -> None:
+    """One line naming `components` for an empty list, a non-Component or a site the model does not have."""
+    if not components:
+        raise ValueError("components is empty: pass at least one Component (default: branch_components(model))")
+    for component in components:
+        if not isinstance(component, Component):
+            raise TypeError(f"components: {component!r} is not a Component")
+        if not component.sites:
+            raise ValueError(f"components: {component} has no sites")
+        check_sites(model, component.sites)
 
 
 def stage_components(model: HookedDCFormer, layers: Sequence[int] | None = None) -> list[Component]:
@@ -153,12 +191,73 @@ def everywhere_components(model: HookedDCFormer) -> list[Component]:
 
 # --------------------------------------------------------------------------------------------------
 # Ablation
-def mean_activations(model: HookedDCFormer, tokens: Int[Tensor, "batch pos"],
-                     hook_names: Sequence[str]) -> dict[str, Tensor]:
-    """Each hook's activation averaged over the prompts, position by position ([head, query, key] for outputs)."""
+MeanOver = Literal["position", "token"]
+
+
+def _real_entries(model: HookedDCFormer, hook_name: str, activation: Tensor, lengths: Tensor) -> Tensor:
+    """Where a hook's activation belongs to a real token: [batch, 1, query, key] for a branch output (a real
+    query and a key it sees), [batch, pos, 1, ...] for a dynamic weight."""
+    n_pos = activation.shape[2] if hook_name.split("hook_")[-1] in BRANCH_OUTPUTS else activation.shape[1]
+    real = torch.arange(n_pos, device=activation.device)[None, :] < lengths[:, None].to(activation.device)
+    if hook_name.split("hook_")[-1] in BRANCH_OUTPUTS:
+        window = model.blocks[int(hook_name.split(".")[1])].attn.window
+        seen = visible_keys(n_pos, window, activation.device, model.cfg.window)
+        return (real[:, :, None] & seen[None])[:, None]
+    return real.reshape(*real.shape, *[1] * (activation.ndim - 2))
+
+
+def mean_activations(model: HookedDCFormer, tokens: Int[Tensor, "batch pos"], hook_names: Sequence[str],
+                     over: MeanOver = "position", lengths: Int[Tensor, "batch"] | None = None,
+                     templates: Sequence | None = None, width: int | None = None) -> dict[str, Tensor]:
+    """Each hook's mean activation over the real tokens of a right-padded batch: pads never count.
+
+    over="position": at each position (each query and key for a branch output), the mean over the prompts that
+        have a real token there. Positions align only within one template.
+    over="token": the mean over every real token of every prompt (every real query and a key it sees, for a
+        branch output): one value per head (and rank), put at every position (a branch output's only where a
+        query sees the key, 0 elsewhere, as in the model).
+    templates: one label per prompt; each prompt then gets the mean over the prompts with its label.
+    lengths: real tokens per prompt (default: up to the trailing pad tokens of the model's tokenizer).
+    width: the positions of the batch the means will replace (default the same as tokens'); a per-position mean
+        is cropped or padded with zeros. Returns, per hook, [1 or batch (with templates), ...] as its activation.
+    """
+    if over not in ("position", "token"):
+        raise ValueError(f"mean_over must be 'position' or 'token', not {over!r}")
+    lengths = real_lengths(model, tokens, lengths)
+    labels = [0] * tokens.shape[0] if templates is None else list(templates)
+    if len(labels) != tokens.shape[0]:
+        raise ValueError(f"templates has {len(labels)} labels for {tokens.shape[0]} prompts")
+    groups = {label: torch.tensor([l == label for l in labels], device=tokens.device) for label in dict.fromkeys(labels)}
+    width = tokens.shape[1] if width is None else width
     with torch.no_grad():
         _, cache = model.run_with_cache(tokens, names_filter=list(hook_names), stop_at_layer=model.cfg.n_layers)
-    return {name: cache[name].mean(0) for name in hook_names}
+    means = {}
+    for name in hook_names:
+        activation = cache[name].float()
+        real = _real_entries(model, name, activation, lengths)
+        output = name.split("hook_")[-1] in BRANCH_OUTPUTS
+        by_group = {}
+        for label, rows in groups.items():
+            x, r = activation[rows], real[rows].expand_as(activation[rows])
+            if over == "position":
+                mean = (x * r).sum(0) / r.sum(0).clamp(min=1)
+                n = min(width, mean.shape[1 if output else 0])
+                fitted = mean.new_zeros(mean.shape[0], width, width) if output else mean.new_zeros(width, *mean.shape[1:])
+                if output:
+                    fitted[:, :n, :n] = mean[:, :n, :n]
+                else:
+                    fitted[:n] = mean[:n]
+                by_group[label] = fitted
+            elif output:
+                mean = (x * r).sum((0, 2, 3)) / r.sum((0, 2, 3)).clamp(min=1)  # [head]
+                window = model.blocks[int(name.split(".")[1])].attn.window
+                by_group[label] = mean[:, None, None] * visible_keys(width, window, activation.device, model.cfg.window)
+            else:
+                mean = (x * r).sum((0, 1)) / r.sum((0, 1)).clamp(min=1)  # [rank, head] or [head]
+                by_group[label] = mean.expand(width, *mean.shape)
+        means[name] = torch.stack([by_group[label] for label in labels]) if templates is not None \
+            else by_group[0][None]
+    return means
 
 
 def ablation_hooks(component: Component, means: dict[str, Tensor] | None = None) -> list[tuple[str, Callable]]:
@@ -187,37 +286,58 @@ def branch_ablation(
     ablation: Literal["zero", "mean"] = "zero",
     reference_tokens: Int[Tensor, "ref pos"] | None = None,
     position: int | Int[Tensor, "batch"] = -1,
-    target_type: Literal["logit", "logprob"] = "logit",
+    target_type: Literal["logit", "logprob", "prob"] = "logit",
+    mean_over: MeanOver = "position",
+    templates: Sequence | None = None,
+    lengths: Int[Tensor, "ref"] | None = None,
 ) -> pd.DataFrame:
     """The target's change (mean over prompts) when each component is ablated: one row per component.
 
     components: default `branch_components(model)`; also `branch_components(model, per_head=True)`,
         `stage_components`, `layer_components`, `everywhere_components`, or your own.
-    ablation: "zero" (the model without the branch, the paper's reading) or "mean" (each position's mean over
-        `reference_tokens`, default `tokens`, which must then have the same length).
-    target, position, target_type: as in `attribution.head_attribution` (a token id or [batch] of ids, or a
-        function of the logits). Columns: layer, stage, branch, head, clean, ablated, effect (negative: the
+    ablation: "zero" (the model without the branch, the paper's reading) or "mean": the mean over the real tokens
+        of `reference_tokens` (default `tokens`; pads never count), by `mean_over`:
+        "position" (default): each position's mean over the prompts that have a real token there; with
+        `templates` (one label per prompt, e.g. the task id; needs reference_tokens None), over the prompts of
+        the same template only. "token": the mean over all real tokens, the same at every position.
+        `lengths`: the reference prompts' real tokens (default: up to the tokenizer's trailing pad tokens;
+        pass `pairs.position + 1` where the tokenizer has no pad token). docs/conventions.md measures the rules.
+    target, position, target_type: as in `attribution.head_attribution` (a token id or [batch] of ids, a word,
+        or a function of the logits). Columns: layer, stage, branch, head, clean, ablated, effect (negative: the
         component helps the target).
     """
-    tokens = torch.as_tensor(tokens, device=model.input_device)
-    tokens = tokens[None] if tokens.ndim == 1 else tokens
-    components = branch_components(model) if components is None else components
+    tokens, target, position = _prepare(model, tokens, target, position, target_type)
+    if mean_over not in ("position", "token"):
+        raise ValueError(f"mean_over must be 'position' or 'token', not {mean_over!r}")
+    if isinstance(components, (str, Component)):
+        raise TypeError(f"components must be a list of Component, not {components!r}")
+    components = branch_components(model) if components is None else list(components)
+    check_components(model, components)
     means = None
     if ablation == "mean":
-        reference = tokens if reference_tokens is None else torch.as_tensor(reference_tokens, device=tokens.device)
-        if reference.shape[-1] != tokens.shape[-1]:
-            raise ValueError(f"reference_tokens has {reference.shape[-1]} positions and tokens {tokens.shape[-1]}: "
-                             "mean ablation replaces each position by its mean over prompts of the same length")
-        means = mean_activations(model, reference, {site.hook_name for c in components for site in c.sites})
+        if templates is not None and reference_tokens is not None:
+            raise ValueError("templates: per-template means need the tokens to be their own reference "
+                             "(reference_tokens=None)")
+        reference = tokens if reference_tokens is None else check_tokens(model, reference_tokens, "reference_tokens")
+        names = list(dict.fromkeys(site.hook_name for c in components for site in c.sites))
+        means = mean_activations(model, reference, names, mean_over, lengths, templates, tokens.shape[1])
+        if mean_over == "position" and reference_tokens is not None:
+            longest = int(real_lengths(model, reference, lengths).max())
+            if int(real_lengths(model, tokens).max()) > longest:
+                raise ValueError(f"reference_tokens: its prompts have at most {longest} real tokens, fewer than "
+                                 "tokens': no per-position mean at the later positions (use mean_over='token')")
     elif ablation != "zero":
         raise ValueError(f"ablation must be 'zero' or 'mean', not {ablation!r}")
-    clean = target_value(model, tokens, target, position, target_type).mean().item()
-    rows = []
+    clean = target_value(model, tokens, target, position, target_type)
+    rows, values = [], {"the clean target": clean}
     for component in components:
         hooks = ablation_hooks(component, means)
-        ablated = target_value(model, tokens, target, position, target_type, hooks).mean().item()
+        ablated = target_value(model, tokens, target, position, target_type, hooks)
+        values[f"the target with {component.sites[0].hook_name} ablated"] = ablated
         rows.append({"layer": component.layer, "stage": component.stage, "branch": component.branch,
-                     "head": component.head, "clean": clean, "ablated": ablated, "effect": ablated - clean})
+                     "head": component.head, "clean": clean.mean().item(), "ablated": ablated.mean().item(),
+                     "effect": (ablated - clean).mean().item()})
+    check_finite(model, values, "branch_ablation", lambda: target_value(model, tokens, target, position, target_type))
     return pd.DataFrame(rows, columns=["layer", "stage", "branch", "head", "clean", "ablated", "effect"])
 
 
@@ -236,11 +356,12 @@ class LogitDiff:
         resid = model.run_with_hooks(tokens, fwd_hooks=list(fwd_hooks), stop_at_layer=model.cfg.n_layers)
         rows = torch.arange(tokens.shape[0], device=resid.device)
         position = torch.as_tensor(self.position, device=resid.device).expand(tokens.shape[0])
-        final = model.ln_final(resid[rows, position][:, None])[:, 0]
+        final = model.ln_final(resid[rows, position][:, None].float())[:, 0]  # read out in float32
         W_U = model.W_U
-        direction = W_U[:, self.clean_answer.to(W_U.device)] - W_U[:, self.corrupt_answer.to(W_U.device)]
-        bias = model.b_U[self.clean_answer.to(W_U.device)] - model.b_U[self.corrupt_answer.to(W_U.device)]
-        return (torch.einsum("bd,db->b", final, direction) + bias).float()
+        clean, corrupt = self.clean_answer.to(W_U.device), self.corrupt_answer.to(W_U.device)
+        direction = W_U[:, clean].float() - W_U[:, corrupt].float()
+        bias = model.b_U[clean].float() - model.b_U[corrupt].float()
+        return torch.einsum("bd,db->b", final, direction) + bias
 
 
 # --------------------------------------------------------------------------------------------------
@@ -368,20 +489,42 @@ def attribution_patching(model: HookedDCFormer, pairs: PairTokens, direction: Di
     softmax: "linear" (default: the plain first-order estimate) or "exact" (pre-compose sites carried through
     their layer's softmax exactly, as AtP* does for attention scores; see `attribution_deltas`).
     """
+    if softmax not in ("linear", "exact"):
+        raise ValueError(f"softmax must be 'linear' or 'exact', not {softmax!r}")
+
     def deltas(model, tokens, sources, metric, site_list):
         return attribution_deltas(model, tokens, sources, metric, site_list, softmax)
 
     return _patching_table(model, pairs, direction, per_head, names, layers, deltas)
 
 
+def check_pairs(model: HookedDCFormer, pairs: PairTokens) -> tuple[Tensor, ...]:
+    """(clean, corrupt, clean_answer, corrupt_answer, position) on the model's device, or one line naming `pairs`."""
+    if not all(hasattr(pairs, field) for field in ("clean", "corrupt", "clean_answer", "corrupt_answer", "position")):
+        raise TypeError(f"pairs must be a PairTokens (dcinterp.synth.tokenize_pairs), not {type(pairs).__name__}")
+    clean, corrupt = check_tokens(model, pairs.clean, "pairs.clean"), check_tokens(model, pairs.corrupt, "pairs.corrupt")
+    if clean.shape != corrupt.shape:
+        raise ValueError(f"pairs: clean tokens {tuple(clean.shape)} and corrupted {tuple(corrupt.shape)} differ in shape")
+    batch = clean.shape[0]
+    answers = []
+    for field in ("clean_answer", "corrupt_answer", "position"):
+        value = torch.as_tensor(getattr(pairs, field)).to(clean.device)
+        if value.shape != (batch,):
+            raise ValueError(f"pairs.{field} must hold one value per pair ({batch}), not shape {tuple(value.shape)}")
+        answers.append(value)
+    check_token_ids(answers[0], model.cfg.d_vocab, "pairs.clean_answer")
+    check_token_ids(answers[1], model.cfg.d_vocab, "pairs.corrupt_answer")
+    position = check_position(answers[2], clean.shape[1], "pairs.position")
+    return clean, corrupt, answers[0], answers[1], position
+
+
 def _patching_table(model, pairs, direction, per_head, names, layers, deltas_of) -> pd.DataFrame:
     if direction not in ("noising", "denoising"):
         raise ValueError(f"direction must be 'noising' or 'denoising', not {direction!r}")
-    device = model.input_device
-    clean, corrupt = pairs.clean.to(device), pairs.corrupt.to(device)
-    if clean.shape != corrupt.shape:
-        raise ValueError(f"pairs: clean tokens {tuple(clean.shape)} and corrupted {tuple(corrupt.shape)} differ in shape")
-    metric = LogitDiff(pairs.clean_answer.to(device), pairs.corrupt_answer.to(device), pairs.position.to(device))
+    if not isinstance(per_head, bool):
+        raise TypeError(f"per_head must be True or False, not {per_head!r}")
+    clean, corrupt, clean_answer, corrupt_answer, position = check_pairs(model, pairs)
+    metric = LogitDiff(clean_answer, corrupt_answer, position)
     site_list = sites(model, names, layers, per_head)
     hook_names = list(dict.fromkeys(site.hook_name for site in site_list))
     base, source = (clean, corrupt) if direction == "noising" else (corrupt, clean)
@@ -392,6 +535,10 @@ def _patching_table(model, pairs, direction, per_head, names, layers, deltas_of)
         raise ValueError("pairs: the clean and corrupted prompts give the same mean logit difference "
                          f"({ld_clean.item():.4g}); there is nothing to restore")
     deltas = deltas_of(model, base, cache_sites(model, source, hook_names), metric, site_list).cpu()
+    values = {f"the change at {site.hook_name}" + ("" if site.head is None else f" head {site.head}"): delta
+              for site, delta in zip(site_list, deltas)}
+    check_finite(model, {"the clean-minus-corrupt logit difference": torch.tensor(scale), **values},
+                 "patching", lambda: site_gradients(model, base, metric, hook_names))
     return pd.DataFrame({
         "layer": [site.layer for site in site_list],
         "stage": [site.stage for site in site_list],

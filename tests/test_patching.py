@@ -102,7 +102,7 @@ def test_ablation_tables_label_their_rows(model, pairs):
     assert labels[:8] == [(s, b) for s in ("pre", "post") for b in ("qp", "kp", "qg", "kg")]
     with pytest.raises(ValueError, match="ablation must be 'zero' or 'mean'"):
         branch_ablation(model, pairs.clean, pairs.clean_answer, ablation="noise")
-    with pytest.raises(ValueError, match="reference_tokens has 5 positions"):
+    with pytest.raises(ValueError, match="reference_tokens: its prompts have at most 5 real tokens"):
         branch_ablation(model, pairs.clean, pairs.clean_answer, ablation="mean", reference_tokens=pairs.clean[:, :5])
 
 

@@ -70,8 +70,10 @@ def contrast_pairs(task: str | int, n: int = 16, seed: int = 0, kind: str | None
     if task.qk_pattern not in KIND_PATTERNS[kind]:
         raise ValueError(f"kind {kind!r} does not apply to {task_id} ({task.qk_pattern}); it applies to "
                          + ", ".join(KIND_PATTERNS[kind]))
-    if n < 1 or shots < 0:
-        raise ValueError(f"n must be positive and shots not negative (got n={n}, shots={shots})")
+    for name, value, least, what in (("n", n, 1, "positive"), ("shots", shots, 0, "not negative"),
+                                     ("seed", seed, None, "an integer")):
+        if isinstance(value, bool) or not isinstance(value, int) or least is not None and value < least:
+            raise ValueError(f"{name} must be {what}" + (" (an integer)" if least is not None else "") + f", not {value!r}")
     if tokenizer is not None:
         def same_shape(clean: str, corrupt: str, clean_answer: str, corrupt_answer: str) -> bool:
             return (len(tokenizer(clean)["input_ids"]) == len(tokenizer(corrupt)["input_ids"])
@@ -109,6 +111,10 @@ def tokenize_pairs(pairs: list[ContrastPair], tokenizer) -> PairTokens:
     """Token ids of the pairs; ValueError if a pair's prompts differ in length or its answers start alike."""
     import torch
 
+    if not pairs:
+        raise ValueError("pairs is empty: pass at least one ContrastPair (from contrast_pairs)")
+    if not all(isinstance(pair, ContrastPair) for pair in pairs):
+        raise TypeError("pairs must be ContrastPair objects (from contrast_pairs)")
     clean = [tokenizer(pair.clean)["input_ids"] for pair in pairs]
     corrupt = [tokenizer(pair.corrupt)["input_ids"] for pair in pairs]
     answers = [(answer_token(tokenizer, p.clean, p.clean_answer), answer_token(tokenizer, p.corrupt, p.corrupt_answer))
