@@ -620,10 +620,10 @@ SELECTIONS = {"top-n": lambda graph, scores, n: top_n_circuit(scores, n), "greed
 
 
 def default_counts(n_edges: int) -> list[int]:
-    """0, 1, 2, 5, 10, 20, 50, ... up to the full graph."""
+    """0, 1, 2, 3, 5, 7, 10, 15, 20, 30, 50, 70, 100, ... up to the full graph."""
     counts, scale = [0], 1
     while scale < n_edges:
-        counts += [c * scale for c in (1, 2, 5) if c * scale < n_edges]
+        counts += [int(c * scale) for c in (1, 1.5, 2, 3, 5, 7) if c * scale < n_edges and c * scale == int(c * scale)]
         scale *= 10
     return counts + [n_edges]
 
