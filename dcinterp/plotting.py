@@ -772,7 +772,7 @@ def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str 
     chosen = np.flatnonzero(_np(torch.as_tensor(circuit)).astype(bool))
     values = _np(scores)
     largest = max(np.abs(values[chosen]).max() if len(chosen) else 1.0, 1e-12)
-    width = lambda i: 0.3 + 3.2 * abs(values[i]) / largest  # noqa: E731
+    width = lambda i: 0.3 + 3.2 * abs(values[i]) / largest
     x_mlp, x_compose = H + 0.6, -1.4
     fig = Figure(figsize=(min(max(7.0, 2.5 + 0.42 * (H + 3)), 18.0), min(max(4.5, 1.5 + 0.62 * (L + 2)), 26.0)),
                  layout="constrained")

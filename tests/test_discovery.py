@@ -7,7 +7,13 @@ import torch
 from dcinterp import HookedDCFormer
 from dcinterp.config import DCFormerConfig
 from dcinterp.discovery import (
-    CircuitEvaluator, Graph, build_graph, edge_scores, faithfulness_curve, greedy_circuit, top_n_circuit,
+    CircuitEvaluator,
+    Graph,
+    build_graph,
+    edge_scores,
+    faithfulness_curve,
+    greedy_circuit,
+    top_n_circuit,
 )
 from dcinterp.model import branch_outputs
 from dcinterp.synth.contrast import PairTokens
@@ -203,7 +209,7 @@ def test_cutting_a_branch_is_the_branch_recomputed_from_the_corrupted_input_and_
         attn = f"blocks.{layer}.attn"
         weights = {w: clean[f"{attn}.{stage}_compose.hook_{w}"] for w in WEIGHTS}
         by_hand = branch_outputs(stage_input(model, corrupt, layer, stage), **weights)[branch]
-        expected = logit_diff(model, pairs, [(f"{attn}.{stage}_compose.hook_o_{branch}", lambda x, hook: by_hand)])
+        expected = logit_diff(model, pairs, [(f"{attn}.{stage}_compose.hook_o_{branch}", lambda x, hook, v=by_hand: v)])
         assert evaluator(circuit) == pytest.approx(expected, abs=1e-4)
         assert abs(expected - evaluator.m_clean) > 1e-3
 
@@ -220,7 +226,6 @@ def test_eap_score_is_the_gradient_formula_by_hand():
     grads = {}
 
     def keep(x, hook):
-        x.retain_grad() if x.requires_grad else None
         offset = torch.zeros_like(x, requires_grad=True)
         grads[hook.name] = offset
         return x + offset
@@ -230,7 +235,7 @@ def test_eap_score_is_the_gradient_formula_by_hand():
     model.set_use_split_qkv_input(True)
     try:
         with torch.enable_grad():
-            value = torch.tensor(logit_diff_tensor(model, pairs, [(n, keep) for n in names]))
+            logit_diff_tensor(model, pairs, [(n, keep) for n in names])
     finally:
         model.set_use_split_qkv_input(False)
     g = {n: grads[n].grad for n in names}

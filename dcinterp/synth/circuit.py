@@ -74,8 +74,14 @@ def discover(model, pairs, method: str = "eap-ig", n_steps: int = 5, metric: str
     """Scores (both methods), exact single-edge effects of the top edges, faithfulness curves and the summary."""
     import torch
 
-    from ..discovery import (CircuitEvaluator, build_graph, edge_scores, faithfulness_curve,
-                             smallest_faithful_circuit, spearman)
+    from ..discovery import (
+        CircuitEvaluator,
+        build_graph,
+        edge_scores,
+        faithfulness_curve,
+        smallest_faithful_circuit,
+        spearman,
+    )
 
     def say(text: str) -> None:
         if progress:
