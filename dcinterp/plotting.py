@@ -748,7 +748,7 @@ def plot_faithfulness(curve, title: str | None = None, caption: str | None = Non
     ax.set_xlim(0, curve["edges"].max() * 1.05)
     ax.set_xlabel("edges in the circuit (the others corrupted)")
     ax.set_ylabel("faithfulness")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, handlelength=3.5)
     ax.set_title(title or "faithfulness of circuits", fontsize=10)
     fig.text(0.01, 0.0, caption or "Faithfulness = (m(circuit) - m(corrupted)) / (m(clean) - m(corrupted)), by exact "
              "edge patching; the grey dashed line is 80%.", fontsize=7, wrap=True)
