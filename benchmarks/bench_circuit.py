@@ -4,7 +4,7 @@
 
 For each shape, in a fresh process per measurement (peak RSS is the process's own, `ru_maxrss`):
   eap:     edge scores from one forward on each prompt and one forward+backward (`discovery.edge_scores`),
-  eap-ig:  the same with --n-steps interpolation steps (batched in one pass),
+  eap-ig:  the same with --n-steps interpolation steps, --ig-batch-size steps per pass,
   exact:   exact patching of --sample single edges (one forward over the pairs each, after the corrupted run),
            extrapolated to every edge of the graph.
 Shapes: `synth` is the embedded dcpythia-synth on same-person : superclass contrast pairs (2 tasks x --pairs/2);
@@ -51,7 +51,7 @@ def setup(shape: str, pairs: int):
     return model.eval().requires_grad_(False), tokens
 
 
-def worker(shape: str, what: str, pairs: int, n_steps: int, sample: int, threads: int) -> dict:
+def worker(shape: str, what: str, pairs: int, n_steps: int, sample: int, threads: int, ig_batch_size: int | None) -> dict:
     import torch
 
     from dcinterp.discovery import CircuitEvaluator, build_graph, edge_scores
@@ -61,7 +61,7 @@ def worker(shape: str, what: str, pairs: int, n_steps: int, sample: int, threads
     graph = build_graph(model)
     start = time.perf_counter()
     if what in ("eap", "eap-ig"):
-        edge_scores(model, tokens, what, n_steps=n_steps, graph=graph, batch_size=None)
+        edge_scores(model, tokens, what, n_steps=n_steps, graph=graph, batch_size=None, ig_batch_size=ig_batch_size)
         seconds = time.perf_counter() - start
         per_edge = None
     else:
@@ -84,18 +84,20 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=16)
     parser.add_argument("--n-steps", type=int, default=5)
     parser.add_argument("--sample", type=int, default=8, help="edges patched exactly, to extrapolate")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--ig-batch-size", type=int, default=1, help="EAP-IG steps per pass (memory bound)")
     parser.add_argument("--worker", nargs=2, metavar=("SHAPE", "WHAT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(*args.worker, args.pairs, args.n_steps, args.sample, args.threads)))
+        print(json.dumps(worker(*args.worker, args.pairs, args.n_steps, args.sample, args.threads, args.ig_batch_size)))
         return
     print(f"{'shape':6} {'what':7} {'edges':>7} {'compose':>7} {'pairs':>5} {'seconds':>9} {'peak RSS':>9}")
     for shape in args.shapes.split(","):
         rows = {}
         for what in ("eap", "eap-ig", "exact"):
             command = [sys.executable, __file__, "--worker", shape, what, "--pairs", str(args.pairs),
-                       "--n-steps", str(args.n_steps), "--sample", str(args.sample), "--threads", str(args.threads)]
+                       "--n-steps", str(args.n_steps), "--sample", str(args.sample), "--threads", str(args.threads),
+                       "--ig-batch-size", str(args.ig_batch_size)]
             row = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
             rows[what] = row
             label = "exact*" if what == "exact" else what
