@@ -326,3 +326,32 @@ def test_faithfulness_curve_ends_at_one_and_zero():
     assert full.faithfulness.to_numpy() == pytest.approx(1.0, abs=1e-5)
     assert curve[curve.edges == 0].faithfulness.to_numpy() == pytest.approx(0.0, abs=1e-5)
     assert set(curve.selection) == {"top-n", "greedy", "random"}
+
+
+def test_logprob_metric_full_and_empty_graph_and_scores():
+    model = tiny("sequential")
+    pairs = random_pairs(model)
+    graph = build_graph(model)
+    evaluator = CircuitEvaluator(model, graph, pairs, metric="logprob")
+    with torch.no_grad():
+        logprobs = model(pairs.clean).log_softmax(-1)
+    rows = torch.arange(pairs.clean.shape[0])
+    assert evaluator.m_clean == pytest.approx(logprobs[rows, pairs.position, pairs.clean_answer].mean().item(), abs=1e-4)
+    assert evaluator.faithfulness(torch.zeros(len(graph), dtype=torch.bool)) == pytest.approx(0.0, abs=1e-4)
+    scores = edge_scores(model, pairs, "eap", metric="logprob", graph=graph)
+    assert torch.isfinite(scores).all() and scores.abs().max() > 0
+
+
+def test_bad_arguments_are_one_clear_error():
+    model = tiny("mha")
+    pairs = random_pairs(model)
+    with pytest.raises(ValueError, match="method must be one of"):
+        edge_scores(model, pairs, "acdc")
+    with pytest.raises(ValueError, match="metric must be"):
+        CircuitEvaluator(model, build_graph(model), pairs, metric="prob")
+    evaluator = CircuitEvaluator(model, build_graph(model), pairs)
+    with pytest.raises(ValueError, match="bool mask of"):
+        evaluator(torch.ones(3, dtype=torch.bool))
+    same = PairTokens(pairs.clean, pairs.clean, pairs.clean_answer, pairs.corrupt_answer, pairs.position)
+    with pytest.raises(ValueError, match="nothing to restore"):
+        CircuitEvaluator(model, build_graph(model), same)
