@@ -185,6 +185,29 @@ class Graph:
         return {"edges": len(self), "residual_edges": int(kinds.get("residual", 0)),
                 "compose_edges": int(kinds.get("compose", 0)), "senders": len(self.senders), "nodes": len(nodes)}
 
+    def to_networkx(self, circuit: Tensor | None = None, scores: Tensor | None = None):
+        """The graph (or the edges of `circuit`) as a networkx MultiDiGraph, each edge with its attributes and
+        `score`; the links inside a head or layer (q/k/v and the compose weights to the head's output) are edges
+        of kind "internal". Needs networkx (`pip install networkx`)."""
+        import networkx as nx
+
+        graph = nx.MultiDiGraph()
+        chosen = range(len(self)) if circuit is None else torch.nonzero(torch.as_tensor(circuit))[:, 0].tolist()
+        for i in chosen:
+            edge = self.edges[i]
+            attributes = {key: value for key, value in vars(edge).items() if key not in ("source", "target")}
+            graph.add_edge(edge.source, edge.target, key=i, index=i,
+                           score=None if scores is None else float(scores[i]), **attributes)
+        for node in list(graph.nodes):
+            todo = [node]
+            while todo:
+                current = todo.pop()
+                for succ in self.implicit_successors(current):
+                    if not graph.has_edge(current, succ, key="internal"):
+                        graph.add_edge(current, succ, key="internal", kind="internal")
+                        todo.append(succ)
+        return graph
+
     # ---- connectivity: which nodes feed which inside a layer (not edges: they are never cut)
     def implicit_successors(self, node: str) -> list[str]:
         """The node(s) a node feeds inside its head or layer, without an edge in between."""

@@ -355,3 +355,15 @@ def test_bad_arguments_are_one_clear_error():
     same = PairTokens(pairs.clean, pairs.clean, pairs.clean_answer, pairs.corrupt_answer, pairs.position)
     with pytest.raises(ValueError, match="nothing to restore"):
         CircuitEvaluator(model, build_graph(model), same)
+
+
+def test_greedy_circuit_as_networkx_reaches_the_logits():
+    nx = pytest.importorskip("networkx")
+    model = tiny("parallel")
+    graph = build_graph(model)
+    scores = torch.randn(len(graph), generator=torch.Generator().manual_seed(3))
+    circuit = greedy_circuit(graph, scores, 30)
+    as_nx = graph.to_networkx(circuit, scores)
+    real = [(u, v, d) for u, v, d in as_nx.edges(data=True) if d["kind"] != "internal"]
+    assert len(real) == 30
+    assert all(nx.has_path(as_nx, u, "logits") for u, _, _ in real)
