@@ -9,7 +9,8 @@ For each shape, in a fresh process per measurement (peak RSS is the process's ow
            extrapolated to every edge of the graph.
 Shapes: `synth` is the embedded dcpythia-synth on same-person : superclass contrast pairs (2 tasks x --pairs/2);
 `1b` a random DCPythia with Pythia-1B's shape (16 layers, d_model 2048, 8 heads, d_mlp 8192) in float32 on the CPU,
-on random token pairs of 48 positions (1 pair). Prints one row per (shape, measurement) and the ratios
+on random token pairs of 48 positions (1 pair); `6.9b-4l` DCPythia-6.9B's width with 4 of its layers, the same way
+(activation memory per layer, to extrapolate to 32). Prints one row per (shape, measurement) and the ratios
 exact-all / eap and exact-all / eap-ig measured in the same run.
 """
 
@@ -26,6 +27,9 @@ SHAPES = {
     "synth": None,
     "1b": dict(n_layers=16, d_model=2048, n_heads=8, d_head=256, d_mlp=8192, d_vocab=50304, window_size=256,
                window_type="LG", dcmha_rank=2, dyn_hidden_dim=32),
+    # DCPythia-6.9B's width (d_model 4096, 32 heads, d_mlp 16384) with 4 of its 32 layers: activation memory per layer
+    "6.9b-4l": dict(n_layers=4, d_model=4096, n_heads=32, d_head=128, d_mlp=16384, d_vocab=50304, window_size=256,
+                    window_type="LG", dcmha_rank=2, dyn_hidden_dim=128),
 }
 
 

@@ -273,6 +273,7 @@ class Run:
     stage_inputs: dict = field(default_factory=dict)  # (layer, stage) -> A [batch, head, query, key]
     weights: dict = field(default_factory=dict)  # (layer, stage) -> {qw1, qw2, kw1, kw2, qg, kg}
     offsets: dict = field(default_factory=dict)  # edge-group key or (stage, layer) -> zero offset with grad
+    resid_in: dict = field(default_factory=dict)  # gradient runs: layer -> the stream entering the block
 
 
 @contextlib.contextmanager
@@ -345,6 +346,8 @@ def graph_forward(
     for layer, block in enumerate(model.blocks):
         attn = f"blocks.{layer}.attn"
         hooks.append((f"{attn}.hook_result", _store(results, layer)))
+        if track_grad:  # q, k, v receivers: gradients at q, k, v, taken back to the stream after the backward pass
+            hooks += [(f"{attn}.hook_{part}", _offset_hook(run, (f"hook_{part}", layer))) for part in ("q", "k", "v")]
         if not graph.dcmha:
             continue
         hidden = visible_keys(p, block.attn.window, resid.device, cfg.window).logical_not()
@@ -362,13 +365,21 @@ def graph_forward(
     with _attn_result(model), model.hooks(fwd_hooks=hooks):
         for layer, block in enumerate(model.blocks):
             S = graph.senders_before(layer)
-            q_in, k_in, v_in = (receive((part, layer), resid, S, True) for part in ("q", "k", "v"))
-            x = receive(("compose", layer), resid, S, False) if graph.dcmha else resid
             window = block.attn.window
             if window not in masks:
                 masks[window] = attention_mask(p, window, resid.device, resid.dtype, semantics=cfg.window)
-            qkv = tuple(block.ln1(part) for part in (q_in, k_in, v_in))
-            attn_out = block.attn(block.ln1(x), masks[window], qkv)
+            if track_grad:
+                # No per-head copies of the stream (3 x heads x d_model per position, kept for the backward pass):
+                # one normed input with a zero offset; `_attention_receiver_grads` splits its gradient afterwards.
+                run.resid_in[layer] = resid.detach()
+                run.offsets[("x", layer)] = torch.zeros((b, p, d), dtype=resid.dtype, device=resid.device,
+                                                        requires_grad=True)
+                attn_out = block.attn(block.ln1(resid) + run.offsets[("x", layer)], masks[window])
+            else:
+                q_in, k_in, v_in = (receive((part, layer), resid, S, True) for part in ("q", "k", "v"))
+                x = receive(("compose", layer), resid, S, False) if graph.dcmha else resid
+                qkv = tuple(block.ln1(part) for part in (q_in, k_in, v_in))
+                attn_out = block.attn(block.ln1(x), masks[window], qkv)
             head_out = results.pop(layer).detach()  # [b, p, H, d]
             outputs[S:S + H] = head_out.permute(2, 0, 1, 3)
             if diff is not None:
@@ -389,6 +400,46 @@ def _store(into: dict, key):
         return x
 
     return hook
+
+
+def _offset_hook(run: Run, key):
+    def hook(x: Tensor, hook) -> Tensor:
+        run.offsets[key] = torch.zeros_like(x, requires_grad=True)
+        return x + run.offsets[key]
+
+    return hook
+
+
+def _attention_receiver_grads(model: HookedDCFormer, graph: Graph, run: Run, grads: dict, layer: int) -> dict:
+    """Per head, d metric / d (the stream entering its q, k and v), and d metric / d (the stream entering the compose
+    weight generator), [rows, pos, head, d_model] and [rows, pos, d_model], from the gradients of a run without
+    per-head copies: at q, k, v (`hook_q`, ...), taken back through QK-norm and W_Q, W_K, W_V to the normed input,
+    and at the normed input itself (all readers together; the compose generator's part is what q, k, v leave).
+    Each part then goes back through ln1 at the block's input, as if each head had its own copy of the stream."""
+    block = model.blocks[layer]
+    attn, H = block.attn, model.cfg.n_heads
+    resid = run.resid_in[layer]
+    with torch.no_grad():
+        normed = block.ln1(resid)
+    parts = []
+    for part, W, bias in (("q", attn.W_Q, attn.b_Q), ("k", attn.W_K, attn.b_K), ("v", attn.W_V, attn.b_V)):
+        g = grads[(f"hook_{part}", layer)]
+        if part != "v" and model.cfg.use_qk_norm:
+            linear = torch.einsum("bpd,hde->bphe", normed, W)
+            linear = (linear + bias if bias is not None else linear).detach().requires_grad_(True)
+            with torch.enable_grad():
+                g = torch.autograd.grad((attn.q_norm if part == "q" else attn.k_norm)(linear), linear, g)[0]
+        parts.append(torch.einsum("bphe,hde->bphd", g, W))
+    cotangent = torch.cat(parts, dim=2)  # [rows, pos, 3 * head, d_model], normed space
+    if graph.dcmha:
+        cotangent = torch.cat([cotangent, (grads[("x", layer)] - cotangent.sum(2))[:, :, None]], dim=2)
+    copies = resid[:, :, None].expand(-1, -1, cotangent.shape[2], -1).clone().requires_grad_(True)
+    with torch.enable_grad():
+        g = torch.autograd.grad(block.ln1(copies), copies, cotangent)[0]
+    out = {"q": g[:, :, :H], "k": g[:, :, H:2 * H], "v": g[:, :, 2 * H:3 * H]}
+    if graph.dcmha:
+        out["compose"] = g[:, :, 3 * H]
+    return out
 
 
 def _store_stage_input(into: dict, key, hidden: Tensor):
@@ -492,16 +543,22 @@ def circuit_metric(model: HookedDCFormer, pairs: PairTokens, circuit: Bool[Tenso
 
 # --------------------------------------------------------------------------------------------------
 # Scores
-def _accumulate_scores(graph: Graph, scores: dict, run: Run, grads: dict, delta: Tensor, delta_A: dict) -> None:
+def _accumulate_scores(model: HookedDCFormer, graph: Graph, scores: dict, run: Run, grads: dict, delta: Tensor,
+                       delta_A: dict) -> None:
     """Add each edge's (corrupted - clean value) . gradient from one backward pass (summed over its rows)."""
+    attention = {}
     for group in graph.groups:
         key = group.key
-        if key[0] in ("q", "k", "v"):
+        if key[0] in ("q", "k", "v", "compose"):
+            if key[1] not in attention:
+                attention[key[1]] = _attention_receiver_grads(model, graph, run, grads, key[1])
+            g = attention[key[1]][key[0]]
+        elif key[0] in ("mlp", "logits"):
             g = grads[key]
-            scores[key] += torch.einsum("sbpd,bphd->sh", delta[:group.shape[0]], _fold(g, delta.shape[1]))
-        elif key[0] in ("compose", "mlp", "logits"):
-            g = grads[key]
-            scores[key] += torch.einsum("sbpd,bpd->s", delta[:group.shape[0]], _fold(g, delta.shape[1]))
+        else:
+            continue
+        spec = "sbpd,bphd->sh" if key[0] in ("q", "k", "v") else "sbpd,bpd->s"
+        scores[key] += torch.einsum(spec, delta[:group.shape[0]], _fold(g, delta.shape[1]))
     for (layer, stage), dA in delta_A.items():
         # with IG the rows hold several steps: W and G of each step go together, so the sum over rows comes last
         k = grads[(stage, layer)].shape[0] // dA.shape[0]
@@ -580,7 +637,7 @@ def edge_scores(
                 keys = list(run.offsets)
                 grads = dict(zip(keys, torch.autograd.grad(value, [run.offsets[key] for key in keys], allow_unused=True)))
             grads = {key: torch.zeros_like(run.offsets[key]) if g is None else g.detach() for key, g in grads.items()}
-            _accumulate_scores(graph, scores, run, grads, delta, delta_A)
+            _accumulate_scores(model, graph, scores, run, grads, delta, delta_A)
             del run, grads
     return graph.flatten(scores).cpu()
 

@@ -230,7 +230,7 @@ def test_eap_score_is_the_gradient_formula_by_hand():
         grads[hook.name] = offset
         return x + offset
 
-    names = [f"{attn}.hook_k_input", f"{attn}.hook_composed_scores", f"{attn}.hook_composed_pattern",
+    names = [f"{attn}.hook_q_input", f"{attn}.hook_k_input", f"{attn}.hook_v_input", f"{attn}.hook_composed_scores", f"{attn}.hook_composed_pattern",
              "blocks.1.hook_resid_post"]
     model.set_use_split_qkv_input(True)
     try:
@@ -248,9 +248,11 @@ def test_eap_score_is_the_gradient_formula_by_hand():
         assert len(rows) == 1, where
         return scores[rows.index[0]].item()
 
-    delta = sender_output(corrupt, "L0H1") - sender_output(clean, "L0H1")
-    assert score_of(source="L0H1", target=f"L{layer}H{head}.k") == pytest.approx(
-        (delta * g[f"{attn}.hook_k_input"][:, :, head]).sum().item(), rel=1e-4, abs=1e-6)
+    for source in ("embed", "L0H1", "MLP0"):
+        delta = sender_output(corrupt, source) - sender_output(clean, source)
+        for part in ("q", "k", "v"):
+            assert score_of(source=source, target=f"L{layer}H{head}.{part}") == pytest.approx(
+                (delta * g[f"{attn}.hook_{part}_input"][:, :, head]).sum().item(), rel=1e-4, abs=1e-6)
     delta = sender_output(corrupt, "MLP1") - sender_output(clean, "MLP1")
     assert score_of(source="MLP1", target="logits") == pytest.approx((delta * g["blocks.1.hook_resid_post"]).sum().item(),
                                                                      rel=1e-4, abs=1e-6)
