@@ -323,6 +323,8 @@ def graph_forward(
     if circuit is not None and not bool(circuit.all()):
         if corrupted is None:
             raise ValueError("graph_forward: a circuit with cut edges needs the corrupted run")
+        if track_grad:
+            raise ValueError("graph_forward: track_grad is for runs of the full graph (clean or interpolated inputs)")
         cuts = {key: part.to(model.cfg.dtype) for key, part in graph.split((~circuit.bool()).to(model.input_device)).items()}
     tokens = tokens.to(model.input_device)
     resid = model.hook_embed(model.embed(tokens)) if embed is None else embed
