@@ -719,3 +719,144 @@ def plot_ablation_table(table, title: str | None = None) -> Figure:
              "accuracy. Chance (a random candidate of the line) is about 35%.", fontsize=7, wrap=True)
     fig.get_layout_engine().set(rect=(0, 0.04, 1, 0.96))
     return fig
+
+
+# --------------------------------------------------------------------------------------------------
+# Circuit discovery (dcinterp.discovery)
+BRANCH_COLORS = {"qp": "tab:orange", "kp": "tab:green", "qg": "tab:purple", "kg": "tab:brown", "skip": "tab:gray"}
+
+
+def plot_faithfulness(curve, title: str | None = None, caption: str | None = None) -> Figure:
+    """Faithfulness against circuit size, one line per (method, selection), the random-edges baseline dashed.
+
+    `curve` is `dcinterp.discovery.faithfulness_curve(...)`: columns method, selection, edges, faithfulness."""
+    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
+    ax = fig.subplots()
+    styles = {"top-n": "-", "greedy": "--"}
+    colors = dict(zip([m for m in dict.fromkeys(curve["method"]) if m != "random"], ["tab:blue", "tab:red", "tab:green"]))
+    for (method, selection), rows in curve.groupby(["method", "selection"], sort=False):
+        rows = rows.sort_values("edges")
+        if method == "random":
+            ax.plot(rows["edges"], rows["faithfulness"], ":", color="grey", marker=".", label="random edges (mean)")
+        else:
+            ax.plot(rows["edges"], rows["faithfulness"], styles.get(selection, "-"), color=colors[method], marker="o",
+                    ms=3, label=f"{method}, {selection}")
+    ax.axhline(1, color="black", lw=0.6)
+    ax.axhline(0.8, color="grey", lw=0.6, ls="--")
+    ax.axhline(0, color="black", lw=0.6)
+    ax.set_xscale("symlog", linthresh=1)
+    ax.set_xlim(0, curve["edges"].max() * 1.05)
+    ax.set_xlabel("edges in the circuit (the others corrupted)")
+    ax.set_ylabel("faithfulness")
+    ax.legend(fontsize=7, handlelength=3.5)
+    ax.set_title(title or "faithfulness of circuits", fontsize=10)
+    fig.text(0.01, 0.0, caption or "Faithfulness = (m(circuit) - m(corrupted)) / (m(clean) - m(corrupted)), by exact "
+             "edge patching; the grey dashed line is 80%.", fontsize=7, wrap=True)
+    fig.get_layout_engine().set(rect=(0, 0.05, 1, 0.95))
+    return fig
+
+
+def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str | None = None) -> Figure:
+    """A circuit drawn layer by layer: embedding at the bottom, logits at the top, a row of heads per layer with
+    its MLP on the right and (DCMHA) the compose-weight generator on the left. Residual edges are dark lines from
+    a sender's output to a receiver (q, k, v enter a head's bottom left, middle and right); compose edges are arcs
+    inside their layer (pre-compose below the row of heads, post-compose above), coloured by branch, gates and
+    skip (head to itself) as rings. Line widths follow |score|.
+
+    graph: `dcinterp.discovery.Graph`; scores: [edge] tensor; circuit: bool [edge] mask (the edges drawn)."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import FancyArrowPatch
+
+    cfg = graph.cfg
+    H, L = cfg.n_heads, cfg.n_layers
+    chosen = np.flatnonzero(_np(torch.as_tensor(circuit)).astype(bool))
+    values = _np(scores)
+    largest = max(np.abs(values[chosen]).max() if len(chosen) else 1.0, 1e-12)
+    width = lambda i: 0.3 + 3.2 * abs(values[i]) / largest
+    x_mlp, x_compose = H + 0.6, -1.4
+    fig = Figure(figsize=(min(max(7.0, 2.5 + 0.42 * (H + 3)), 18.0), min(max(4.5, 1.5 + 0.62 * (L + 2)), 26.0)),
+                 layout="constrained")
+    ax = fig.subplots()
+
+    def sender_point(name: str) -> tuple[float, float]:
+        if name == "embed":
+            return (H - 1) / 2, -1.0
+        if name.startswith("MLP"):
+            return x_mlp, int(name[3:]) + 0.42
+        layer, head = name[1:].split("H")
+        return int(head), int(layer) + 0.12
+
+    def receiver_point(name: str) -> tuple[float, float]:
+        if name == "logits":
+            return (H - 1) / 2, L + 0.1
+        if name.startswith("MLP"):
+            return x_mlp, int(name[3:]) + 0.22
+        if name.endswith(".compose"):
+            return x_compose, int(name[1:].split(".")[0])
+        head, part = name.split(".")
+        layer, h = head[1:].split("H")
+        return int(h) + {"q": -0.22, "k": 0.0, "v": 0.22}[part], int(layer) - 0.22
+
+    used_heads = set()
+    for i in chosen:
+        edge = graph.edges[i]
+        if edge.kind == "compose":
+            used_heads.update({(edge.layer, edge.source_head), (edge.layer, edge.target_head)})
+            y = edge.layer + (-0.1 if edge.stage == "pre" else 0.1)
+            color = BRANCH_COLORS[edge.branch]
+            if edge.source_head == edge.target_head:
+                offset = {"qg": -0.16, "kg": 0.0, "skip": 0.16}.get(edge.branch, 0.0)
+                ax.plot(edge.source_head + offset, y + (-0.12 if edge.stage == "pre" else 0.12), "o", mfc="none",
+                        mec=color, ms=4 + 2 * width(i), mew=1.2, zorder=4)
+            else:
+                # arc3 bends an arc drawn left to right below for rad > 0; the bulge (rad x length) stays in the layer
+                rad = (-0.3 if edge.stage == "post" else 0.3) / abs(edge.target_head - edge.source_head)
+                rad = rad if edge.target_head > edge.source_head else -rad
+                ax.add_patch(FancyArrowPatch((edge.source_head, y), (edge.target_head, y),
+                                             connectionstyle=f"arc3,rad={rad}", arrowstyle="-|>", mutation_scale=7,
+                                             color=color, lw=width(i), alpha=0.85, zorder=3))
+            continue
+        start, end = sender_point(edge.source), receiver_point(edge.target)
+        if edge.source_head is not None:
+            used_heads.add((int(edge.source[1:].split("H")[0]), edge.source_head))
+        if edge.target_head is not None:
+            used_heads.add((edge.layer, edge.target_head))
+        ax.annotate("", xy=end, xytext=start, zorder=2,
+                    arrowprops=dict(arrowstyle="-|>", color="0.15", lw=width(i), alpha=0.6, shrinkA=2, shrinkB=2,
+                                    mutation_scale=6))
+    # nodes
+    for layer in range(L):
+        ax.axhspan(layer - 0.4, layer + 0.55, color="0.96" if layer % 2 else "0.92", zorder=0)
+        xs = np.arange(H)
+        ax.scatter(xs, np.full(H, layer), s=12, color="0.75", zorder=1)
+        for layer_, head in used_heads:
+            if layer_ == layer:
+                ax.scatter([head], [layer], s=60, marker="s", color="white", edgecolors="black", zorder=5)
+                if H <= 40:
+                    ax.text(head, layer, str(head), ha="center", va="center", fontsize=5 if H > 12 else 7, zorder=6)
+        ax.text(x_mlp, layer + 0.32, f"MLP{layer}", ha="center", va="center", fontsize=6,
+                bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="0.5"), zorder=5)
+        if graph.dcmha:
+            ax.text(x_compose, layer, "W", ha="center", va="center", fontsize=6,
+                    bbox=dict(boxstyle="round,pad=0.2", fc="lightyellow", ec="0.5"), zorder=5)
+    ax.text((H - 1) / 2, -1.0, "embed", ha="center", va="center", fontsize=8,
+            bbox=dict(boxstyle="round", fc="white", ec="black"), zorder=5)
+    ax.text((H - 1) / 2, L + 0.1, "logits", ha="center", va="center", fontsize=8,
+            bbox=dict(boxstyle="round", fc="white", ec="black"), zorder=5)
+    ax.set_yticks(range(L), [f"L{layer}" for layer in range(L)], fontsize=7 if L > 12 else 9)
+    step = max(1, H // 16)
+    ax.set_xticks(range(0, H, step), [str(h) for h in range(0, H, step)], fontsize=7)
+    ax.set_xlabel("head" + ("   (W: compose-weight generator, left)" if graph.dcmha else ""))
+    ax.set_xlim(x_compose - 0.6 if graph.dcmha else -0.8, x_mlp + 0.8)
+    ax.set_ylim(-1.5, L + 0.5)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    handles = [Line2D([], [], color="0.15", lw=1.5, label="residual edge")]
+    if graph.dcmha:
+        handles += [Line2D([], [], color=c, lw=2, label=f"compose {b}") for b, c in BRANCH_COLORS.items()]
+    ax.legend(handles=handles, fontsize=6 if L <= 12 else 9, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.set_title(title or f"circuit: {len(chosen)} edges", fontsize=10)
+    fig.text(0.01, 0.0, caption or "Line width: |score|. Compose arcs: pre-compose below a layer's heads, "
+             "post-compose above; rings: gates (qg, kg) and skip, a head to itself.", fontsize=7, wrap=True)
+    fig.get_layout_engine().set(rect=(0, 0.03, 1, 0.97))
+    return fig

@@ -17,6 +17,9 @@ NOTEBOOKS = {
     "branch_analysis": ({"tasks": "2,10", "pairs_per_task": 2, "ablation_samples": 12},
                         ["branch_ablation.png", "patching_layers.png", "patching_heads.png", "patching_attribution.png",
                          "patching_agreement.png"]),
+    "circuit_discovery": ({"tasks": "2", "pairs_per_task": 2, "n_steps": 2, "exact_top": 6},
+                          ["circuit_dcpythia-synth.png", "circuit_faithfulness_dcpythia-synth.png",
+                           "circuit_pythia-synth.png", "circuit_faithfulness_pythia-synth.png"]),
 }
 
 def test_the_embedded_models_are_shipped():

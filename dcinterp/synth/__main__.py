@@ -6,6 +6,7 @@
     python -m dcinterp.synth eval [--checkpoint PATH ...] [--data released|FILE] [--out DIR]
                                   [--device D] [--dtype T] [--batch-size N] [--tasks IDS] [--limit N]
     python -m dcinterp.synth ablate [--checkpoint PATH] [--data released|FILE] [--out DIR] [...as eval]
+    python -m dcinterp.synth circuit [--checkpoint PATH] [--tasks IDS] [--pairs N] [--method eap|eap-ig] --out DIR
 
 Exit status: 0 success, 1 the check found problems, 2 bad arguments or unreadable input (one line on stderr,
 checked before any work, nothing written).
@@ -118,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     ablate_parser = commands.add_parser("ablate", help="score a checkpoint with parts of its compose switched off")
     _add_ablate_arguments(ablate_parser)
     ablate_parser.set_defaults(run=_run_ablate)
+
+    circuit_parser = commands.add_parser("circuit", help="edge-level circuit discovery (EAP, EAP-IG) on contrast pairs")
+    _add_circuit_arguments(circuit_parser)
+    circuit_parser.set_defaults(run=_run_circuit)
     return parser
 
 
@@ -131,6 +136,18 @@ def _run_ablate(args: argparse.Namespace) -> int:
     from .ablate import run_ablate
 
     return run_ablate(args)
+
+
+def _add_circuit_arguments(parser: argparse.ArgumentParser) -> None:
+    from .circuit import add_circuit_arguments
+
+    add_circuit_arguments(parser)
+
+
+def _run_circuit(args: argparse.Namespace) -> int:
+    from .circuit import run_circuit
+
+    return run_circuit(args)
 
 
 def main(argv: list[str] | None = None) -> int:

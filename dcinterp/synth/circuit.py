@@ -1,0 +1,191 @@
+"""Circuit discovery on the synthetic tasks' contrast pairs (EAP / EAP-IG, `dcinterp.discovery`).
+
+    python -m dcinterp.synth circuit [--checkpoint C] [--tasks IDS] [--pairs N] [--method eap|eap-ig] --out DIR
+                                     [--n-steps K] [--metric logit-diff|logprob] [--kind person|object]
+                                     [--exact-top N] [--seed S] [--device D] [--dtype T] [--batch-size N]
+
+Scores every edge of the checkpoint's graph with both methods (`--method` is the one the circuit figure and the
+`score` column use), patches the top-scored edges exactly, and evaluates circuits of growing size exactly.
+Writes `edges.csv` (one row per edge: source, target, kind, layer, stage, branch, source_head, target_head, score,
+exact, and both methods' scores), `faithfulness.csv` (method, selection, edges, faithfulness; a random-edges
+baseline), `summary.json` and two figures, `faithfulness.png` and `circuit.png`.
+Exit status 0, or 2 with one line on stderr for bad input, before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_CHECKPOINT = "dcpythia-synth"
+DEFAULT_TASKS = "2,3"  # same-person : superclass, the case study's family
+OUTPUTS = ("edges.csv", "faithfulness.csv", "summary.json", "faithfulness.png", "circuit.png")
+MAX_DRAWN_EDGES = 300
+
+
+def add_circuit_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from .evaluate import parse_task_selection, positive_int
+
+    def tasks(text: str) -> list[str]:
+        selected = parse_task_selection(text)
+        return sorted(selected, key=lambda t: int(t.removeprefix("task")))
+
+    parser.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, metavar="PATH",
+                        help="checkpoint directory or embedded model name (default: %(default)s)")
+    parser.add_argument("--tasks", type=tasks, default=DEFAULT_TASKS, metavar="IDS",
+                        help="tasks whose contrast pairs are used, e.g. 2,3 or 0-7 (default: %(default)s, "
+                             "same-person : superclass)")
+    parser.add_argument("--pairs", type=positive_int, default=8, metavar="N", help="contrast pairs per task")
+    parser.add_argument("--method", choices=["eap", "eap-ig"], default="eap-ig",
+                        help="the scores the circuit figure and the score column use (both are computed)")
+    parser.add_argument("--n-steps", type=positive_int, default=5, metavar="K", help="EAP-IG steps (default 5)")
+    parser.add_argument("--metric", choices=["logit-diff", "logprob"], default="logit-diff")
+    parser.add_argument("--kind", choices=["person", "object"], help="the corruption (default: the task's own)")
+    parser.add_argument("--exact-top", type=positive_int, default=50, metavar="N",
+                        help="patch exactly the N top edges of each method (default 50)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="write " + ", ".join(OUTPUTS) + " here")
+    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--batch-size", type=positive_int, default=8, metavar="N", help="pairs per forward pass")
+    return parser
+
+
+def check_kind(tasks: list[str], kind: str | None) -> None:
+    """EvalError naming the first task the corruption does not apply to (before the checkpoint is loaded)."""
+    from .catalog import load_catalog
+    from .contrast import KIND_PATTERNS
+    from .evaluate import EvalError
+
+    if kind is None:
+        return
+    catalog = load_catalog()
+    for task in tasks:
+        pattern = catalog.tasks[task].qk_pattern
+        if pattern not in KIND_PATTERNS[kind]:
+            raise EvalError(f"--kind {kind} does not apply to {task} ({pattern}); it applies to "
+                            + ", ".join(KIND_PATTERNS[kind]))
+
+
+def discover(model, pairs, method: str = "eap-ig", n_steps: int = 5, metric: str = "logit_diff", exact_top: int = 50,
+             batch_size: int | None = 8, seed: int = 0, progress: bool = True) -> dict:
+    """Scores (both methods), exact single-edge effects of the top edges, faithfulness curves and the summary."""
+    import torch
+
+    from ..discovery import (
+        CircuitEvaluator,
+        build_graph,
+        edge_scores,
+        faithfulness_curve,
+        smallest_faithful_circuit,
+        spearman,
+    )
+
+    def say(text: str) -> None:
+        if progress:
+            print(text, file=sys.stderr, flush=True)
+
+    graph = build_graph(model)
+    say(f"{graph}")
+    evaluator = CircuitEvaluator(model, graph, pairs, metric, batch_size)
+    scores = {"eap": edge_scores(model, pairs, "eap", metric=metric, batch_size=batch_size, graph=graph)}
+    say("EAP scores done")
+    scores["eap-ig"] = edge_scores(model, pairs, "eap-ig", n_steps=n_steps, metric=metric, batch_size=batch_size,
+                                   graph=graph)
+    say("EAP-IG scores done")
+    top = sorted({int(i) for s in scores.values() for i in s.abs().argsort(descending=True)[:exact_top]})
+    exact = dict(zip(top, evaluator.single_edge_effects(top)))
+    say(f"{len(top)} edges patched exactly")
+    edges = graph.frame()
+    edges["score"] = scores[method].numpy()
+    edges["exact"] = [exact.get(i) for i in range(len(graph))]
+    edges["score_eap"] = scores["eap"].numpy()
+    edges["score_eap_ig"] = scores["eap-ig"].numpy()
+    curve = faithfulness_curve(evaluator, scores, seed=seed)
+    say("faithfulness curves done")
+    smallest = {}
+    for name, method_scores in scores.items():
+        for selection in ("top-n", "greedy"):
+            n, value = smallest_faithful_circuit(evaluator, method_scores, selection, 0.8)
+            smallest[f"{name}/{selection}"] = {"edges": n, "faithfulness": value}
+    filled = edges[edges["exact"].notna()]
+    full, empty = torch.ones(len(graph), dtype=torch.bool), torch.zeros(len(graph), dtype=torch.bool)
+    summary = {
+        "checkpoint": model.cfg.model_name, "method": method, "n_steps": n_steps, "metric": metric,
+        "pairs": int(pairs.clean.shape[0]), "graph": graph.counts(),
+        "metric_clean": evaluator.m_clean, "metric_corrupted": evaluator.m_corrupt,
+        "faithfulness_full_graph": evaluator.faithfulness(full), "faithfulness_empty_graph": evaluator.faithfulness(empty),
+        "smallest_circuit_80": smallest,
+        "spearman_score_vs_exact": {name: spearman(filled[f"score_{name.replace('-', '_')}"], filled["exact"])
+                                    for name in scores},
+        "exact_rows": len(filled),
+    }
+    return {"graph": graph, "scores": scores, "edges": edges, "curve": curve, "summary": summary}
+
+
+def figures(result: dict, method: str, label: str):
+    from ..discovery import greedy_circuit
+    from ..plotting import plot_circuit, plot_faithfulness
+
+    summary = result["summary"]
+    n = min(summary["smallest_circuit_80"][f"{method}/greedy"]["edges"], MAX_DRAWN_EDGES)
+    circuit = greedy_circuit(result["graph"], result["scores"][method], n)
+    reached = summary["smallest_circuit_80"][f"{method}/greedy"]["faithfulness"]
+    circuit_figure = plot_circuit(result["graph"], result["scores"][method], circuit,
+                                  title=f"{label}: {method} circuit, {n} edges (greedy, faithfulness {reached:.2f})")
+    curve_figure = plot_faithfulness(result["curve"], title=f"{label}: faithfulness, {summary['pairs']} pairs")
+    return curve_figure, circuit_figure
+
+
+def write_outputs(result: dict, curve_figure, circuit_figure, out_dir: Path) -> None:
+    from .evaluate import write_files
+
+    write_files(out_dir, {
+        "edges.csv": lambda path: result["edges"].to_csv(path, index=False),
+        "faithfulness.csv": lambda path: result["curve"].to_csv(path, index=False),
+        "summary.json": lambda path: path.write_text(json.dumps(result["summary"], indent=2) + "\n"),
+        "faithfulness.png": lambda path: curve_figure.savefig(path, dpi=130, format="png"),
+        "circuit.png": lambda path: circuit_figure.savefig(path, dpi=130, format="png"),
+    })
+
+
+def run_circuit(args: argparse.Namespace) -> int:
+    """The `circuit` command: 0 on success, 2 (and one line on stderr) for bad input."""
+    from .catalog import CatalogError
+    from .contrast import contrast_pairs, tokenize_pairs
+    from .evaluate import EvalError, check_out_dir, eval_device, load_checkpoint
+
+    try:
+        check_out_dir(args.out)
+        device = eval_device(args.device)
+        check_kind(args.tasks, args.kind)
+        model = load_checkpoint(args.checkpoint, args.dtype, device)
+        if model.tokenizer is None:
+            raise EvalError(f"{args.checkpoint}: the checkpoint has no tokenizer; contrast pairs need one")
+        model.eval()
+        model.requires_grad_(False)
+        try:
+            pairs = [pair for task in args.tasks for pair in contrast_pairs(
+                task, n=args.pairs, seed=args.seed, kind=args.kind, tokenizer=model.tokenizer)]
+            tokens = tokenize_pairs(pairs, model.tokenizer)
+        except ValueError as error:
+            raise EvalError(f"--tasks: {error}") from None
+        metric = args.metric.replace("-", "_")
+        result = discover(model, tokens, args.method, args.n_steps, metric, args.exact_top, args.batch_size, args.seed)
+        curve_figure, circuit_figure = figures(result, args.method, Path(str(args.checkpoint)).name)
+        write_outputs(result, curve_figure, circuit_figure, args.out)
+    except (EvalError, CatalogError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    summary = result["summary"]
+    print(f"{args.checkpoint}: {summary['pairs']} pairs of {', '.join(args.tasks)}; graph {summary['graph']}")
+    print(f"metric clean {summary['metric_clean']:.3f}, corrupted {summary['metric_corrupted']:.3f}; "
+          f"faithfulness full graph {summary['faithfulness_full_graph']:.3f}, empty {summary['faithfulness_empty_graph']:.3f}")
+    for key, value in summary["smallest_circuit_80"].items():
+        print(f"  80% faithfulness, {key}: {value['edges']} edges ({value['faithfulness']:.3f})")
+    for key, value in summary["spearman_score_vs_exact"].items():
+        print(f"  Spearman {key} score vs exact ({summary['exact_rows']} edges): {value:.3f}")
+    print("wrote " + ", ".join(str(args.out / name) for name in OUTPUTS))
+    return 0
