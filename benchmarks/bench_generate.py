@@ -30,11 +30,11 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, device: str):
-    """(seconds, result) of fn()."""
+def timed(device: str, fn, *args, **kwargs):
+    """(seconds, result) of fn(*args, **kwargs)."""
     sync(device)
     start = time.perf_counter()
-    out = fn()
+    out = fn(*args, **kwargs)
     sync(device)
     return time.perf_counter() - start, out
 
@@ -49,20 +49,20 @@ def measure(models: dict[str, HookedDCFormer], prompt: torch.Tensor, args) -> di
         caches, tokens = {}, {}
         for name in names[::-1] if repeat % 2 else names:
             caches[name] = DCFormerKeyValueCache.init_cache(models[name].cfg, args.device, prompt.shape[0])
-            seconds, logits = timed(lambda: models[name](prompt, past_kv_cache=caches[name]), args.device)
+            seconds, logits = timed(args.device, models[name], prompt, past_kv_cache=caches[name])
             times[name]["prefill"].append(seconds)
             tokens[name] = logits[:, -1].argmax(-1, keepdim=True)
         for step in range(args.new - 1):
             for name in names[::-1] if step % 2 else names:
-                seconds, logits = timed(lambda: models[name](tokens[name], past_kv_cache=caches[name]), args.device)
+                seconds, logits = timed(args.device, models[name], tokens[name], past_kv_cache=caches[name])
                 times[name]["decode"].append(seconds)
                 tokens[name] = logits[:, -1].argmax(-1, keepdim=True)
     sequence = prompt
     for step in range(args.uncached):  # what generate(use_past_kv_cache=False) runs at each step
         for name in names[::-1] if step % 2 else names:
-            seconds, logits = timed(lambda: models[name](sequence)[:, -1].argmax(-1, keepdim=True), args.device)
+            seconds, logits = timed(args.device, models[name], sequence)
             times[name]["uncached"].append(seconds)
-        sequence = torch.cat([sequence, logits], dim=1)
+        sequence = torch.cat([sequence, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     return times
 
 

@@ -123,7 +123,7 @@ class DCFormerKeyValueCache:
 
     @classmethod
     def init_cache(cls, cfg: DCFormerConfig, device: torch.device | str | None = None,
-                   batch_size: int = 1) -> "DCFormerKeyValueCache":
+                   batch_size: int = 1) -> DCFormerKeyValueCache:
         """An empty cache for `cfg`'s layers. Each layer's tensors are made on the device of that layer's first keys
         (so models spread over devices work); `device` is where the attention mask lives."""
         device = device if device is not None else (cfg.device or "cpu")

@@ -84,7 +84,7 @@ class HeadRMSNorm(nn.Module):
 
 def apply_rotary(
     x: Float[Tensor, "b p h e"], rotary_dim: int, base: float, table_dtype: torch.dtype = torch.float32,
-    positions: Int[Tensor, "p"] | Int[Tensor, "b p"] | None = None,
+    positions: Int[Tensor, "*batch pos"] | None = None,
 ) -> Float[Tensor, "b p h e"]:
     """Rotary embedding on the first `rotary_dim` dims, "half" pairing (dim j rotates with j + rotary_dim/2).
 

@@ -15,11 +15,12 @@ from dcinterp import DCFormerConfig, HookedDCFormer
 from dcinterp.kv_cache import DCFormerKeyValueCache
 
 FIXTURES = Path(__file__).parent / "fixtures"
-SIZE = dict(n_layers=3, d_model=32, n_heads=4, d_head=8, d_mlp=64, d_vocab=50, n_ctx=64, window_size=5)
+SIZE = {"n_layers": 3, "d_model": 32, "n_heads": 4, "d_head": 8, "d_mlp": 64, "d_vocab": 50, "n_ctx": 64,
+        "window_size": 5}
 RANDOM = {
-    "gpt-neox": dict(use_dcmha=False, use_qk_norm=False, rotary_pct=0.25, window_type=None),
-    "query-wise": dict(query_wise=True, window_type="LGLL"),
-    "pre-only": dict(compose_stages=("pre",), window_type="LG"),
+    "gpt-neox": {"use_dcmha": False, "use_qk_norm": False, "rotary_pct": 0.25, "window_type": None},
+    "query-wise": {"query_wise": True, "window_type": "LGLL"},
+    "pre-only": {"compose_stages": ("pre",), "window_type": "LG"},
 }
 MODELS = ["dcpythia-tiny", "dcformer-tiny", "dcpythia-synth", "pythia-synth", *RANDOM]
 
