@@ -14,10 +14,11 @@ _LAZY = {
     "estimate_cache": ".memory",
     "CacheTooLarge": ".memory",
     "get_act_name": ".model",
+    "DCFormerKeyValueCache": ".kv_cache",
 }
 
 __all__ = ["DCFormerConfig", "HookedDCFormer", "CheckpointError", "embedded_models", "estimate_cache", "CacheTooLarge",
-           "get_act_name"]
+           "get_act_name", "DCFormerKeyValueCache"]
 
 
 def __getattr__(name: str):

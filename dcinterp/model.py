@@ -201,9 +201,8 @@ def compose_fused(A, qw1=None, qw2=None, kw1=None, kw2=None, qg=None, kg=None) -
     + qw1[t]^T qw2[t], and the key-side ones one map per key, W_k[s] = diag(kg[s]) + kw1[s]^T kw2[s]; each is
     applied with one batched matmul (faster than the low-rank form on CPU, forward and backward).
     """
-    eye = torch.eye(A.shape[1], device=A.device, dtype=A.dtype)
     if qw1 is not None or qg is not None:
-        W_q = torch.diag_embed(1 + qg) if qg is not None else eye
+        W_q = torch.diag_embed(1 + qg) if qg is not None else torch.eye(A.shape[1], device=A.device, dtype=A.dtype)
         if qw1 is not None:
             W_q = W_q + torch.einsum("btrn,btrm->btnm", qw1, qw2)
         out = torch.einsum("bnts,btnm->bmts", A, W_q)
@@ -267,11 +266,11 @@ class Attention(nn.Module):
     def dynamic_weights(self, x: Float[Tensor, "b p d"]) -> dict[str, tuple[Tensor, ...]]:
         """Per stage: (qw1, qw2, kw1, kw2 [b, p, rank, head], qg, kg [b, p, head]), computed from x."""
         R = self.cfg.dcmha_rank
-        hidden = F.gelu(torch.einsum("bpd,dck->bpck", x, self.W_dyn_in))
+        hidden = F.gelu((x @ self.W_dyn_in.flatten(1)).unflatten(-1, self.W_dyn_in.shape[1:]))  # [b, p, c, k]
         w = torch.einsum("bpck,ckrh->bpcrh", hidden, self.W_dyn_out)
         w1, w2 = w[:, :, :, :R], w[:, :, :, R:]
         w1 = w1 * torch.rsqrt(w1.pow(2).mean(-1, keepdim=True) + 1e-6)  # RMSNorm without scale over heads
-        gates = torch.tanh(torch.einsum("bpd,dch->bpch", x, self.W_dyn_gate))
+        gates = torch.tanh((x @ self.W_dyn_gate.flatten(1)).unflatten(-1, self.W_dyn_gate.shape[1:]))  # [b, p, c, h]
         weights = {}
         for stage, (cq, ck) in BRANCH_DYN_INDEX.items():
             weights[stage] = (w1[:, :, cq], w2[:, :, cq], w1[:, :, ck], w2[:, :, ck], gates[:, :, cq], gates[:, :, ck])
