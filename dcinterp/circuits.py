@@ -14,7 +14,9 @@ diverse heads. As in the paper: QK circuits W_Q^h W_K^hT; OV circuits written W_
 convention), i.e. (W_V^h W_O^h)^T in TransformerLens' row-vector one: the heads' write directions are compared.
 M is never built: with M = concat_h(L_h R_h), M M^T = sum_h L_h (R_h R_h^T) L_h^T = Z Z^T for
 Z = concat_h(L_h S_h) with S_h S_h^T = R_h R_h^T (S_h from the d_head x d_head Gram of R_h), so the spectrum
-comes from the min(d_model, n_heads * d_head)-sized Gram matrix of Z.
+comes from the min(d_model, n_heads * d_head)-sized Gram matrix of Z. For a large model the first k components
+come from block Lanczos on Z^T Z instead (`top_spectrum`), with the total variance from the trace ||Z||_F^2, so
+the first k cumulative shares are exact to a checked bound (docs/generation.md).
 
 What the paper leaves open (docs/conventions.md), each an argument of `head_diversity`:
 - qk_norm: "fold" (default) multiplies the QK-norm scales into W_Q and W_K (q = norm(x W_Q) * g_q, so the
@@ -31,6 +33,7 @@ What the paper leaves open (docs/conventions.md), each an argument of `head_dive
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -179,8 +182,8 @@ def top_spectrum(Z: Float[Tensor, "m n"], k: int, tol: float = 1e-6, block: int 
     Ritz values never exceed the eigenvalues they approximate (Cauchy interlacing), and with residuals r_i the
     sum of the top k falls short by at most min(sum_i ||r_i||, ||R||_F^2 / gap) with gap = theta_k -
     (theta_{k+1} + ||r_{k+1}||) (the quadratic residual bound). Where that would take a Krylov space of more
-    than a quarter of n (a flat spectrum, as i.i.d. random weights have), the full eigendecomposition of the Gram
-    matrix is computed instead (bound 0): the Krylov space then costs about a third of that once more.
+    than a quarter of n (a flat spectrum, as i.i.d. random weights have; extrapolated from the bound's decrease
+    between checks), the full eigendecomposition of the Gram matrix is computed instead (bound 0).
     """
     small_side = Z.shape[1] <= Z.shape[0]
     n = min(Z.shape)
@@ -196,7 +199,7 @@ def top_spectrum(Z: Float[Tensor, "m n"], k: int, tol: float = 1e-6, block: int 
     V = torch.linalg.qr(start)[0]
     AV = apply(V)
     T = V.T @ AV
-    next_check = k + block
+    next_check, previous = k + block, None
     while True:
         m = V.shape[1]
         if m >= next_check:
@@ -210,6 +213,12 @@ def top_spectrum(Z: Float[Tensor, "m n"], k: int, tol: float = 1e-6, block: int 
             bound = min(linear, quadratic) / total
             if bound <= tol:
                 return TopSpectrum(theta[:k].clamp_min(0).to(Z.dtype), total, bound, m)
+            if previous is not None and m >= n // 8 and 0 < bound < previous[1]:  # log-linear extrapolation:
+                # pessimistic (convergence speeds up), hence only once the rate shows, from an eighth of n on
+                needed = math.log(bound / tol) * (m - previous[0]) / math.log(previous[1] / bound)
+                if m + needed / 2 > n // 4:
+                    return _full_top_spectrum(Z, k, total)
+            previous = (m, bound)
             next_check = m + (block if bound < 1e3 * tol else max(block, m // 4))  # near the end: every block
         if m + block > n // 4:
             return _full_top_spectrum(Z, k, total)
