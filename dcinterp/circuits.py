@@ -195,9 +195,11 @@ def top_spectrum(Z: Float[Tensor, "m n"], k: int, tol: float = 1e-6, block: int 
     def apply(X: Tensor) -> Tensor:
         return Z.T @ (Z @ X) if small_side else Z @ (Z.T @ X)
 
-    start = torch.randn(n, block, generator=generator).to(Z)
-    V = torch.linalg.qr(start)[0]
-    AV = apply(V)
+    capacity = n // 4 + block
+    V_buffer, AV_buffer = Z.new_empty(n, capacity), Z.new_empty(n, capacity)
+    V_buffer[:, :block] = torch.linalg.qr(torch.randn(n, block, generator=generator).to(Z))[0]
+    AV_buffer[:, :block] = apply(V_buffer[:, :block])
+    V, AV = V_buffer[:, :block], AV_buffer[:, :block]
     T = V.T @ AV
     next_check, previous = k + block, None
     while True:
@@ -213,8 +215,8 @@ def top_spectrum(Z: Float[Tensor, "m n"], k: int, tol: float = 1e-6, block: int 
             bound = min(linear, quadratic) / total
             if bound <= tol:
                 return TopSpectrum(theta[:k].clamp_min(0).to(Z.dtype), total, bound, m)
-            if previous is not None and m >= n // 8 and 0 < bound < previous[1]:  # log-linear extrapolation:
-                # pessimistic (convergence speeds up), hence only once the rate shows, from an eighth of n on
+            if previous is not None and m >= n // 16 and 0 < bound < previous[1]:  # log-linear extrapolation:
+                # pessimistic (convergence speeds up), hence halved, and only once the rate shows
                 needed = math.log(bound / tol) * (m - previous[0]) / math.log(previous[1] / bound)
                 if m + needed / 2 > n // 4:
                     return _full_top_spectrum(Z, k, total)
@@ -225,10 +227,13 @@ def top_spectrum(Z: Float[Tensor, "m n"], k: int, tol: float = 1e-6, block: int 
         W = AV[:, -block:]
         for _ in range(2):  # classical Gram-Schmidt, twice
             W = W - V @ (V.T @ W)
-        Q = torch.linalg.qr(W)[0]
-        AQ = apply(Q)
-        T = torch.cat([torch.cat([T, V.T @ AQ], 1), torch.cat([AQ.T @ V, Q.T @ AQ], 1)], 0)
-        V, AV = torch.cat([V, Q], 1), torch.cat([AV, AQ], 1)
+        Q = V_buffer[:, m:m + block]
+        Q.copy_(torch.linalg.qr(W)[0])
+        AQ = AV_buffer[:, m:m + block]
+        AQ.copy_(apply(Q))
+        VtAQ = V.T @ AQ
+        T = torch.cat([torch.cat([T, VtAQ], 1), torch.cat([VtAQ.T, Q.T @ AQ], 1)], 0)
+        V, AV = V_buffer[:, :m + block], AV_buffer[:, :m + block]
 
 
 def _full_top_spectrum(Z: Tensor, k: int, total: float) -> TopSpectrum:
