@@ -167,3 +167,21 @@ def test_a_cache_for_another_batch_is_one_clear_error(models):
     cache = DCFormerKeyValueCache.init_cache(model.cfg, "cpu", batch_size=3)
     with pytest.raises(ValueError, match="cache holds a batch of 3, the input has 2 rows"):
         model(prompt(model), past_kv_cache=cache)
+
+
+def test_generate_matches_transformer_lens_on_the_same_pythia(tmp_path):
+    """TransformerLens' own TransformerBridge.generate (with its key-value cache) on a tiny Pythia saved by
+    `transformers`: the same greedy tokens, for one prompt and for a list of prompts padded on the left."""
+    from transformer_lens.model_bridge import TransformerBridge
+
+    from tests.test_transformer_lens import PROMPT, save_tiny_pythia
+
+    directory = save_tiny_pythia(tmp_path / "pythia")
+    ours = HookedDCFormer.from_pretrained(directory)
+    bridge = TransformerBridge.boot_transformers(str(directory), device="cpu")
+    tokens = ours.to_tokens(PROMPT)
+    options = {"do_sample": False, "stop_at_eos": False, "verbose": False}
+    assert torch.equal(ours.generate(tokens, max_new_tokens=8, **options),
+                       bridge.generate(tokens, max_new_tokens=8, **options))
+    texts = [PROMPT, "Ruth owns a cat ."]
+    assert ours.generate(texts, max_new_tokens=6, **options) == bridge.generate(texts, max_new_tokens=6, **options)
