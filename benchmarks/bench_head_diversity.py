@@ -139,7 +139,7 @@ def main() -> None:
         print(f"{what:17s} d_model {d:5d}, {h} heads of {e:4d}: {r['seconds']:8.2f} s, peak +{r['peak_mib']:8.0f} MiB")
     k = len(top["curve"])
     gap = max(abs(a - b) for name in ("curve", "ov") for a, b in zip(top[name], every[name][:k]))
-    print(f"first {k} components / all: {every['seconds'] / top['seconds']:.1f}x faster; largest difference over "
+    print(f"time of every component / the first {k}: {every['seconds'] / top['seconds']:.1f}x; largest difference over "
           f"the first {k} entries of the QK and OV curves {gap:.1e} (reported bound {top['bound']:.1e})")
     if args.skip_naive:
         return
