@@ -34,6 +34,7 @@ What the paper leaves open (docs/conventions.md), each an argument of `head_dive
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -201,11 +202,12 @@ def top_spectrum(Z: Float[Tensor, "m n"], k: int, tol: float = 1e-6, block: int 
     AV_buffer[:, :block] = apply(V_buffer[:, :block])
     V, AV = V_buffer[:, :block], AV_buffer[:, :block]
     T = V.T @ AV
-    next_check, previous = k + block, None
+    next_check, previous = 2 * k + block, None
     while True:
         m = V.shape[1]
         if m >= next_check:
-            theta, Y = torch.linalg.eigh(((T + T.T) / 2).double())
+            with one_thread():  # a small eigenproblem: more threads only wait on each other
+                theta, Y = torch.linalg.eigh(((T + T.T) / 2).double())
             theta, Y = theta.flip(0)[: k + 1], Y.flip(1)[:, : k + 1].to(Z.dtype)
             R = AV @ Y - (V @ Y) * theta.to(Z.dtype)
             res = R.double().norm(dim=0)
@@ -234,6 +236,16 @@ def top_spectrum(Z: Float[Tensor, "m n"], k: int, tol: float = 1e-6, block: int 
         VtAQ = V.T @ AQ
         T = torch.cat([torch.cat([T, VtAQ], 1), torch.cat([VtAQ.T, Q.T @ AQ], 1)], 0)
         V, AV = V_buffer[:, :m + block], AV_buffer[:, :m + block]
+
+
+@contextmanager
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _full_top_spectrum(Z: Tensor, k: int, total: float) -> TopSpectrum:
