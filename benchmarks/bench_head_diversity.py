@@ -1,7 +1,15 @@
-"""`head_diversity` on one random layer of DCPythia-6.9B's shape against the naive concatenate-then-SVD.
+"""`head_diversity` on one random layer of DCPythia-6.9B's shape: every component, the first k, and the naive
+concatenate-then-SVD.
 
-    python benchmarks/bench_head_diversity.py [--d-model 4096 --n-heads 32 --d-head 128]
-                                              [--naive-d-model 4096] [--threads 1] [--device cpu]
+    python benchmarks/bench_head_diversity.py [--d-model 4096 --n-heads 32 --d-head 128] [--components 128]
+                                              [--weights gaussian|decaying] [--naive-d-model 4096]
+                                              [--threads 1] [--device cpu]
+
+The first k components (`layer_diversity(components=k)`, block Lanczos with the total from the trace) are timed
+on the whole layer and compared with every component (`components="all"`, full eigendecompositions): the largest
+difference over the first k entries of both curves, and the error bound the Lanczos run reported. --weights:
+"gaussian" (i.i.d. weights: a flat spectrum, the hardest case for Lanczos) or "decaying" (each d_model direction
+scaled by i^-0.5, so that the circuits' spectra decay as trained weights' do).
 
 Both sides compute the cumulative captured variance of one layer's concatenated QK circuits, in float32:
   ours:  `dcinterp.circuits.concat_spectrum` (per-head d_head x d_head Grams, then one
@@ -46,12 +54,17 @@ def naive_spectrum(W_Q: torch.Tensor, W_K: torch.Tensor) -> torch.Tensor:
     return torch.linalg.svdvals(M) ** 2
 
 
-def measure(side: str, d_model: int, n_heads: int, d_head: int, device: str, threads: int) -> dict:
+def measure(side: str, d_model: int, n_heads: int, d_head: int, device: str, threads: int, weights: str = "gaussian",
+            components: int = 128) -> dict:
     """Run in a fresh process: time and peak memory of one side on one random layer."""
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     W = [torch.randn(n_heads, d_model, d_head, device=device) * 0.02 for _ in range(3)]
     W_O = torch.randn(n_heads, d_head, d_model, device=device) * 0.02
+    if weights == "decaying":
+        scale = torch.arange(1, d_model + 1, device=device, dtype=torch.float32) ** -0.5
+        W = [w * scale[:, None] for w in W]
+        W_O = W_O * scale
     W_Q, W_K, W_V = W
     if device == "cuda":
         torch.cuda.synchronize()
@@ -62,7 +75,9 @@ def measure(side: str, d_model: int, n_heads: int, d_head: int, device: str, thr
     if side == "ours":
         curve = cumulative_variance(concat_spectrum(W_Q, W_K.transpose(-2, -1)))
     elif side == "ours_layer":
-        curve = layer_diversity(W_Q, W_K, W_V, W_O)[0]
+        curve, ov, bounds = layer_diversity(W_Q, W_K, W_V, W_O, components="all", return_bounds=True)
+    elif side == "top_layer":
+        curve, ov, bounds = layer_diversity(W_Q, W_K, W_V, W_O, components=components, return_bounds=True)
     else:
         curve = cumulative_variance(naive_spectrum(W_Q, W_K))
     if device == "cuda":
@@ -73,13 +88,17 @@ def measure(side: str, d_model: int, n_heads: int, d_head: int, device: str, thr
     else:
         peak = peak_rss_mib() - base_rss
     k = min(d_model, n_heads * d_head)
-    return {"side": side, "shape": [d_model, n_heads, d_head], "seconds": seconds, "peak_mib": peak,
-            "curve": curve[:k].cpu().tolist()}
+    out = {"side": side, "shape": [d_model, n_heads, d_head], "seconds": seconds, "peak_mib": peak,
+           "curve": curve[:k].cpu().tolist()}
+    if side in ("ours_layer", "top_layer"):
+        out["ov"], out["bound"] = ov[:k].cpu().tolist(), max(bounds)
+    return out
 
 
 def run_child(side: str, d_model: int, n_heads: int, d_head: int, args) -> dict:
     command = [sys.executable, __file__, "--child", side, "--d-model", str(d_model), "--n-heads", str(n_heads),
-               "--d-head", str(d_head), "--threads", str(args.threads), "--device", args.device]
+               "--d-head", str(d_head), "--threads", str(args.threads), "--device", args.device,
+               "--weights", args.weights, "--components", str(args.components)]
     out = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -92,24 +111,38 @@ def main() -> None:
     parser.add_argument("--naive-d-model", type=int, help="d_model of the naive run (default: the full d_model)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--weights", choices=("gaussian", "decaying"), default="gaussian")
+    parser.add_argument("--components", type=int, default=128, help="k of the first-k run (default: 'auto''s 128)")
+    parser.add_argument("--skip-naive", action="store_true", help="time every component and the first k only")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child, args.d_model, args.n_heads, args.d_head, args.device, args.threads)))
+        print(json.dumps(measure(args.child, args.d_model, args.n_heads, args.d_head, args.device, args.threads,
+                                 args.weights, args.components)))
         return
 
     full = (args.d_model, args.n_heads, args.d_head)
     naive_d = args.naive_d_model or args.d_model
     reduced = (naive_d, args.n_heads, max(1, args.d_head * naive_d // args.d_model))
-    print(f"device {args.device}, {args.threads} thread(s); float32; one random layer")
-    results = [run_child("ours", *full, args), run_child("ours_layer", *full, args)]
-    if reduced != full:
-        results.append(run_child("ours", *reduced, args))
-    results.append(run_child("naive", *reduced, args))
+    print(f"device {args.device}, {args.threads} thread(s); float32; one random layer, {args.weights} weights")
+    every, top = run_child("ours_layer", *full, args), run_child("top_layer", *full, args)
+    results = [every, top]
+    if not args.skip_naive:
+        results.append(run_child("ours", *full, args))
+        if reduced != full:
+            results.append(run_child("ours", *reduced, args))
+        results.append(run_child("naive", *reduced, args))
     for r in results:
         d, h, e = r["shape"]
-        what = {"ours": "ours, QK", "ours_layer": "ours, QK+OV", "naive": "naive, QK"}[r["side"]]
-        print(f"{what:12s} d_model {d:5d}, {h} heads of {e:4d}: {r['seconds']:8.2f} s, peak +{r['peak_mib']:8.0f} MiB")
+        what = {"ours": "all, QK", "ours_layer": "all, QK+OV", "top_layer": f"first {args.components}, QK+OV",
+                "naive": "naive, QK"}[r["side"]]
+        print(f"{what:17s} d_model {d:5d}, {h} heads of {e:4d}: {r['seconds']:8.2f} s, peak +{r['peak_mib']:8.0f} MiB")
+    k = len(top["curve"])
+    gap = max(abs(a - b) for name in ("curve", "ov") for a, b in zip(top[name], every[name][:k]))
+    print(f"time of every component / the first {k}: {every['seconds'] / top['seconds']:.1f}x; largest difference over "
+          f"the first {k} entries of the QK and OV curves {gap:.1e} (reported bound {top['bound']:.1e})")
+    if args.skip_naive:
+        return
     ours = next(r for r in results if r["side"] == "ours" and tuple(r["shape"]) == reduced)
     naive = results[-1]
     gap = max(abs(a - b) for a, b in zip(ours["curve"], naive["curve"]))

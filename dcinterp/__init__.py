@@ -15,10 +15,11 @@ _LAZY = {
     "CacheTooLarge": ".memory",
     "get_act_name": ".model",
     "logit_offset": ".processing",
+    "DCFormerKeyValueCache": ".kv_cache",
 }
 
 __all__ = ["DCFormerConfig", "HookedDCFormer", "CheckpointError", "embedded_models", "estimate_cache", "CacheTooLarge",
-           "get_act_name", "logit_offset"]
+           "get_act_name", "logit_offset", "DCFormerKeyValueCache"]
 
 
 def __getattr__(name: str):

@@ -34,6 +34,7 @@ from transformer_lens import HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
 from .config import DCFormerConfig
+from .kv_cache import DCFormerKeyValueCache
 from .processing import PROCESSING_OPTIONS, DCActivationCache
 
 # The hooks TransformerLens' get_act_name does not know: in blocks.{layer}.attn, and in its compose stages.
@@ -101,20 +102,24 @@ class HeadRMSNorm(nn.Module):
 
 
 def apply_rotary(
-    x: Float[Tensor, "b p h e"], rotary_dim: int, base: float, table_dtype: torch.dtype = torch.float32
+    x: Float[Tensor, "b p h e"], rotary_dim: int, base: float, table_dtype: torch.dtype = torch.float32,
+    positions: Int[Tensor, "*batch pos"] | None = None,
 ) -> Float[Tensor, "b p h e"]:
     """Rotary embedding on the first `rotary_dim` dims, "half" pairing (dim j rotates with j + rotary_dim/2).
 
     table_dtype: the cos/sin tables are rounded to it (the authors' inference code uses float16).
+    positions: of x's positions, for the whole batch or per row (default 0, 1, ...; a key-value cache or left
+    padding gives others).
     """
     if rotary_dim == 0:
         return x
     if rotary_dim % 2:
         raise ValueError(f"rotary_dim must be even (dims rotate in pairs), not {rotary_dim}")
     half = rotary_dim // 2
-    positions = torch.arange(x.shape[1], device=x.device, dtype=torch.float32)
+    if positions is None:
+        positions = torch.arange(x.shape[1], device=x.device)
     inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, device=x.device, dtype=torch.float32) / rotary_dim)
-    angles = torch.outer(positions, inv_freq)[None, :, None, :]  # [1, p, 1, half]
+    angles = (positions.to(x.device, torch.float32)[..., None] * inv_freq)[..., None, :]  # [(b,) p, 1, half]
     cos, sin = angles.cos().to(table_dtype).float(), angles.sin().to(table_dtype).float()
     xf = x.float()
     x1, x2, rest = xf[..., :half], xf[..., half:rotary_dim], xf[..., rotary_dim:]
@@ -130,8 +135,9 @@ class Compose(nn.Module):
     its hook, and what the hooks return is summed (materialised path).
     """
 
-    def __init__(self, cfg: DCFormerConfig):
+    def __init__(self, cfg: DCFormerConfig, stage: str):
         super().__init__()
+        self.stage = stage  # "pre" or "post"
         self.branches = cfg.active_branches
         self.rank = cfg.dcmha_rank
         for name in ("qw1", "qw2", "kw1", "kw2"):
@@ -157,8 +163,16 @@ class Compose(nn.Module):
         """Whether a hook (or the cache) asks for a branch output, so that each branch is its own tensor."""
         return any(_hooked(getattr(self, f"hook_o_{b}")) for b in self.branches)
 
-    def forward(self, A: Float[Tensor, "b h t s"], qw1, qw2, kw1, kw2, qg, kg) -> Float[Tensor, "b h t s"]:
+    def forward(self, A: Float[Tensor, "b h t s"], qw1, qw2, kw1, kw2, qg, kg,
+                past_kv_cache_entry=None) -> Float[Tensor, "b h t s"]:
+        """With `past_kv_cache_entry` (dcinterp.kv_cache), the key-side weights given are the new positions'; those
+        of every key come from the cache, where the new ones are stored."""
         qw1, qw2, kw1, kw2, qg, kg = self.dynamic_weights(qw1, qw2, kw1, kw2, qg, kg)
+        if past_kv_cache_entry is not None:
+            kw1, kw2, kg = past_kv_cache_entry.append_key_compose(self.stage, kw1, kw2, kg)  # key-last
+            if A.shape[2] <= FEW_QUERIES and not self.materialised():
+                return compose_few_queries(A, qw1, qw2, qg, kw1, kw2, kg)
+            kw1, kw2, kg = (None if w is None else w.movedim(-1, 1) for w in (kw1, kw2, kg))
         if self.materialised():
             out = A
             for branch, o in branch_outputs(A, qw1, qw2, kw1, kw2, qg, kg).items():
@@ -183,6 +197,22 @@ def branch_outputs(A, qw1=None, qw2=None, kw1=None, kw2=None, qg=None, kg=None) 
     return out
 
 
+FEW_QUERIES = 16  # with a key-value cache, up to this many new queries take compose_few_queries
+
+
+def compose_few_queries(A, qw1=None, qw2=None, qg=None, kw1=None, kw2=None, kg=None) -> Tensor:
+    """compose_fused for a few queries against many cached keys, the key side given key-last (kw1, kw2
+    [b, r, h, s], kg [b, h, s], as the cache holds it): the key-wise branches in their low-rank form, two broadcast
+    multiply-adds over the keys, cost O(t s h r) where the per-key H x H maps would cost O(s h^2 r)."""
+    out = compose_fused(A, qw1, qw2, qg=qg)
+    if kw1 is not None:
+        hidden = (A[:, None] * kw1[:, :, :, None, :]).sum(2)  # [b, r, t, s]
+        out = out + (hidden[:, :, None] * kw2[:, :, :, None, :]).sum(1)
+    if kg is not None:
+        out = out + A * kg[:, :, None, :]
+    return out
+
+
 def compose_fused(A, qw1=None, qw2=None, kw1=None, kw2=None, qg=None, kg=None) -> Tensor:
     """A + o_qp + o_kp + o_qg + o_kg without per-branch tensors (Eq. 8's row plus column decomposition).
 
@@ -190,9 +220,8 @@ def compose_fused(A, qw1=None, qw2=None, kw1=None, kw2=None, qg=None, kg=None) -
     + qw1[t]^T qw2[t], and the key-side ones one map per key, W_k[s] = diag(kg[s]) + kw1[s]^T kw2[s]; each is
     applied with one batched matmul (faster than the low-rank form on CPU, forward and backward).
     """
-    eye = torch.eye(A.shape[1], device=A.device, dtype=A.dtype)
     if qw1 is not None or qg is not None:
-        W_q = torch.diag_embed(1 + qg) if qg is not None else eye
+        W_q = torch.diag_embed(1 + qg) if qg is not None else torch.eye(A.shape[1], device=A.device, dtype=A.dtype)
         if qw1 is not None:
             W_q = W_q + torch.einsum("btrn,btrm->btnm", qw1, qw2)
         out = torch.einsum("bnts,btnm->bmts", A, W_q)
@@ -236,8 +265,8 @@ class Attention(nn.Module):
             # Biases only a folded LayerNorm gives them (dcinterp.processing): None in the released models.
             self.register_parameter("b_dyn_in", None)  # [4, K]
             self.register_parameter("b_dyn_gate", None)  # [4, H]
-            self.pre_compose = Compose(cfg) if "pre" in cfg.compose_stages else None
-            self.post_compose = Compose(cfg) if "post" in cfg.compose_stages else None
+            self.pre_compose = Compose(cfg, "pre") if "pre" in cfg.compose_stages else None
+            self.post_compose = Compose(cfg, "post") if "post" in cfg.compose_stages else None
             self.hook_composed_scores = HookPoint()  # [batch, head, query, key], after pre-compose, masked
             self.hook_composed_pattern = HookPoint()  # [batch, head, query, key], what multiplies V
 
@@ -259,7 +288,7 @@ class Attention(nn.Module):
     def dynamic_weights(self, x: Float[Tensor, "b p d"]) -> dict[str, tuple[Tensor, ...]]:
         """Per stage: (qw1, qw2, kw1, kw2 [b, p, rank, head], qg, kg [b, p, head]), computed from x."""
         R = self.cfg.dcmha_rank
-        hidden = torch.einsum("bpd,dck->bpck", x, self.W_dyn_in)
+        hidden = (x @ self.W_dyn_in.flatten(1)).unflatten(-1, self.W_dyn_in.shape[1:])  # [b, p, c, k]
         hidden = F.gelu(hidden + self.b_dyn_in if self.b_dyn_in is not None else hidden)
         w = torch.einsum("bpck,ckrh->bpcrh", hidden, self.W_dyn_out)
         w1, w2 = w[:, :, :, :R], w[:, :, :, R:]
@@ -267,7 +296,7 @@ class Attention(nn.Module):
         # square can be ~4e-4, where d rsqrt/du = -u^-1.5 / 2 is ~6.5e4, past float16's 65504).
         w1f = w1.float()
         w1 = (w1f * torch.rsqrt(w1f.pow(2).mean(-1, keepdim=True) + 1e-6)).to(w1.dtype)
-        gates = torch.einsum("bpd,dch->bpch", x, self.W_dyn_gate)
+        gates = (x @ self.W_dyn_gate.flatten(1)).unflatten(-1, self.W_dyn_gate.shape[1:])  # [b, p, c, h]
         gates = torch.tanh(gates + self.b_dyn_gate if self.b_dyn_gate is not None else gates)
         weights = {}
         for stage, (cq, ck) in BRANCH_DYN_INDEX.items():
@@ -290,11 +319,13 @@ class Attention(nn.Module):
         return scores.masked_fill(mask != 0, 0.0)
 
     def forward(
-        self, x: Float[Tensor, "b p d"], mask: Float[Tensor, "t s"], qkv_input: tuple[Tensor, ...] | None = None
+        self, x: Float[Tensor, "b p d"], mask: Float[Tensor, "t s"] | Float[Tensor, "b 1 t s"],
+        qkv_input: tuple[Tensor, ...] | None = None, positions: Tensor | None = None, past_kv_cache_entry=None,
     ) -> Float[Tensor, "b p d"]:
         """`x`: the normed input; `mask`: 0 where a query sees a key, else the dtype's minimum (`attention_mask`).
         `qkv_input`: per-head normed inputs [b, p, h, d] of q, k and v, when split (cfg.use_split_qkv_input);
-        the dynamic compose weights still read `x`."""
+        the dynamic compose weights still read `x`. `positions`: rotary positions of x's tokens (default 0, 1, ...).
+        `past_kv_cache_entry`: this layer's `DCFormerKeyValueCacheEntry`; the keys are then the cached ones and x's."""
         cfg = self.cfg
         if qkv_input is None:
             q = torch.einsum("bpd,hde->bphe", x, self.W_Q)
@@ -308,8 +339,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         table = torch.float16 if cfg.window == "official-inference" else torch.float32
-        q = self.hook_rot_q(apply_rotary(q, cfg.rotary_dim, cfg.rotary_base, table))
-        k = self.hook_rot_k(apply_rotary(k, cfg.rotary_dim, cfg.rotary_base, table))
+        q = self.hook_rot_q(apply_rotary(q, cfg.rotary_dim, cfg.rotary_base, table, positions))
+        k = self.hook_rot_k(apply_rotary(k, cfg.rotary_dim, cfg.rotary_base, table, positions))
+        if past_kv_cache_entry is not None:
+            k, v = past_kv_cache_entry.append(k, v)
 
         scores = torch.einsum("bthe,bshe->bhts", q, k) / math.sqrt(cfg.d_head)
         mask = mask.to(scores.dtype)
@@ -317,14 +350,14 @@ class Attention(nn.Module):
             scores = self.hook_scores_for_compose(scores, mask)
             dyn = self.dynamic_weights(x)
             if self.pre_compose is not None:
-                scores = self.pre_compose(scores, *dyn["pre"])
+                scores = self.pre_compose(scores, *dyn["pre"], past_kv_cache_entry=past_kv_cache_entry)
             scores = self.hook_composed_scores(scores + mask)
         else:
             scores = self.hook_attn_scores(scores + mask)
         pattern = self.hook_pattern(scores.softmax(-1, dtype=torch.float32).to(scores.dtype))
         if cfg.use_dcmha:
             if self.post_compose is not None:
-                pattern = self.post_compose(pattern, *dyn["post"])
+                pattern = self.post_compose(pattern, *dyn["post"], past_kv_cache_entry=past_kv_cache_entry)
             pattern = self.hook_composed_pattern(pattern)
 
         z = self.hook_z(torch.einsum("bhts,bshe->bthe", pattern, v))
@@ -391,10 +424,11 @@ class TransformerBlock(nn.Module):
         forks = (self.attn.hook_q_input, self.attn.hook_k_input, self.attn.hook_v_input)
         return tuple(self.ln1(fork(copies.clone())) for fork in forks)
 
-    def forward(self, resid_pre: Float[Tensor, "b p d"], mask: Float[Tensor, "t s"]) -> Float[Tensor, "b p d"]:
+    def forward(self, resid_pre: Float[Tensor, "b p d"], mask: Float[Tensor, "t s"], positions: Tensor | None = None,
+                past_kv_cache_entry=None) -> Float[Tensor, "b p d"]:
         resid_pre = self.hook_resid_pre(resid_pre)
         qkv_input = self.split_qkv_input(resid_pre) if self.cfg.use_split_qkv_input else None
-        attn_out = self.hook_attn_out(self.attn(self.ln1(resid_pre), mask, qkv_input))
+        attn_out = self.hook_attn_out(self.attn(self.ln1(resid_pre), mask, qkv_input, positions, past_kv_cache_entry))
         if self.cfg.parallel_residual:
             mlp_out = self.hook_mlp_out(self.mlp(self.ln2(resid_pre)))
             return self.hook_resid_post(resid_pre + attn_out + mlp_out)
@@ -437,11 +471,12 @@ class Unembed(nn.Module):
         return logits + bias if bias is not None else logits
 
 
-def visible_keys(n: int, window: int | None, device, semantics: str = "training") -> Bool[Tensor, "t s"]:
+def visible_keys(n: int, window: int | None, device, semantics: str = "training", past: int = 0) -> Bool[Tensor, "t s"]:
     """True where query t may see key s: s <= t, and for a local layer t - window < s ("training": `window`
-    keys) or t - window <= s ("official-inference": window + 1 keys)."""
-    t = torch.arange(n, device=device)[:, None]
-    s = torch.arange(n, device=device)[None, :]
+    keys) or t - window <= s ("official-inference": window + 1 keys). With `past` cached positions, the n queries
+    are positions past..past+n-1 and the keys 0..past+n-1 ([n, past + n])."""
+    t = torch.arange(past, past + n, device=device)[:, None]
+    s = torch.arange(past + n, device=device)[None, :]
     allowed = s <= t
     if window is not None:
         allowed &= s > t - window - int(semantics == "official-inference")
@@ -449,13 +484,22 @@ def visible_keys(n: int, window: int | None, device, semantics: str = "training"
 
 
 def attention_mask(
-    n: int, window: int | None, device, dtype=torch.float32, semantics: str = "training"
-) -> Float[Tensor, "t s"]:
+    n: int, window: int | None, device, dtype=torch.float32, semantics: str = "training", past: int = 0,
+    real: Bool[Tensor, "b s"] | None = None,
+) -> Float[Tensor, "t s"] | Float[Tensor, "b 1 t s"]:
     """The same as an additive mask: 0 where query t may see key s, else the dtype's minimum (as TransformerLens).
 
-    Added to the scores it gives the minimum at hidden keys (an add: faster than masked_fill on a CPU)."""
-    hidden = ~visible_keys(n, window, device, semantics)
-    return torch.zeros(n, n, device=device, dtype=dtype).masked_fill(hidden, torch.finfo(dtype).min)
+    Added to the scores it gives the minimum at hidden keys (an add: faster than masked_fill on a CPU).
+    `real` [b, past + n], False at padding: padded keys are hidden too (a padded query sees itself), per row."""
+    visible = visible_keys(n, window, device, semantics, past)
+    if real is not None:
+        itself = torch.arange(past, past + n, device=device)[:, None] == torch.arange(past + n, device=device)
+        visible = visible & (real.to(device)[:, None, :] | itself)
+        visible = visible[:, None]  # [b, 1, t, s]
+    return torch.zeros(visible.shape, device=device, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
+
+
+_attention_mask = attention_mask  # HookedDCFormer.forward's argument of that name shadows it
 
 
 class HookedDCFormer(HookedRootModule):
@@ -501,11 +545,17 @@ class HookedDCFormer(HookedRootModule):
         start_at_layer: int | None = None,
         tokens: Int[Tensor, "b p"] | None = None,
         stop_at_layer: int | None = None,
+        attention_mask: Int[Tensor, "b p"] | None = None,
+        past_kv_cache: DCFormerKeyValueCache | None = None,
     ):
         """Logits (or loss) for tokens or text, as TransformerLens' forward.
 
         `stop_at_layer=l` returns the residual stream entering block l. `start_at_layer=l` takes that residual
         stream as `input` and runs blocks l onwards (pass `tokens` as well for a loss).
+        `attention_mask` [batch, pos]: 1 for real tokens, 0 for padding (left padding: `to_tokens(...,
+        padding_side="left")`); padded keys are hidden and each row's rotary positions count from its first real
+        token, so a row gives what its prompt alone would. `past_kv_cache` (a `DCFormerKeyValueCache`): the input
+        continues the cached positions, and is added to the cache (docs/generation.md).
         """
         if start_at_layer is None:
             tokens = self.to_tokens(input, prepend_bos=prepend_bos) if isinstance(input, (str, list)) else input
@@ -514,12 +564,28 @@ class HookedDCFormer(HookedRootModule):
         else:
             resid = self._graph_start(input.to(self.input_device))
         n = resid.shape[1]
+        past, real, positions = 0, None, None
+        if past_kv_cache is not None:
+            past = past_kv_cache.n_tokens
+            if attention_mask is None:
+                attention_mask = torch.ones(resid.shape[:2], dtype=torch.long)
+            attention_mask = past_kv_cache.append_attention_mask(attention_mask)
+            positions = torch.arange(past, past + n, device=resid.device)
+        if attention_mask is not None:
+            if attention_mask.shape != (resid.shape[0], past + n):
+                raise ValueError(f"attention_mask: shape {tuple(attention_mask.shape)}, expected [batch, pos] = "
+                                 f"{[resid.shape[0], n]}")
+            if not attention_mask.bool().all():
+                real = attention_mask.to(resid.device).bool()
+                positions = (real.cumsum(1) - 1).clamp_min(0)[:, past:]
         masks = {}
-        for block in self.blocks[start_at_layer:stop_at_layer]:
+        first = start_at_layer or 0
+        for layer, block in enumerate(self.blocks[start_at_layer:stop_at_layer], start=first):
             window = block.attn.window
             if window not in masks:
-                masks[window] = attention_mask(n, window, resid.device, resid.dtype, semantics=self.cfg.window)
-            resid = block(resid, masks[window])
+                masks[window] = _attention_mask(n, window, resid.device, resid.dtype, self.cfg.window, past, real)
+            entry = None if past_kv_cache is None else past_kv_cache[layer]
+            resid = block(resid, masks[window], positions, entry)
         if stop_at_layer is not None:
             return resid
         logits = self.unembed(self.ln_final(resid))
@@ -866,7 +932,7 @@ class HookedDCFormer(HookedRootModule):
         input: str | list[str] | Int[Tensor, "b p"] = "",
         max_new_tokens: int = 10,
         stop_at_eos: bool = True,
-        eos_token_id: int | None = None,
+        eos_token_id: int | list[int] | None = None,
         do_sample: bool = True,
         top_k: int | None = None,
         top_p: float | None = None,
@@ -877,49 +943,78 @@ class HookedDCFormer(HookedRootModule):
         prepend_bos: bool | None = None,
         return_type: Literal["input", "str", "tokens"] = "input",
         verbose: bool = False,
+        attention_mask: Int[Tensor, "b p"] | None = None,
     ) -> str | list[str] | Int[Tensor, "b p"]:
         """Continue a prompt token by token, as TransformerLens' `generate` (same arguments and defaults).
 
         Greedy with `do_sample=False`, else sampled with TransformerLens' `sample_logits` (temperature, top-k,
-        top-p, frequency and repetition penalties). Sequences that reach EOS are padded with EOS; generation
-        stops when all have. Hooks attached to the model (`with model.hooks(...)`, `add_hook`) are active at every
-        step. There is no key-value cache: each step runs the whole sequence again (`use_past_kv_cache` is
-        accepted and ignored), so a hook sees every position at every step.
+        top-p, frequency and repetition penalties). With `stop_at_eos`, a sequence that reaches an EOS token
+        (`eos_token_id`: one id or several; default the tokenizer's) is padded with EOS, and generation stops when
+        all have. A list of prompts of different lengths is padded on the left; a padded token tensor needs its
+        `attention_mask` (1 real, 0 padding). Hooks attached to the model (`with model.hooks(...)`, `add_hook`)
+        are active at every step.
+
+        `use_past_kv_cache=True` (default): the prompt runs once and each step runs the new token alone against a
+        `DCFormerKeyValueCache` (keys, values and the key side of DCMHA's compose), so a hook sees the prompt at
+        the first step and then each new token's activations (its row of a [b, h, t, s] hook). False: every step
+        reruns the whole sequence. Both give the same tokens (docs/generation.md).
         """
         from transformer_lens.utilities import sample_logits
 
         if isinstance(input, (str, list)):
-            texts = [input] if isinstance(input, str) else input
-            lengths = {len(self.to_tokens(t, prepend_bos=prepend_bos)[0]) for t in texts}
-            if len(lengths) > 1:
-                raise ValueError("generate: the prompts have different token counts; pass them one at a time")
-            tokens = self.to_tokens(input, prepend_bos=prepend_bos)
+            texts = [input] if isinstance(input, str) else list(input)
+            tokens = self.to_tokens(texts, prepend_bos=prepend_bos, padding_side="left")
+            lengths = torch.tensor([len(self.to_tokens(t, prepend_bos=prepend_bos)[0]) for t in texts])
+            if (lengths < tokens.shape[1]).any():
+                attention_mask = (torch.arange(tokens.shape[1]) >= tokens.shape[1] - lengths[:, None]).long()
         else:
             tokens = input.to(self.input_device)
             if tokens.ndim == 1:
                 tokens = tokens[None]
-        if stop_at_eos and eos_token_id is None:
-            eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(tokens.device)
+            if attention_mask.shape != tokens.shape:
+                raise ValueError(f"generate: attention_mask has shape {tuple(attention_mask.shape)}, the prompt "
+                                 f"{tuple(tokens.shape)}")
+        stop_tokens = None
+        if stop_at_eos:
             if eos_token_id is None:
-                raise ValueError("generate: stop_at_eos needs an eos_token_id (the model has no tokenizer with one)")
+                eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
+                if eos_token_id is None:
+                    raise ValueError("generate: stop_at_eos needs an eos_token_id (the model has no tokenizer with one)")
+            stop_tokens = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
+                                       device=tokens.device)
+        cache = None
+        if use_past_kv_cache:
+            cache = DCFormerKeyValueCache.init_cache(self.cfg, tokens.device, tokens.shape[0])
         finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
-        for _ in tqdm(range(max_new_tokens), disable=not verbose):
-            final_logits = self(tokens)[:, -1]
+        for step in tqdm(range(max_new_tokens), disable=not verbose):
+            if cache is None:
+                mask = None if attention_mask is None else F.pad(attention_mask, (0, tokens.shape[1] - attention_mask.shape[1]), value=1)
+                final_logits = self(tokens, attention_mask=mask)[:, -1]
+            elif step == 0:
+                final_logits = self(tokens, attention_mask=attention_mask, past_kv_cache=cache)[:, -1]
+            else:
+                final_logits = self(tokens[:, -1:], past_kv_cache=cache)[:, -1]
             if do_sample:
                 new = sample_logits(final_logits, top_k=top_k, top_p=top_p, temperature=temperature,
                                     freq_penalty=freq_penalty, repetition_penalty=repetition_penalty, tokens=tokens)
             else:
                 new = final_logits.argmax(-1)
             new = new.to(tokens.device)
-            if stop_at_eos:
-                new = new.masked_fill(finished, eos_token_id)
-                finished |= new == eos_token_id
+            if stop_tokens is not None:
+                new = new.masked_fill(finished, stop_tokens[0])
+                finished |= torch.isin(new, stop_tokens)
             tokens = torch.cat([tokens, new[:, None]], dim=1)
-            if stop_at_eos and finished.all():
+            if stop_tokens is not None and finished.all():
                 break
         if return_type == "tokens" or (return_type == "input" and isinstance(input, Tensor)):
             return tokens
-        strings = self.to_string(tokens)
+        if attention_mask is None:
+            strings = self.to_string(tokens)
+        else:  # without the left padding
+            n_pad = (attention_mask == 0).sum(1).tolist()
+            strings = [self.to_string(row[pad:]) for row, pad in zip(tokens, n_pad)]
         return strings[0] if isinstance(input, str) else strings
 
     # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,167 @@
+"""A key-value cache for DCMHA, used as TransformerLens' `HookedTransformerKeyValueCache` is.
+
+    cache = DCFormerKeyValueCache.init_cache(model.cfg, model.input_device, batch_size=1)
+    logits = model(prompt_tokens, past_kv_cache=cache)          # fills the cache
+    logits = model(next_token[:, None], past_kv_cache=cache)    # one new position, the earlier ones from the cache
+
+What a new token needs from the tokens before it, per layer:
+- their keys (after QK-norm and rotary, `hook_rot_k`) and values, as in any transformer;
+- in a DCMHA layer, the key side of both `Compose` stages: the key-wise projection weights `kw1`, `kw2` and the
+  key-wise gate `kg` (paper Sec. 4.4: "we cache the results of key-wise computation of `Compose` along with the
+  KVCache"). The new query's row of the composed scores and pattern is then its query-side weights (`qw1`, `qw2`,
+  `qg`, from its own residual stream) applied to its row of scores, plus the cached key side applied per key:
+      o_kp[m, t, s] = sum_r (sum_n A[n, t, s] kw1[s, r, n]) kw2[s, r, m],   o_kg[n, t, s] = A[n, t, s] kg[s, n].
+The key side is stored key-last ([batch, rank, head, key], [batch, head, key]): for one query the branch is then two
+broadcast multiply-adds over contiguous memory. `past_key_compose(stage)` gives it in the hooks' layout.
+
+Everything grows in place along the key axis (the capacity doubles when full), so a step costs no copy of the past.
+The attention mask (1 for a real token, 0 for padding) of every position so far is kept too: it masks padded keys
+and gives each row's rotary positions (counted from its first real token, as TransformerLens does), so a
+left-padded batch generates what each prompt alone would. A frozen cache is read but not written: run several
+continuations of one cached prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from .config import DCFormerConfig
+
+
+class GrowingTensor:
+    """A tensor that grows along one dimension with amortised O(1) appends (its capacity doubles when full)."""
+
+    def __init__(self, dim: int):
+        self.dim = dim
+        self.buffer: Tensor | None = None
+        self.length = 0
+
+    def _take(self, tensor: Tensor, n: int) -> Tensor:
+        return tensor.narrow(self.dim, 0, n)
+
+    @property
+    def value(self) -> Tensor | None:
+        return None if self.buffer is None else self._take(self.buffer, self.length)
+
+    def append(self, new: Tensor, frozen: bool = False) -> Tensor:
+        """The tensor with `new` appended; stored unless frozen."""
+        if self.buffer is None:
+            if frozen:
+                return new
+            self.buffer = new.new_empty(new.shape)
+            self.length = 0
+        if frozen:
+            return torch.cat([self.value, new.to(self.buffer)], dim=self.dim)
+        needed = self.length + new.shape[self.dim]
+        capacity = self.buffer.shape[self.dim]
+        if needed > capacity:
+            shape = list(self.buffer.shape)
+            shape[self.dim] = max(needed, 2 * capacity)
+            grown = self.buffer.new_empty(shape)
+            self._take(grown, self.length).copy_(self.value)
+            self.buffer = grown
+        self.buffer.narrow(self.dim, self.length, new.shape[self.dim]).copy_(new)
+        self.length = needed
+        return self.value
+
+
+@dataclass
+class DCFormerKeyValueCacheEntry:
+    """One layer's cache: keys and values [batch, pos_so_far, head, d_head], and per compose stage its key side."""
+
+    keys: GrowingTensor = field(default_factory=lambda: GrowingTensor(1))
+    values: GrowingTensor = field(default_factory=lambda: GrowingTensor(1))
+    # stage -> {"kw1": [b, rank, head, s], "kw2": [b, rank, head, s], "kg": [b, head, s]} (branches that are on)
+    key_compose: dict[str, dict[str, GrowingTensor]] = field(default_factory=dict)
+    frozen: bool = False
+
+    @property
+    def past_keys(self) -> Float[Tensor, "batch pos_so_far head d_head"] | None:
+        return self.keys.value
+
+    @property
+    def past_values(self) -> Float[Tensor, "batch pos_so_far head d_head"] | None:
+        return self.values.value
+
+    def append(self, new_keys: Tensor, new_values: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of every position so far, the new ones last (stored unless frozen)."""
+        return self.keys.append(new_keys, self.frozen), self.values.append(new_values, self.frozen)
+
+    def append_key_compose(
+        self, stage: str, kw1: Tensor | None, kw2: Tensor | None, kg: Tensor | None
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """A compose stage's key side [b, new, rank, head] / [b, new, head] for the new positions in; that of every
+        position so far out, key-last: kw1, kw2 [b, rank, head, s], kg [b, head, s] (None for branches that are off)."""
+        stored = self.key_compose.setdefault(stage, {})
+        out = []
+        for name, new in (("kw1", kw1), ("kw2", kw2), ("kg", kg)):
+            if new is None:
+                out.append(None)
+                continue
+            key_last = new.permute(0, 2, 3, 1) if new.ndim == 4 else new.transpose(1, 2)
+            out.append(stored.setdefault(name, GrowingTensor(-1)).append(key_last, self.frozen))
+        return tuple(out)
+
+    def past_key_compose(self, stage: str) -> dict[str, Tensor]:
+        """The cached key side of a compose stage in the hooks' layout: kw1, kw2 [b, pos, rank, head], kg [b, pos, head]."""
+        stored = self.key_compose.get(stage, {})
+        return {name: (t.value.permute(0, 3, 1, 2) if t.value.ndim == 4 else t.value.transpose(1, 2))
+                for name, t in stored.items() if t.value is not None}
+
+
+@dataclass
+class DCFormerKeyValueCache:
+    """Per-layer caches and the attention mask [batch, pos_so_far] (1 real, 0 padding) of the positions so far."""
+
+    entries: list[DCFormerKeyValueCacheEntry]
+    previous_attention_mask: Int[Tensor, "batch pos_so_far"]
+    frozen: bool = False
+
+    @classmethod
+    def init_cache(cls, cfg: DCFormerConfig, device: torch.device | str | None = None,
+                   batch_size: int = 1) -> DCFormerKeyValueCache:
+        """An empty cache for `cfg`'s layers. Each layer's tensors are made on the device of that layer's first keys
+        (so models spread over devices work); `device` is where the attention mask lives."""
+        device = device if device is not None else (cfg.device or "cpu")
+        return cls([DCFormerKeyValueCacheEntry() for _ in range(cfg.n_layers)],
+                   torch.ones(batch_size, 0, dtype=torch.long, device=device))
+
+    @property
+    def batch_size(self) -> int:
+        return self.previous_attention_mask.shape[0]
+
+    @property
+    def n_tokens(self) -> int:
+        """Positions cached so far (padding included)."""
+        return self.previous_attention_mask.shape[1]
+
+    def freeze(self) -> None:
+        self.frozen = True
+        for entry in self.entries:
+            entry.frozen = True
+
+    def unfreeze(self) -> None:
+        self.frozen = False
+        for entry in self.entries:
+            entry.frozen = False
+
+    def append_attention_mask(self, attention_mask: Int[Tensor, "batch new"]) -> Int[Tensor, "batch pos_so_far"]:
+        """The mask of every position so far with the new positions' appended (stored unless frozen)."""
+        if attention_mask.shape[0] != self.batch_size:
+            raise ValueError(f"past_kv_cache: the cache holds a batch of {self.batch_size}, the input has "
+                             f"{attention_mask.shape[0]} rows")
+        mask = self.previous_attention_mask
+        updated = torch.cat([mask, attention_mask.to(mask.device, mask.dtype)], dim=1)
+        if not self.frozen:
+            self.previous_attention_mask = updated
+        return updated
+
+    def __getitem__(self, layer: int) -> DCFormerKeyValueCacheEntry:
+        return self.entries[layer]
+
+    def __len__(self) -> int:
+        return len(self.entries)

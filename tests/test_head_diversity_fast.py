@@ -1,0 +1,56 @@
+"""Head diversity's first components by block Lanczos (`circuits.top_spectrum`): the same numbers as the full
+eigendecomposition, within the bound it reports, the total variance from the trace."""
+
+import pytest
+import torch
+
+from dcinterp import DCFormerConfig, HookedDCFormer
+from dcinterp.circuits import head_diversity, top_spectrum
+
+
+def decaying(m: int, n: int, seed: int = 0) -> torch.Tensor:
+    """A random m x n matrix whose singular values decay as trained weights' do, with a cluster at the top."""
+    generator = torch.Generator().manual_seed(seed)
+    r = min(m, n)
+    U = torch.linalg.qr(torch.randn(m, r, generator=generator, dtype=torch.float64))[0]
+    V = torch.linalg.qr(torch.randn(n, r, generator=generator, dtype=torch.float64))[0]
+    sigma = torch.arange(1, r + 1, dtype=torch.float64) ** -0.7
+    sigma[:4] = sigma[0]  # four equal singular values
+    return ((U * sigma) @ V.T).float()
+
+
+@pytest.mark.parametrize("shape", [(600, 480), (480, 600)])
+def test_top_spectrum_equals_the_full_decomposition_within_its_bound(shape):
+    Z = decaying(*shape)
+    full = torch.linalg.svdvals(Z.double()) ** 2
+    top = top_spectrum(Z, 24, tol=1e-6, generator=torch.Generator().manual_seed(0))
+    assert top.krylov_dim > 0 and top.bound <= 1e-6  # the Krylov path, not the fallback
+    assert abs(top.total - float(full.sum())) / top.total < 1e-6
+    shares, exact = top.sigma2.double().cumsum(0) / top.total, full[:24].cumsum(0) / full.sum()
+    assert (shares - exact).abs().max() <= top.bound + 1e-6  # the bound, plus float32 rounding
+
+
+def test_a_spectrum_too_flat_for_lanczos_falls_back_to_the_full_decomposition():
+    Z = torch.randn(90, 90, generator=torch.Generator().manual_seed(0))
+    top = top_spectrum(Z, 20)
+    assert top.krylov_dim == 0 and top.bound == 0
+    torch.testing.assert_close(top.sigma2, (torch.linalg.svdvals(Z.double()) ** 2)[:20].float(), rtol=1e-5, atol=1e-5)
+
+
+def test_head_diversity_components_are_the_first_entries_of_the_full_curve():
+    torch.manual_seed(0)
+    model = HookedDCFormer(DCFormerConfig(n_layers=2, d_model=384, n_heads=6, d_head=64, d_mlp=32, d_vocab=10, n_ctx=8))
+    with torch.no_grad():  # trained-like circuits: decaying spectra
+        for block in model.blocks:
+            for name in ("W_Q", "W_K", "W_V"):
+                w = getattr(block.attn, name)
+                w.copy_(w * torch.arange(1, 385, dtype=torch.float32)[None, :, None] ** -0.8)
+    full = head_diversity(model, components="all")
+    first = head_diversity(model, components=16)
+    assert full.qk.shape == (2, 384) and first.qk.shape == (2, 16) and first.options["components"] == 16
+    assert 0 < first.bound <= 1e-6
+    assert (first.qk - full.qk[:, :16]).abs().max() < 2e-6
+    assert (first.ov - full.ov[:, :16]).abs().max() < 2e-6
+    assert head_diversity(model).qk.shape == (2, 384)  # "auto": all components of a small model
+    with pytest.raises(ValueError, match="components must be a positive int"):
+        head_diversity(model, components=0)
