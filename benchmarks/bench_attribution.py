@@ -37,8 +37,10 @@ def fastest(repeats: int, function) -> float:
 def models() -> dict[str, HookedDCFormer]:
     torch.manual_seed(0)
     cfg = DCFormerConfig(n_layers=6, d_model=256, n_heads=8, d_head=32, d_mlp=1024, d_vocab=1000, rotary_pct=0.25)
-    return {"random 6L d256 8x32": HookedDCFormer(cfg),
-            "fixture dcpythia-tiny": HookedDCFormer.from_pretrained(FIXTURE)}
+    return {
+        "random 6L d256 8x32": HookedDCFormer(cfg),
+        "fixture dcpythia-tiny": HookedDCFormer.from_pretrained(FIXTURE),
+    }
 
 
 def main() -> None:
@@ -50,8 +52,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"{args.threads} thread(s), batch {args.batch}, seq {args.seq}; "
-          "target: the logit of one token at the last position")
+    print(
+        f"{args.threads} thread(s), batch {args.batch}, seq {args.seq}; "
+        "target: the logit of one token at the last position"
+    )
     for name, model in models().items():
         torch.manual_seed(1)
         tokens = torch.randint(0, model.cfg.d_vocab, (args.batch, min(args.seq, model.cfg.n_ctx)))
@@ -72,11 +76,15 @@ def main() -> None:
         print(f"\n{name}: fwd+bwd {base * 1e3:.1f} ms; gated fwd+bwd {gated * 1e3:.1f} ms ({gated / base:.2f}x)")
         for n_steps in args.steps:
             for internal in (None, args.batch):
-                seconds = fastest(args.repeats, lambda: head_attribution(
-                    model, tokens, answer, n_steps=n_steps, internal_batch_size=internal))
+                seconds = fastest(
+                    args.repeats,
+                    lambda: head_attribution(model, tokens, answer, n_steps=n_steps, internal_batch_size=internal),
+                )
                 label = "all steps in one pass" if internal is None else "one step per pass"
-                print(f"  IG n_steps={n_steps:3d} ({label:21s}): {seconds:7.3f} s = {seconds / base:6.1f}x fwd+bwd "
-                      f"({seconds / base / n_steps:.2f}x per step)")
+                print(
+                    f"  IG n_steps={n_steps:3d} ({label:21s}): {seconds:7.3f} s = {seconds / base:6.1f}x fwd+bwd "
+                    f"({seconds / base / n_steps:.2f}x per step)"
+                )
 
 
 if __name__ == "__main__":

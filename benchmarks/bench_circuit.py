@@ -25,11 +25,31 @@ import time
 
 SHAPES = {
     "synth": None,
-    "1b": dict(n_layers=16, d_model=2048, n_heads=8, d_head=256, d_mlp=8192, d_vocab=50304, window_size=256,
-               window_type="LG", dcmha_rank=2, dyn_hidden_dim=32),
+    "1b": dict(
+        n_layers=16,
+        d_model=2048,
+        n_heads=8,
+        d_head=256,
+        d_mlp=8192,
+        d_vocab=50304,
+        window_size=256,
+        window_type="LG",
+        dcmha_rank=2,
+        dyn_hidden_dim=32,
+    ),
     # DCPythia-6.9B's width (d_model 4096, 32 heads, d_mlp 16384) with 4 of its 32 layers: activation memory per layer
-    "6.9b-4l": dict(n_layers=4, d_model=4096, n_heads=32, d_head=128, d_mlp=16384, d_vocab=50304, window_size=256,
-                    window_type="LG", dcmha_rank=2, dyn_hidden_dim=128),
+    "6.9b-4l": dict(
+        n_layers=4,
+        d_model=4096,
+        n_heads=32,
+        d_head=128,
+        d_mlp=16384,
+        d_vocab=50304,
+        window_size=256,
+        window_type="LG",
+        dcmha_rank=2,
+        dyn_hidden_dim=128,
+    ),
 }
 
 
@@ -42,8 +62,10 @@ def setup(shape: str, pairs: int):
 
     if shape == "synth":
         model = HookedDCFormer.from_pretrained("dcpythia-synth")
-        tokens = tokenize_pairs([p for task in (2, 3) for p in contrast_pairs(task, n=max(1, pairs // 2),
-                                                                             tokenizer=model.tokenizer)], model.tokenizer)
+        tokens = tokenize_pairs(
+            [p for task in (2, 3) for p in contrast_pairs(task, n=max(1, pairs // 2), tokenizer=model.tokenizer)],
+            model.tokenizer,
+        )
     else:
         torch.manual_seed(0)
         model = HookedDCFormer(DCFormerConfig(**SHAPES[shape]))
@@ -55,7 +77,9 @@ def setup(shape: str, pairs: int):
     return model.eval().requires_grad_(False), tokens
 
 
-def worker(shape: str, what: str, pairs: int, n_steps: int, sample: int, threads: int, ig_batch_size: int | None) -> dict:
+def worker(
+    shape: str, what: str, pairs: int, n_steps: int, sample: int, threads: int, ig_batch_size: int | None
+) -> dict:
     import torch
 
     from dcinterp.discovery import CircuitEvaluator, build_graph, edge_scores
@@ -77,9 +101,17 @@ def worker(shape: str, what: str, pairs: int, n_steps: int, sample: int, threads
         evaluator.single_edge_effects(chosen)
         per_edge = (time.perf_counter() - start) / len(chosen)
         seconds = setup_seconds + per_edge * len(graph)
-    return {"shape": shape, "what": what, "edges": len(graph), **graph.counts(), "pairs": int(tokens.clean.shape[0]),
-            "positions": int(tokens.clean.shape[1]), "seconds": seconds, "per_edge": per_edge,
-            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    return {
+        "shape": shape,
+        "what": what,
+        "edges": len(graph),
+        **graph.counts(),
+        "pairs": int(tokens.clean.shape[0]),
+        "positions": int(tokens.clean.shape[1]),
+        "seconds": seconds,
+        "per_edge": per_edge,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    }
 
 
 def main() -> None:
@@ -99,18 +131,39 @@ def main() -> None:
     for shape in args.shapes.split(","):
         rows = {}
         for what in ("eap", "eap-ig", "exact"):
-            command = [sys.executable, __file__, "--worker", shape, what, "--pairs", str(args.pairs),
-                       "--n-steps", str(args.n_steps), "--sample", str(args.sample), "--threads", str(args.threads),
-                       "--ig-batch-size", str(args.ig_batch_size)]
-            row = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+            command = [
+                sys.executable,
+                __file__,
+                "--worker",
+                shape,
+                what,
+                "--pairs",
+                str(args.pairs),
+                "--n-steps",
+                str(args.n_steps),
+                "--sample",
+                str(args.sample),
+                "--threads",
+                str(args.threads),
+                "--ig-batch-size",
+                str(args.ig_batch_size),
+            ]
+            row = json.loads(
+                subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()[-1]
+            )
             rows[what] = row
             label = "exact*" if what == "exact" else what
-            print(f"{shape:6} {label:7} {row['edges']:>7} {row['compose_edges']:>7} {row['pairs']:>5} "
-                  f"{row['seconds']:>9.1f} {row['peak_rss_gib']:>7.2f} GiB", flush=True)
+            print(
+                f"{shape:6} {label:7} {row['edges']:>7} {row['compose_edges']:>7} {row['pairs']:>5} "
+                f"{row['seconds']:>9.1f} {row['peak_rss_gib']:>7.2f} GiB",
+                flush=True,
+            )
         exact = rows["exact"]
-        print(f"{shape}: exact patching of all {exact['edges']} edges (extrapolated from {args.sample}, "
-              f"{exact['per_edge']:.3f} s each) / eap = {exact['seconds'] / rows['eap']['seconds']:.0f}x, "
-              f"/ eap-ig ({args.n_steps} steps) = {exact['seconds'] / rows['eap-ig']['seconds']:.0f}x")
+        print(
+            f"{shape}: exact patching of all {exact['edges']} edges (extrapolated from {args.sample}, "
+            f"{exact['per_edge']:.3f} s each) / eap = {exact['seconds'] / rows['eap']['seconds']:.0f}x, "
+            f"/ eap-ig ({args.n_steps} steps) = {exact['seconds'] / rows['eap-ig']['seconds']:.0f}x"
+        )
 
 
 if __name__ == "__main__":

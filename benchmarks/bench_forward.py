@@ -26,6 +26,7 @@ from dcinterp import DCFormerConfig, HookedDCFormer
 
 def timeit(fn, repeats: int, device: str) -> float:
     """Median wall time of fn() in seconds, after two warm-up calls."""
+
     def sync():
         if device.startswith("cuda"):
             torch.cuda.synchronize()
@@ -48,9 +49,20 @@ def official_dcpythia(path: Path, args, dtype):
     configuration = importlib.import_module("configuration_dcpythia")
     modeling = importlib.import_module("modeling_dcpythia")
     config = configuration.DCPythiaConfig(
-        vocab_size=args.vocab, dim=args.dim, n_head=args.heads, n_local_heads=args.heads, head_dim=args.dim // args.heads,
-        n_layer=args.layers, intermediate_size=4 * args.dim, block_size=args.tokens, rotary_pct=0.25,
-        use_qk_norm=True, window_size=None, window_type=None, use_dcmha=True, is_training=False,
+        vocab_size=args.vocab,
+        dim=args.dim,
+        n_head=args.heads,
+        n_local_heads=args.heads,
+        head_dim=args.dim // args.heads,
+        n_layer=args.layers,
+        intermediate_size=4 * args.dim,
+        block_size=args.tokens,
+        rotary_pct=0.25,
+        use_qk_norm=True,
+        window_size=None,
+        window_type=None,
+        use_dcmha=True,
+        is_training=False,
     )
     model = modeling.DCPythia(config).to(args.device, dtype).eval()
     with torch.no_grad():
@@ -80,8 +92,15 @@ def main() -> None:
     torch.manual_seed(0)
 
     cfg = DCFormerConfig(
-        n_layers=args.layers, d_model=args.dim, n_heads=args.heads, d_head=args.dim // args.heads, d_mlp=4 * args.dim,
-        d_vocab=args.vocab, n_ctx=args.tokens, rotary_pct=0.25, dtype=args.dtype,
+        n_layers=args.layers,
+        d_model=args.dim,
+        n_heads=args.heads,
+        d_head=args.dim // args.heads,
+        d_mlp=4 * args.dim,
+        d_vocab=args.vocab,
+        n_ctx=args.tokens,
+        rotary_pct=0.25,
+        dtype=args.dtype,
     )
     dcmha = HookedDCFormer(cfg).to(args.device, dtype).eval()
     mha = HookedDCFormer(DCFormerConfig(**{**cfg.to_dict(), "use_dcmha": False})).to(args.device, dtype).eval()
@@ -90,7 +109,9 @@ def main() -> None:
     with torch.no_grad():
         results = {
             "HookedDCFormer, no hooks": timeit(lambda: dcmha(tokens), args.repeats, args.device),
-            "HookedDCFormer, run_with_cache (all hooks)": timeit(lambda: dcmha.run_with_cache(tokens), args.repeats, args.device),
+            "HookedDCFormer, run_with_cache (all hooks)": timeit(
+                lambda: dcmha.run_with_cache(tokens), args.repeats, args.device
+            ),
             "plain MHA, same size": timeit(lambda: mha(tokens), args.repeats, args.device),
         }
         if args.official:
@@ -98,8 +119,10 @@ def main() -> None:
             results["authors' DCPythia (prefill)"] = timeit(lambda: official(tokens), args.repeats, args.device)
 
     base = results["HookedDCFormer, no hooks"]
-    print(f"{args.layers} layers, d_model {args.dim}, {args.heads} heads, {args.tokens} tokens, batch {args.batch}, "
-          f"{args.device} {args.dtype}, torch threads {torch.get_num_threads()}")
+    print(
+        f"{args.layers} layers, d_model {args.dim}, {args.heads} heads, {args.tokens} tokens, batch {args.batch}, "
+        f"{args.device} {args.dtype}, torch threads {torch.get_num_threads()}"
+    )
     print(f"{'':45s} {'ms':>9s} {'ratio to no-hook forward':>26s}")
     for name, seconds in results.items():
         print(f"{name:45s} {1000 * seconds:9.1f} {seconds / base:26.2f}")

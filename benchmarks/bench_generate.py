@@ -88,14 +88,25 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     window_type = None if args.window_type.lower() == "none" else args.window_type
     cfg = DCFormerConfig(
-        n_layers=args.layers, d_model=args.dim, n_heads=args.heads, d_head=args.dim // args.heads, d_mlp=4 * args.dim,
-        d_vocab=args.vocab, n_ctx=args.prompt + args.new, rotary_pct=0.25, use_qk_norm=True,
-        window_size=args.window if window_type else None, window_type=window_type, dtype=args.dtype,
+        n_layers=args.layers,
+        d_model=args.dim,
+        n_heads=args.heads,
+        d_head=args.dim // args.heads,
+        d_mlp=4 * args.dim,
+        d_vocab=args.vocab,
+        n_ctx=args.prompt + args.new,
+        rotary_pct=0.25,
+        use_qk_norm=True,
+        window_size=args.window if window_type else None,
+        window_type=window_type,
+        dtype=args.dtype,
     )
     models = {}
     for name, use_dcmha in (("DCMHA", True), ("MHA", False)):
         torch.manual_seed(0)
-        models[name] = HookedDCFormer(DCFormerConfig(**{**cfg.to_dict(), "use_dcmha": use_dcmha})).to(args.device, dtype).eval()
+        models[name] = (
+            HookedDCFormer(DCFormerConfig(**{**cfg.to_dict(), "use_dcmha": use_dcmha})).to(args.device, dtype).eval()
+        )
     prompt = torch.randint(0, args.vocab, (args.batch, args.prompt), device=args.device)
 
     warm_up = argparse.Namespace(**{**vars(args), "repeats": 1, "new": 3, "uncached": 0})
@@ -103,18 +114,26 @@ def main() -> None:
     runs = measure(models, prompt, args)
     result = {name: {k: statistics.median(v) for k, v in r.items()} for name, r in runs.items()}
 
-    print(f"{args.layers} layers, d_model {args.dim}, {args.heads} heads, vocab {args.vocab}, window "
-          f"{args.window if window_type else '-'} ({window_type or 'all global'}), prompt {args.prompt}, batch "
-          f"{args.batch}, {args.device} {args.dtype}, torch threads {torch.get_num_threads()}; median of "
-          f"{args.repeats} prefills, {args.repeats * (args.new - 1)} cached steps, {args.uncached} uncached steps")
-    print(f"{'':6s} {'prefill s':>10s} {'cached ms/token':>16s} {'tokens/s':>9s} {'uncached ms/token':>18s} "
-          f"{'tokens/s':>9s} {'uncached / cached':>18s}")
+    print(
+        f"{args.layers} layers, d_model {args.dim}, {args.heads} heads, vocab {args.vocab}, window "
+        f"{args.window if window_type else '-'} ({window_type or 'all global'}), prompt {args.prompt}, batch "
+        f"{args.batch}, {args.device} {args.dtype}, torch threads {torch.get_num_threads()}; median of "
+        f"{args.repeats} prefills, {args.repeats * (args.new - 1)} cached steps, {args.uncached} uncached steps"
+    )
+    print(
+        f"{'':6s} {'prefill s':>10s} {'cached ms/token':>16s} {'tokens/s':>9s} {'uncached ms/token':>18s} "
+        f"{'tokens/s':>9s} {'uncached / cached':>18s}"
+    )
     for name, r in result.items():
-        print(f"{name:6s} {r['prefill']:10.2f} {1000 * r['decode']:16.1f} {1 / r['decode']:9.2f} "
-              f"{1000 * r['uncached']:18.1f} {1 / r['uncached']:9.3f} {r['uncached'] / r['decode']:17.1f}x")
+        print(
+            f"{name:6s} {r['prefill']:10.2f} {1000 * r['decode']:16.1f} {1 / r['decode']:9.2f} "
+            f"{1000 * r['uncached']:18.1f} {1 / r['uncached']:9.3f} {r['uncached'] / r['decode']:17.1f}x"
+        )
     dc, mha = result["DCMHA"], result["MHA"]
-    print(f"DCMHA / MHA time per token: cached {dc['decode'] / mha['decode']:.2f}x, prefill "
-          f"{dc['prefill'] / mha['prefill']:.2f}x, uncached {dc['uncached'] / mha['uncached']:.2f}x")
+    print(
+        f"DCMHA / MHA time per token: cached {dc['decode'] / mha['decode']:.2f}x, prefill "
+        f"{dc['prefill'] / mha['prefill']:.2f}x, uncached {dc['uncached'] / mha['uncached']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -40,11 +40,15 @@ def step(name: str, fn):
         except Exception as e:  # report and go on with the other steps
             out, error = None, f"{type(e).__name__}: {str(e)[:300]}"
     torch.cuda.synchronize()
-    row = {"step": name, "seconds": round(time.perf_counter() - start, 2),
-           "host_peak_anon_gib": round((host.peak - host.baseline) / GiB, 2),
-           "gpu_peak_gib": round(torch.cuda.max_memory_allocated() / GiB, 2),
-           "gpu_peak_above_start_gib": round((torch.cuda.max_memory_allocated() - before_gpu) / GiB, 2),
-           "gpu_after_gib": round(torch.cuda.memory_allocated() / GiB, 2), "error": error}
+    row = {
+        "step": name,
+        "seconds": round(time.perf_counter() - start, 2),
+        "host_peak_anon_gib": round((host.peak - host.baseline) / GiB, 2),
+        "gpu_peak_gib": round(torch.cuda.max_memory_allocated() / GiB, 2),
+        "gpu_peak_above_start_gib": round((torch.cuda.max_memory_allocated() - before_gpu) / GiB, 2),
+        "gpu_after_gib": round(torch.cuda.memory_allocated() / GiB, 2),
+        "error": error,
+    }
     results.append(row)
     print(json.dumps(row), flush=True)
     return out
@@ -54,23 +58,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/dcpythia-6.9b"))
     parser.add_argument("--neox", action="store_true")
-    parser.add_argument("--offload", action="store_true",
-                        help="also a device_map='auto' load capped at 10 GiB of GPU memory (the rest offloaded to the "
-                             "CPU), and loads to the CPU in bfloat16 and float32 (the 24 GB workstation question)")
+    parser.add_argument(
+        "--offload",
+        action="store_true",
+        help="also a device_map='auto' load capped at 10 GiB of GPU memory (the rest offloaded to the "
+        "CPU), and loads to the CPU in bfloat16 and float32 (the 24 GB workstation question)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; "
-          f"DCPythia-6.9B shape: {n_parameters(DCPYTHIA_6_9B) / 1e9:.2f}B parameters", flush=True)
+    print(
+        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; "
+        f"DCPythia-6.9B shape: {n_parameters(DCPYTHIA_6_9B) / 1e9:.2f}B parameters",
+        flush=True,
+    )
     if not (args.dir / "config.json").is_file():
-        step("write random float16 safetensors shards", lambda: write_random_checkpoint(
-            args.dir, DCPYTHIA_6_9B, "safetensors", device="cuda"))
-    model = step("load bfloat16 to cuda", lambda: HookedDCFormer.from_pretrained(
-        args.dir, dtype=torch.bfloat16, device="cuda"))
+        step(
+            "write random float16 safetensors shards",
+            lambda: write_random_checkpoint(args.dir, DCPYTHIA_6_9B, "safetensors", device="cuda"),
+        )
+    model = step(
+        "load bfloat16 to cuda", lambda: HookedDCFormer.from_pretrained(args.dir, dtype=torch.bfloat16, device="cuda")
+    )
     tokens = torch.randint(0, 50257, (1, 2048), device="cuda")
     step("forward 1 x 2048 (frozen, no graph)", lambda: model(tokens).shape)
-    step("run_with_cache blocks.16.attn at 2048", lambda: len(model.run_with_cache(
-        tokens, names_filter=lambda n: n.startswith("blocks.16.attn"))[1]))
+    step(
+        "run_with_cache blocks.16.attn at 2048",
+        lambda: len(model.run_with_cache(tokens, names_filter=lambda n: n.startswith("blocks.16.attn"))[1]),
+    )
 
     def full_cache():
         try:
@@ -78,6 +93,7 @@ def main() -> None:
         except CacheTooLarge as refused:
             return str(refused)
         return "accepted"
+
     verdict = step("run_with_cache of every hook at 2048 (guard)", full_cache)
     print("#", verdict, "| estimate:", estimate_cache(model, tokens), flush=True)
 
@@ -86,30 +102,50 @@ def main() -> None:
 
     prompt = torch.randint(0, 50257, (1, 24), device="cuda")
     step("compose_breakdown layer 16 (24 tokens)", lambda: compose_breakdown(model, prompt, 16, 23, 3).composed.shape)
-    step("head_attribution, 1024 heads, 16 steps, internal batch 4", lambda: head_attribution(
-        model, prompt, target=42, n_steps=16, internal_batch_size=4).scores.shape)
-    step("synth-eval batch 8 x 128 (inference_mode)", lambda: _inference(model, torch.randint(0, 50257, (8, 128),
-                                                                                              device="cuda")))
+    step(
+        "head_attribution, 1024 heads, 16 steps, internal batch 4",
+        lambda: head_attribution(model, prompt, target=42, n_steps=16, internal_batch_size=4).scores.shape,
+    )
+    step(
+        "synth-eval batch 8 x 128 (inference_mode)",
+        lambda: _inference(model, torch.randint(0, 50257, (8, 128), device="cuda")),
+    )
     del model
     if args.offload:
-        model = step("load bfloat16, device_map=auto, max_memory 10 GiB GPU", lambda: HookedDCFormer.from_pretrained(
-            args.dir, dtype=torch.bfloat16, device_map="auto", max_memory={0: "10GiB", "cpu": "100GiB"}))
-        print("# placed on the GPU:", sum(d == 0 for d in model.hf_device_map.values()), "of",
-              len(model.hf_device_map), "modules", flush=True)
+        model = step(
+            "load bfloat16, device_map=auto, max_memory 10 GiB GPU",
+            lambda: HookedDCFormer.from_pretrained(
+                args.dir, dtype=torch.bfloat16, device_map="auto", max_memory={0: "10GiB", "cpu": "100GiB"}
+            ),
+        )
+        print(
+            "# placed on the GPU:",
+            sum(d == 0 for d in model.hf_device_map.values()),
+            "of",
+            len(model.hf_device_map),
+            "modules",
+            flush=True,
+        )
         short = tokens[:, :512]
         step("offloaded forward 1 x 512", lambda: model(short).shape)
-        step("offloaded compose_breakdown layer 16 (24 tokens)",
-             lambda: compose_breakdown(model, prompt, 16, 23, 3).composed.shape)
+        step(
+            "offloaded compose_breakdown layer 16 (24 tokens)",
+            lambda: compose_breakdown(model, prompt, 16, 23, 3).composed.shape,
+        )
         del model
         for dtype in ("bfloat16", "float32"):
             step(f"load {dtype} to the CPU", lambda: _cpu_load(args.dir, dtype))
     if args.neox:
         neox_dir = args.dir.with_name(args.dir.name + "-neox")
         if not (neox_dir / "config.json").is_file():
-            step("write random Pythia-6.9B (GPT-NeoX) shards", lambda: write_random_checkpoint(
-                neox_dir, PYTHIA_6_9B, "safetensors", device="cuda"))
-        model = step("load Pythia-6.9B bfloat16 to cuda", lambda: HookedDCFormer.from_pretrained(
-            neox_dir, dtype=torch.bfloat16, device="cuda"))
+            step(
+                "write random Pythia-6.9B (GPT-NeoX) shards",
+                lambda: write_random_checkpoint(neox_dir, PYTHIA_6_9B, "safetensors", device="cuda"),
+            )
+        model = step(
+            "load Pythia-6.9B bfloat16 to cuda",
+            lambda: HookedDCFormer.from_pretrained(neox_dir, dtype=torch.bfloat16, device="cuda"),
+        )
         step("Pythia forward 1 x 2048", lambda: model(tokens).shape)
         del model
     if args.json:

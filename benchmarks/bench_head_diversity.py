@@ -54,8 +54,16 @@ def naive_spectrum(W_Q: torch.Tensor, W_K: torch.Tensor) -> torch.Tensor:
     return torch.linalg.svdvals(M) ** 2
 
 
-def measure(side: str, d_model: int, n_heads: int, d_head: int, device: str, threads: int, weights: str = "gaussian",
-            components: int = 128) -> dict:
+def measure(
+    side: str,
+    d_model: int,
+    n_heads: int,
+    d_head: int,
+    device: str,
+    threads: int,
+    weights: str = "gaussian",
+    components: int = 128,
+) -> dict:
     """Run in a fresh process: time and peak memory of one side on one random layer."""
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -88,17 +96,39 @@ def measure(side: str, d_model: int, n_heads: int, d_head: int, device: str, thr
     else:
         peak = peak_rss_mib() - base_rss
     k = min(d_model, n_heads * d_head)
-    out = {"side": side, "shape": [d_model, n_heads, d_head], "seconds": seconds, "peak_mib": peak,
-           "curve": curve[:k].cpu().tolist()}
+    out = {
+        "side": side,
+        "shape": [d_model, n_heads, d_head],
+        "seconds": seconds,
+        "peak_mib": peak,
+        "curve": curve[:k].cpu().tolist(),
+    }
     if side in ("ours_layer", "top_layer"):
         out["ov"], out["bound"] = ov[:k].cpu().tolist(), max(bounds)
     return out
 
 
 def run_child(side: str, d_model: int, n_heads: int, d_head: int, args) -> dict:
-    command = [sys.executable, __file__, "--child", side, "--d-model", str(d_model), "--n-heads", str(n_heads),
-               "--d-head", str(d_head), "--threads", str(args.threads), "--device", args.device,
-               "--weights", args.weights, "--components", str(args.components)]
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        side,
+        "--d-model",
+        str(d_model),
+        "--n-heads",
+        str(n_heads),
+        "--d-head",
+        str(d_head),
+        "--threads",
+        str(args.threads),
+        "--device",
+        args.device,
+        "--weights",
+        args.weights,
+        "--components",
+        str(args.components),
+    ]
     out = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -117,8 +147,20 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child, args.d_model, args.n_heads, args.d_head, args.device, args.threads,
-                                 args.weights, args.components)))
+        print(
+            json.dumps(
+                measure(
+                    args.child,
+                    args.d_model,
+                    args.n_heads,
+                    args.d_head,
+                    args.device,
+                    args.threads,
+                    args.weights,
+                    args.components,
+                )
+            )
+        )
         return
 
     full = (args.d_model, args.n_heads, args.d_head)
@@ -134,20 +176,28 @@ def main() -> None:
         results.append(run_child("naive", *reduced, args))
     for r in results:
         d, h, e = r["shape"]
-        what = {"ours": "all, QK", "ours_layer": "all, QK+OV", "top_layer": f"first {args.components}, QK+OV",
-                "naive": "naive, QK"}[r["side"]]
+        what = {
+            "ours": "all, QK",
+            "ours_layer": "all, QK+OV",
+            "top_layer": f"first {args.components}, QK+OV",
+            "naive": "naive, QK",
+        }[r["side"]]
         print(f"{what:17s} d_model {d:5d}, {h} heads of {e:4d}: {r['seconds']:8.2f} s, peak +{r['peak_mib']:8.0f} MiB")
     k = len(top["curve"])
-    gap = max(abs(a - b) for name in ("curve", "ov") for a, b in zip(top[name], every[name][:k]))
-    print(f"time of every component / the first {k}: {every['seconds'] / top['seconds']:.1f}x; largest difference over "
-          f"the first {k} entries of the QK and OV curves {gap:.1e} (reported bound {top['bound']:.1e})")
+    gap = max(abs(a - b) for name in ("curve", "ov") for a, b in zip(top[name], every[name][:k], strict=True))
+    print(
+        f"time of every component / the first {k}: {every['seconds'] / top['seconds']:.1f}x; largest difference over "
+        f"the first {k} entries of the QK and OV curves {gap:.1e} (reported bound {top['bound']:.1e})"
+    )
     if args.skip_naive:
         return
     ours = next(r for r in results if r["side"] == "ours" and tuple(r["shape"]) == reduced)
     naive = results[-1]
-    gap = max(abs(a - b) for a, b in zip(ours["curve"], naive["curve"]))
-    print(f"at d_model {reduced[0]}: naive / ours = {naive['seconds'] / ours['seconds']:.1f}x time, "
-          f"{naive['peak_mib'] / max(ours['peak_mib'], 1):.1f}x peak memory; max curve difference {gap:.1e}")
+    gap = max(abs(a - b) for a, b in zip(ours["curve"], naive["curve"], strict=True))
+    print(
+        f"at d_model {reduced[0]}: naive / ours = {naive['seconds'] / ours['seconds']:.1f}x time, "
+        f"{naive['peak_mib'] / max(ours['peak_mib'], 1):.1f}x peak memory; max curve difference {gap:.1e}"
+    )
 
 
 if __name__ == "__main__":

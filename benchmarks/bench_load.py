@@ -41,14 +41,24 @@ def main() -> None:
     args = parser.parse_args()
 
     heads = args.dim // 128
-    configs = {"dcpythia": scaled(DCPYTHIA_6_9B, dim=args.dim, n_layer=args.layers, n_head=heads, head_dim=128,
-                                  intermediate_size=4 * args.dim)}
+    configs = {
+        "dcpythia": scaled(
+            DCPYTHIA_6_9B, dim=args.dim, n_layer=args.layers, n_head=heads, head_dim=128, intermediate_size=4 * args.dim
+        )
+    }
     if args.neox:
-        configs["gpt_neox"] = scaled(PYTHIA_6_9B, hidden_size=args.dim, num_hidden_layers=args.layers,
-                                     num_attention_heads=heads, intermediate_size=4 * args.dim)
+        configs["gpt_neox"] = scaled(
+            PYTHIA_6_9B,
+            hidden_size=args.dim,
+            num_hidden_layers=args.layers,
+            num_attention_heads=heads,
+            intermediate_size=4 * args.dim,
+        )
     root = args.keep or Path(tempfile.mkdtemp(prefix="bench_load_"))
-    print(f"{'checkpoint':<10} {'format':<12} {'dtype':<9} {'params':>7} {'weights':>9} {'peak-base':>10} "
-          f"{'ratio':>6} {'time':>7}")
+    print(
+        f"{'checkpoint':<10} {'format':<12} {'dtype':<9} {'params':>7} {'weights':>9} {'peak-base':>10} "
+        f"{'ratio':>6} {'time':>7}"
+    )
     for name, config in configs.items():
         for file_format in args.formats.split(","):
             directory = root / f"{name}-{file_format}"
@@ -58,9 +68,13 @@ def main() -> None:
                 print(f"# built {directory} in {time.perf_counter() - start:.0f} s", flush=True)
             for dtype in args.dtypes.split(","):
                 m = measure(directory, dtype, args.device)
-                print(f"{name:<10} {file_format:<12} {dtype:<9} {n_parameters(config) / 1e9:>6.2f}B "
-                      f"{m['weights_bytes'] / GiB:>7.2f}Gi {(m['peak_anon_bytes'] - m['baseline_anon_bytes']) / GiB:>8.2f}Gi "
-                      f"{m['peak_over_weights']:>6.3f} {m['seconds']:>6.1f}s", flush=True)
+                print(
+                    f"{name:<10} {file_format:<12} {dtype:<9} {n_parameters(config) / 1e9:>6.2f}B "
+                    f"{m['weights_bytes'] / GiB:>7.2f}Gi "
+                    f"{(m['peak_anon_bytes'] - m['baseline_anon_bytes']) / GiB:>8.2f}Gi "
+                    f"{m['peak_over_weights']:>6.3f} {m['seconds']:>6.1f}s",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

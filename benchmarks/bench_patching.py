@@ -42,25 +42,35 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     model = HookedDCFormer.from_pretrained(args.checkpoint).eval().requires_grad_(False)
-    pairs = [pair for task in args.tasks.split(",")
-             for pair in contrast_pairs(task, n=args.pairs, seed=0, tokenizer=model.tokenizer)]
+    pairs = [
+        pair
+        for task in args.tasks.split(",")
+        for pair in contrast_pairs(task, n=args.pairs, seed=0, tokenizer=model.tokenizer)
+    ]
     tokens = tokenize_pairs(pairs, model.tokenizer)
-    print(f"{args.checkpoint}: {len(pairs)} contrast pairs (tasks {args.tasks}), {tokens.clean.shape[1]} positions, "
-          f"{args.direction}, {args.threads} thread(s)")
-    print(f"{'table':<10}{'softmax':>8}{'rows':>6}{'exact s':>10}{'attrib. s':>11}{'ratio':>8}{'rho all':>9}"
-          f"{'rho top':>9}{'top found':>11}")
+    print(
+        f"{args.checkpoint}: {len(pairs)} contrast pairs (tasks {args.tasks}), {tokens.clean.shape[1]} positions, "
+        f"{args.direction}, {args.threads} thread(s)"
+    )
+    print(
+        f"{'table':<10}{'softmax':>8}{'rows':>6}{'exact s':>10}{'attrib. s':>11}{'ratio':>8}{'rho all':>9}"
+        f"{'rho top':>9}{'top found':>11}"
+    )
     for per_head in (False, True):
         exact, exact_s = timed(lambda: activation_patching(model, tokens, args.direction, per_head=per_head))
         top = exact["effect"].abs().nlargest(args.top).index
         for softmax in ("linear", "exact"):
-            estimate, estimate_s = timed(lambda: attribution_patching(model, tokens, args.direction,
-                                                                      per_head=per_head, softmax=softmax))
+            estimate, estimate_s = timed(
+                lambda: attribution_patching(model, tokens, args.direction, per_head=per_head, softmax=softmax)
+            )
             rho_all = spearmanr(exact["effect"], estimate["effect"]).statistic
             rho_top = spearmanr(exact.loc[top, "effect"], estimate.loc[top, "effect"]).statistic
             found = len(set(top) & set(estimate["effect"].abs().nlargest(args.top).index))
-            print(f"{'per head' if per_head else 'per site':<10}{softmax:>8}{len(exact):>6}{exact_s:>10.2f}"
-                  f"{estimate_s:>11.2f}{exact_s / estimate_s:>7.1f}x{rho_all:>9.2f}{rho_top:>9.2f}"
-                  f"{found:>8}/{args.top}")
+            print(
+                f"{'per head' if per_head else 'per site':<10}{softmax:>8}{len(exact):>6}{exact_s:>10.2f}"
+                f"{estimate_s:>11.2f}{exact_s / estimate_s:>7.1f}x{rho_all:>9.2f}{rho_top:>9.2f}"
+                f"{found:>8}/{args.top}"
+            )
 
 
 if __name__ == "__main__":

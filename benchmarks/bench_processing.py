@@ -46,8 +46,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--keep", type=Path, help="build the checkpoint here and keep it")
     args = parser.parse_args()
-    config = scaled(DCPYTHIA_6_9B, dim=args.dim, n_layer=args.layers, n_head=args.dim // 128, head_dim=128,
-                    intermediate_size=4 * args.dim)
+    config = scaled(
+        DCPYTHIA_6_9B,
+        dim=args.dim,
+        n_layer=args.layers,
+        n_head=args.dim // 128,
+        head_dim=128,
+        intermediate_size=4 * args.dim,
+    )
     directory = (args.keep or Path(tempfile.mkdtemp(prefix="bench_processing_"))) / "dcpythia"
     if not (directory / "config.json").is_file():
         write_random_checkpoint(directory, config, "safetensors")

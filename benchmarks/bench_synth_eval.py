@@ -45,8 +45,11 @@ def timed(function, *args, **kwargs):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--naive-samples", default="148", help="how many samples (spread evenly) to time the naive "
-                                                                "evaluation on, or 'all'")
+    parser.add_argument(
+        "--naive-samples",
+        default="148",
+        help="how many samples (spread evenly) to time the naive evaluation on, or 'all'",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="time each evaluation this many times, keep the fastest")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own choice)")
     parser.add_argument("--device", default="cpu")
@@ -58,7 +61,7 @@ def main() -> None:
     tokenizer = word_level_tokenizer([parse_sample(s).plain_text for s in samples])
     model = small_model(tokenizer, args.device)
     n_naive = len(samples) if args.naive_samples == "all" else int(args.naive_samples)
-    naive_subset = samples[::max(1, len(samples) // n_naive)][:n_naive]
+    naive_subset = samples[:: max(1, len(samples) // n_naive)][:n_naive]
 
     evaluate(model, samples[:8], batch_size=args.batch_size, progress=False)  # warm-up
     batched_times, naive_times = [], []
@@ -74,18 +77,28 @@ def main() -> None:
     max_nll_difference = (scored_by_both["nll"] - naive["nll"]).abs().max()
     same_predictions = (scored_by_both["predicted"] == naive["predicted"]).all()
 
-    print(f"model: 2 layers, d_model 64, DCMHA, vocab {len(tokenizer)}; device {args.device}, "
-          f"{torch.get_num_threads()} threads; {len(samples)} samples, {len(batched)} answers; "
-          f"fastest of {args.repeats} runs")
-    print(f"batched evaluate (batch size {args.batch_size}, one forward per sample): {batched_seconds:.2f} s "
-          f"for {len(samples)} samples")
-    how = "measured" if len(naive_subset) == len(samples) else \
-        f"extrapolated from {naive_seconds:.2f} s on {len(naive_subset)} samples"
-    print(f"naive evaluate_naive (one forward per answer): {naive_all_seconds:.2f} s for {len(samples)} samples "
-          f"({how})")
+    print(
+        f"model: 2 layers, d_model 64, DCMHA, vocab {len(tokenizer)}; device {args.device}, "
+        f"{torch.get_num_threads()} threads; {len(samples)} samples, {len(batched)} answers; "
+        f"fastest of {args.repeats} runs"
+    )
+    print(
+        f"batched evaluate (batch size {args.batch_size}, one forward per sample): {batched_seconds:.2f} s "
+        f"for {len(samples)} samples"
+    )
+    how = (
+        "measured"
+        if len(naive_subset) == len(samples)
+        else f"extrapolated from {naive_seconds:.2f} s on {len(naive_subset)} samples"
+    )
+    print(
+        f"naive evaluate_naive (one forward per answer): {naive_all_seconds:.2f} s for {len(samples)} samples ({how})"
+    )
     print(f"speed-up: {naive_all_seconds / batched_seconds:.1f}x")
-    print(f"on the {len(naive_subset)} samples both scored: max |nll difference| {max_nll_difference:.2e}, "
-          f"same predictions: {same_predictions}")
+    print(
+        f"on the {len(naive_subset)} samples both scored: max |nll difference| {max_nll_difference:.2e}, "
+        f"same predictions: {same_predictions}"
+    )
 
 
 if __name__ == "__main__":

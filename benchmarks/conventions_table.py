@@ -50,15 +50,18 @@ def ig_rows(model: HookedDCFormer) -> list[tuple[str, str, str]]:
             b = compose_breakdown(model, tokens, followed[0], query, key)
             by_contribution = donor_heads(b, followed[1]).donors
             by_w_k1 = donor_heads(b, followed[1], rule="w_k1").donors
-            rows.append((
-                f"IG target / path: `{target_type}`, `{path}`" + (" (default)" if (path, target_type) ==
-                                                                    ("joint", "logit") else ""),
-                f"first {head(ranked[0])}, followed {head(followed)}; scores sum to "
-                f"{result.per_prompt.sum():.2f} for a total effect of {(result.f_input - result.f_baseline).item():.2f}",
-                f"donors by contribution {', '.join(f'H{n}' for n in by_contribution) or 'none'}, by w_k1 "
-                f"{', '.join(f'H{n}' for n in by_w_k1)}; A {b.before[followed[1]]:.2f} -> A' "
-                f"{b.composed[followed[1]]:.2f}",
-            ))
+            rows.append(
+                (
+                    f"IG target / path: `{target_type}`, `{path}`"
+                    + (" (default)" if (path, target_type) == ("joint", "logit") else ""),
+                    f"first {head(ranked[0])}, followed {head(followed)}; scores sum to "
+                    f"{result.per_prompt.sum():.2f} for a total effect of "
+                    f"{(result.f_input - result.f_baseline).item():.2f}",
+                    f"donors by contribution {', '.join(f'H{n}' for n in by_contribution) or 'none'}, by w_k1 "
+                    f"{', '.join(f'H{n}' for n in by_w_k1)}; A {b.before[followed[1]]:.2f} -> A' "
+                    f"{b.composed[followed[1]]:.2f}",
+                )
+            )
     return rows
 
 
@@ -66,15 +69,17 @@ def diversity_rows(models: dict[str, HookedDCFormer]) -> list[tuple[str, str, st
     """Mean captured variance at k = 4 components under each head-diversity option, per model."""
     options = [
         ("default: QK-norm folded, no normalisation, side by side, sigma^2", {}),
-        ("`qk_norm=\"ignore\"` (raw W_Q W_K^T)", {"qk_norm": "ignore"}),
-        ("`normalize=\"head\"`", {"normalize": "head"}),
-        ("`axis=\"rows\"` (stacked)", {"axis": "rows"}),
-        ("`spectrum=\"sigma\"`", {"spectrum": "sigma"}),
+        ('`qk_norm="ignore"` (raw W_Q W_K^T)', {"qk_norm": "ignore"}),
+        ('`normalize="head"`', {"normalize": "head"}),
+        ('`axis="rows"` (stacked)', {"axis": "rows"}),
+        ('`spectrum="sigma"`', {"spectrum": "sigma"}),
     ]
     rows = []
     for label, kwargs in options:
-        cells = [f"{name}: QK {d.qk_mean[3]:.3f}, OV {d.ov_mean[3]:.3f}"
-                 for name, d in ((n, head_diversity(m, **kwargs)) for n, m in models.items())]
+        cells = [
+            f"{name}: QK {d.qk_mean[3]:.3f}, OV {d.ov_mean[3]:.3f}"
+            for name, d in ((n, head_diversity(m, **kwargs)) for n, m in models.items())
+        ]
         rows.append((f"head diversity at k = 4: {label}", cells[0], cells[1]))
     # Rescale one head's W_Q (and b_Q) of a QK-norm model: logits do not move, the raw QK curve does.
     model = HookedDCFormer.from_pretrained("dcpythia-synth")
@@ -85,12 +90,13 @@ def diversity_rows(models: dict[str, HookedDCFormer]) -> list[tuple[str, str, st
         model.blocks[1].attn.b_Q[0] *= 4
         after = model(tokens)
     raw2, normed2 = head_diversity(model), head_diversity(model, normalize="head")
-    rows.append((
-        "dcpythia-synth, L1H0's W_Q x 4 (QK-norm: logits move by "
-        f"{(after - before).abs().max():.1e})",
-        f"raw QK at k = 4 (layer 1): {raw.qk[1, 3]:.3f} -> {raw2.qk[1, 3]:.3f}",
-        f"normalize=\"head\": {normed.qk[1, 3]:.3f} -> {normed2.qk[1, 3]:.3f}",
-    ))
+    rows.append(
+        (
+            f"dcpythia-synth, L1H0's W_Q x 4 (QK-norm: logits move by {(after - before).abs().max():.1e})",
+            f"raw QK at k = 4 (layer 1): {raw.qk[1, 3]:.3f} -> {raw2.qk[1, 3]:.3f}",
+            f'normalize="head": {normed.qk[1, 3]:.3f} -> {normed2.qk[1, 3]:.3f}',
+        )
+    )
     return rows
 
 
@@ -98,9 +104,13 @@ def eval_rows(models: dict[str, HookedDCFormer]) -> list[tuple[str, str, str]]:
     """Perplexity under each pooling, and the window semantics' effect, on the 888 released samples."""
     samples = load_samples(resolve_data_path("released"))
     results = {name: evaluate(model, samples, progress=False) for name, model in models.items()}
-    rows = [(f"perplexity pooling `{pooling}`" + (" (default)" if pooling == "token" else ""),
-             *(f"{name}: {perplexity(frame, pooling):.2f}" for name, frame in results.items()))
-            for pooling in PPL_POOLINGS]
+    rows = [
+        (
+            f"perplexity pooling `{pooling}`" + (" (default)" if pooling == "token" else ""),
+            *(f"{name}: {perplexity(frame, pooling):.2f}" for name, frame in results.items()),
+        )
+        for pooling in PPL_POOLINGS
+    ]
     dc = models["dcpythia-synth"]
     dc.cfg.window = "official-inference"
     official = evaluate(dc, samples, progress=False)
@@ -112,12 +122,14 @@ def eval_rows(models: dict[str, HookedDCFormer]) -> list[tuple[str, str, str]]:
         inference = dc(tokens)
         dc.cfg.window = "training"
     training = results["dcpythia-synth"]
-    rows.append((
-        "window `official-inference` vs `training` (dcpythia-synth, window 4 in layer 0)",
-        f"accuracy {training['correct'].mean():.1%} -> {official['correct'].mean():.1%}; "
-        f"ppl (token) {perplexity(training):.2f} -> {perplexity(official):.2f}",
-        f"case-study prompt: logits move by up to {(inference - trained).abs().max():.2f}",
-    ))
+    rows.append(
+        (
+            "window `official-inference` vs `training` (dcpythia-synth, window 4 in layer 0)",
+            f"accuracy {training['correct'].mean():.1%} -> {official['correct'].mean():.1%}; "
+            f"ppl (token) {perplexity(training):.2f} -> {perplexity(official):.2f}",
+            f"case-study prompt: logits move by up to {(inference - trained).abs().max():.2f}",
+        )
+    )
     return rows
 
 

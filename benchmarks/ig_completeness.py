@@ -40,7 +40,9 @@ def model_dtype_gates():
         def make_hook(layer):
             def hook(z, hook):
                 return z * alpha[:, layer, None, :, None].to(z.dtype)
+
             return hook
+
         return [(f"blocks.{l}.attn.hook_z", make_hook(l)) for l in range(alpha.shape[1])]
 
     attribution.gate_hooks = gate_hooks
@@ -68,8 +70,11 @@ def load(path, dtype):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer settings (a smoke run)")
-    parser.add_argument("--random-shape", default="256,32,32,8",
-                        help="d_model,n_layers,n_heads,d_head of the random DCPythia-6.9B-layout checkpoint")
+    parser.add_argument(
+        "--random-shape",
+        default="256,32,32,8",
+        help="d_model,n_layers,n_heads,d_head of the random DCPythia-6.9B-layout checkpoint",
+    )
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -80,16 +85,28 @@ def main() -> None:
     synth_inputs = dict(tokens=pairs.clean, target=pairs.clean_answer, position=pairs.position)
 
     d_model, n_layers, n_heads, d_head = (int(v) for v in args.random_shape.split(","))
-    shape = scaled(DCPYTHIA_6_9B, dim=d_model, n_layer=n_layers, n_head=n_heads, head_dim=d_head,
-                   intermediate_size=4 * d_model, vocab_size=512, block_size=64, window_size=8)
+    shape = scaled(
+        DCPYTHIA_6_9B,
+        dim=d_model,
+        n_layer=n_layers,
+        n_head=n_heads,
+        head_dim=d_head,
+        intermediate_size=4 * d_model,
+        vocab_size=512,
+        block_size=64,
+        window_size=8,
+    )
     random_dir = tempfile.mkdtemp(prefix="dcinterp-ig-")
     write_random_checkpoint(random_dir, shape)
-    random_inputs = dict(tokens=torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0)),
-                         target=torch.tensor([7, 300]))
+    random_inputs = dict(
+        tokens=torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0)), target=torch.tensor([7, 300])
+    )
     # (label, checkpoint, inputs, n_steps, rules per dtype): float16 matmuls are the slowest on a CPU
     random_label = f"random 6.9B layout {n_layers}L d{d_model} {n_heads}x{d_head}"
-    cases = [("dcpythia-synth", "dcpythia-synth", synth_inputs, steps, {}),
-             (random_label, random_dir, random_inputs, (16, 50), {"float16": ("gausslegendre",)})]
+    cases = [
+        ("dcpythia-synth", "dcpythia-synth", synth_inputs, steps, {}),
+        (random_label, random_dir, random_inputs, (16, 50), {"float16": ("gausslegendre",)}),
+    ]
 
     print(f"threads {args.threads}; the machine may be shared (timings are indicative)\n")
     print("| model | dtype | gates | rule | n_steps | gap mean | gap max | total effect | s |")
@@ -108,8 +125,11 @@ def main() -> None:
                         else:
                             with model_dtype_gates():
                                 mean, worst, total = gap(model, inputs, n_steps, method)
-                        print(f"| {label} | {dtype_name} | {gates} | {method} | {n_steps} | {mean:.2%} | {worst:.2%} "
-                              f"| {total:.3f} | {time.perf_counter() - start:.1f} |", flush=True)
+                        print(
+                            f"| {label} | {dtype_name} | {gates} | {method} | {n_steps} | {mean:.2%} | {worst:.2%} "
+                            f"| {total:.3f} | {time.perf_counter() - start:.1f} |",
+                            flush=True,
+                        )
 
 
 if __name__ == "__main__":

@@ -30,19 +30,24 @@ def main() -> None:
     model = HookedDCFormer.from_pretrained("dcpythia-synth")
     catalog = load_catalog()
     tasks = [task_id for task_id, task in catalog.tasks.items() if task.qk_pattern == "same-person"]
-    pairs = tokenize_pairs([p for t in tasks for p in contrast_pairs(t, n=args.pairs, seed=0, tokenizer=model.tokenizer)],
-                           model.tokenizer)
+    pairs = tokenize_pairs(
+        [p for t in tasks for p in contrast_pairs(t, n=args.pairs, seed=0, tokenizer=model.tokenizer)], model.tokenizer
+    )
     first_diff = (pairs.clean != pairs.corrupt).int().argmax(1)  # [batch]
     metric = LogitDiff(pairs.clean_answer, pairs.corrupt_answer, pairs.position)
     with torch.no_grad():
         clean, corrupt = metric(model, pairs.clean).mean(), metric(model, pairs.corrupt).mean()
     scale = clean - corrupt
     positions = torch.arange(pairs.clean.shape[1])[None]
-    masks = {"every key": torch.ones_like(positions, dtype=torch.bool).expand_as(pairs.clean),
-             "keys before the swapped name": positions < first_diff[:, None],
-             "keys from the swapped name on": positions >= first_diff[:, None]}
-    print(f"{len(pairs.clean)} pairs; first differing token at {int(first_diff.min())}..{int(first_diff.max())}, "
-          f"answer positions {int(pairs.position.min())}..{int(pairs.position.max())}")
+    masks = {
+        "every key": torch.ones_like(positions, dtype=torch.bool).expand_as(pairs.clean),
+        "keys before the swapped name": positions < first_diff[:, None],
+        "keys from the swapped name on": positions >= first_diff[:, None],
+    }
+    print(
+        f"{len(pairs.clean)} pairs; first differing token at {int(first_diff.min())}..{int(first_diff.max())}, "
+        f"answer positions {int(pairs.position.min())}..{int(pairs.position.max())}"
+    )
     print("| site | " + " | ".join(masks) + " |\n|---|" + "---|" * len(masks))
     for layer in (1, 2):
         for stage in ("pre", "post"):
@@ -51,6 +56,7 @@ def main() -> None:
                 source = cache_sites(model, pairs.corrupt, [hook_name])[hook_name]
                 effects = []
                 for mask in masks.values():
+
                     def patch(x, hook, mask=mask):
                         where = mask.reshape(*mask.shape, *[1] * (x.ndim - 2))
                         return torch.where(where, source.to(x.dtype), x)

@@ -37,8 +37,10 @@ def main() -> None:
     pairs = [p for task in tasks for p in contrast_pairs(task, n=args.pairs, seed=0, tokenizer=model.tokenizer)]
     tokens = tokenize_pairs(pairs, model.tokenizer)
     lengths = tokens.position + 1
-    print(f"{len(tasks)} same-person tasks x {args.pairs} prompts: {int(lengths.min())} to {int(lengths.max())} "
-          f"tokens, right-padded to {tokens.clean.shape[1]}")
+    print(
+        f"{len(tasks)} same-person tasks x {args.pairs} prompts: {int(lengths.min())} to {int(lengths.max())} "
+        f"tokens, right-padded to {tokens.clean.shape[1]}"
+    )
     common = dict(position=tokens.position, target_type="logprob", ablation="mean")
     rules = {
         "pads counted": dict(lengths=torch.full_like(lengths, tokens.clean.shape[1])),
@@ -46,8 +48,10 @@ def main() -> None:
         "position, per task": dict(templates=[p.task_id for p in pairs]),
         "token": dict(mean_over="token"),
     }
-    frames = {name: branch_ablation(model, tokens.clean, tokens.clean_answer, **common, **extra)
-              for name, extra in rules.items()}
+    frames = {
+        name: branch_ablation(model, tokens.clean, tokens.clean_answer, **common, **extra)
+        for name, extra in rules.items()
+    }
     table = frames["position"][["layer", "stage", "branch"]].copy()
     for name, frame in frames.items():
         table[name] = frame["effect"].round(3)
@@ -63,9 +67,11 @@ def main() -> None:
     for a, b in [("pads counted", "position"), ("position", "position, per task"), ("position", "token")]:
         diff = (table[a] - table[b]).abs()
         row = table.loc[diff.idxmax()]
-        print(f"{a} vs {b}: largest difference {diff.max():.3f} (layer {row.layer} {row.stage} {row.branch}: "
-              f"{row[a]:.3f} vs {row[b]:.3f}), mean {diff.mean():.3f}; "
-              f"rank correlation {pd.Series(table[a]).corr(table[b], method='spearman'):.3f}")
+        print(
+            f"{a} vs {b}: largest difference {diff.max():.3f} (layer {row.layer} {row.stage} {row.branch}: "
+            f"{row[a]:.3f} vs {row[b]:.3f}), mean {diff.mean():.3f}; "
+            f"rank correlation {pd.Series(table[a]).corr(table[b], method='spearman'):.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -18,8 +18,17 @@ _LAZY = {
     "DCFormerKeyValueCache": ".kv_cache",
 }
 
-__all__ = ["DCFormerConfig", "HookedDCFormer", "CheckpointError", "embedded_models", "estimate_cache", "CacheTooLarge",
-           "get_act_name", "logit_offset", "DCFormerKeyValueCache"]
+__all__ = [
+    "DCFormerConfig",
+    "HookedDCFormer",
+    "CheckpointError",
+    "embedded_models",
+    "estimate_cache",
+    "CacheTooLarge",
+    "get_act_name",
+    "logit_offset",
+    "DCFormerKeyValueCache",
+]
 
 
 def __getattr__(name: str):

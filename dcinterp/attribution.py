@@ -35,8 +35,16 @@ from captum.attr import IntegratedGradients
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .checks import (check_finite, check_head, check_layer, check_position, check_token_ids, check_tokens, real_lengths,
-                     word_token)
+from .checks import (
+    check_finite,
+    check_head,
+    check_layer,
+    check_position,
+    check_token_ids,
+    check_tokens,
+    real_lengths,
+    word_token,
+)
 from .model import HookedDCFormer
 
 TargetFn = Callable[[Tensor, Tensor], Tensor]  # (logits [N, pos, vocab], tokens [N, pos]) -> [N]
@@ -62,9 +70,9 @@ class HeadAttribution:
 
     scores: Float[Tensor, "layer head"]
     per_prompt: Float[Tensor, "batch layer head"]
-    delta: Float[Tensor, "batch"]  # completeness error: per_prompt.sum((1, 2)) - (f_input - f_baseline)
-    f_input: Float[Tensor, "batch"]  # the target with every head as it is (alpha = 1)
-    f_baseline: Float[Tensor, "batch"]  # the target with every head at its baseline (alpha = 0)
+    delta: Float[Tensor, " batch"]  # completeness error: per_prompt.sum((1, 2)) - (f_input - f_baseline)
+    f_input: Float[Tensor, " batch"]  # the target with every head as it is (alpha = 1)
+    f_baseline: Float[Tensor, " batch"]  # the target with every head at its baseline (alpha = 0)
     by_task: dict[Hashable, Float[Tensor, "layer head"]] = field(default_factory=dict)
     target_type: str = "logit"
     path: str = "joint"
@@ -75,9 +83,11 @@ class HeadAttribution:
         n_layers, n_heads = self.scores.shape
         top = ", ".join(f"{_head_name(l, h)} {self.scores[l, h]:+.3f}" for l, h in self.top_heads(3))
         gap = (self.f_input - self.f_baseline).mean()
-        return (f"HeadAttribution({self.target_type}, path={self.path}, {self.per_prompt.shape[0]} prompt(s), "
-                f"{n_layers} layers x {n_heads} heads; top {top}; sum {self.per_prompt.sum((1, 2)).mean():.3f} "
-                f"for a total effect of {gap:.3f})")
+        return (
+            f"HeadAttribution({self.target_type}, path={self.path}, {self.per_prompt.shape[0]} prompt(s), "
+            f"{n_layers} layers x {n_heads} heads; top {top}; sum {self.per_prompt.sum((1, 2)).mean():.3f} "
+            f"for a total effect of {gap:.3f})"
+        )
 
     def top_heads(self, k: int = 5) -> list[tuple[int, int]]:
         """The k (layer, head) pairs with the largest mean score."""
@@ -88,11 +98,13 @@ class HeadAttribution:
     def to_frame(self) -> pd.DataFrame:
         """One row per head: layer, head, score (mean over prompts), and one column per task if any."""
         n_layers, n_heads = self.scores.shape
-        frame = pd.DataFrame({
-            "layer": [l for l in range(n_layers) for _ in range(n_heads)],
-            "head": [h for _ in range(n_layers) for h in range(n_heads)],
-            "score": self.scores.flatten().tolist(),
-        })
+        frame = pd.DataFrame(
+            {
+                "layer": [l for l in range(n_layers) for _ in range(n_heads)],
+                "head": [h for _ in range(n_layers) for h in range(n_heads)],
+                "score": self.scores.flatten().tolist(),
+            }
+        )
         for task, scores in self.by_task.items():
             frame[f"score[{task}]"] = scores.flatten().tolist()
         return frame
@@ -119,8 +131,10 @@ def head_baseline(
     if reference_tokens is None:
         raise ValueError("baseline='mean' needs reference_tokens (the reference batch)")
     reference_tokens = check_tokens(model, reference_tokens, "reference_tokens")
-    real = torch.arange(reference_tokens.shape[1], device=reference_tokens.device) < real_lengths(
-        model, reference_tokens)[:, None]  # pads (the tokenizer's, trailing) never count
+    real = (
+        torch.arange(reference_tokens.shape[1], device=reference_tokens.device)
+        < real_lengths(model, reference_tokens)[:, None]
+    )  # pads (the tokenizer's, trailing) never count
     names = [f"blocks.{l}.attn.hook_z" for l in range(model.cfg.n_layers)]
     with torch.no_grad():
         _, cache = model.run_with_cache(reference_tokens, names_filter=names, stop_at_layer=model.cfg.n_layers)
@@ -149,10 +163,10 @@ def target_value(
     model: HookedDCFormer,
     tokens: Int[Tensor, "batch pos"],
     target: Target,
-    position: int | Int[Tensor, "batch"] = -1,
+    position: int | Int[Tensor, " batch"] = -1,
     target_type: TargetType = "logit",
     fwd_hooks: Sequence[tuple[str, Callable]] = (),
-) -> Float[Tensor, "batch"]:
+) -> Float[Tensor, " batch"]:
     """The target for each prompt: a token's logit, log-probability or probability at `position`, or
     `target(logits, tokens)`.
 
@@ -199,20 +213,32 @@ def _prepare(model: HookedDCFormer, tokens, target: Target, position, target_typ
     elif not callable(target):
         check_token_ids(target, model.cfg.d_vocab, "target")
         if torch.as_tensor(target).numel() not in (1, tokens.shape[0]) or torch.as_tensor(target).ndim > 1:
-            raise ValueError(f"target must be one token id or one per prompt ({tokens.shape[0]}), "
-                             f"not shape {tuple(torch.as_tensor(target).shape)}")
+            raise ValueError(
+                f"target must be one token id or one per prompt ({tokens.shape[0]}), "
+                f"not shape {tuple(torch.as_tensor(target).shape)}"
+            )
     if torch.as_tensor(position).ndim > 1 or torch.as_tensor(position).numel() not in (1, tokens.shape[0]):
-        raise ValueError(f"position must be one position or one per prompt ({tokens.shape[0]}), "
-                         f"not shape {tuple(torch.as_tensor(position).shape)}")
+        raise ValueError(
+            f"position must be one position or one per prompt ({tokens.shape[0]}), "
+            f"not shape {tuple(torch.as_tensor(position).shape)}"
+        )
     return tokens, target, position
 
 
 def _integrate(forward: Callable, ones: Tensor, args: tuple, n_steps: int, method: str, internal_batch_size) -> Tensor:
     ig = IntegratedGradients(forward)
-    return ig.attribute(
-        ones, baselines=torch.zeros_like(ones), additional_forward_args=args,
-        n_steps=n_steps, method=method, internal_batch_size=internal_batch_size,
-    ).detach().float()
+    return (
+        ig.attribute(
+            ones,
+            baselines=torch.zeros_like(ones),
+            additional_forward_args=args,
+            n_steps=n_steps,
+            method=method,
+            internal_batch_size=internal_batch_size,
+        )
+        .detach()
+        .float()
+    )
 
 
 def warn_incomplete(total_score: Tensor, total_effect: Tensor, n_steps: int, method: str, dtype) -> None:
@@ -227,9 +253,14 @@ def warn_incomplete(total_score: Tensor, total_effect: Tensor, n_steps: int, met
             f"({total_effect.flatten()[worst]:.4g}, gap {gap.flatten()[worst]:.3g}) in {int(over.sum())} of "
             f"{over.numel()} prompt(s){' x layers' if over.ndim > 1 else ''}, more than {COMPLETENESS_SHARE:.0%}, "
             f"with n_steps={n_steps}, method={method!r} in {dtype}: raise n_steps"
-            + ("" if dtype == torch.float32 else " (more steps do not lower half precision's rounding floor: load the "
-               "model in float32 for that)") + "; docs/conventions.md, 'Half precision and IG completeness'",
-            stacklevel=3)
+            + (
+                ""
+                if dtype == torch.float32
+                else " (more steps do not lower half precision's rounding floor: load the model in float32 for that)"
+            )
+            + "; docs/conventions.md, 'Half precision and IG completeness'",
+            stacklevel=3,
+        )
 
 
 def _one_layer(forward: Callable, layer: int, n_layers: int) -> Callable:
@@ -246,7 +277,7 @@ def head_attribution(
     model: HookedDCFormer,
     tokens: Int[Tensor, "batch pos"],
     target: Target,
-    position: int | Int[Tensor, "batch"] = -1,
+    position: int | Int[Tensor, " batch"] = -1,
     target_type: TargetType = "logit",
     baseline: Baseline = "zero",
     reference_tokens: Int[Tensor, "ref pos"] | None = None,
@@ -296,16 +327,20 @@ def head_attribution(
         per_prompt = _integrate(forward, ones, args, n_steps, method, internal_batch_size)
     else:
         per_layer = [
-            _integrate(_one_layer(forward, layer, model.cfg.n_layers), ones[:, 0], args, n_steps, method,
-                       internal_batch_size)
+            _integrate(
+                _one_layer(forward, layer, model.cfg.n_layers), ones[:, 0], args, n_steps, method, internal_batch_size
+            )
             for layer in range(model.cfg.n_layers)
         ]
         per_prompt = torch.stack(per_layer, dim=1)
         with torch.no_grad():
-            f_layer_baseline = torch.stack([
-                _one_layer(forward, layer, model.cfg.n_layers)(torch.zeros_like(ones[:, 0]), *args)
-                for layer in range(model.cfg.n_layers)
-            ], dim=1)
+            f_layer_baseline = torch.stack(
+                [
+                    _one_layer(forward, layer, model.cfg.n_layers)(torch.zeros_like(ones[:, 0]), *args)
+                    for layer in range(model.cfg.n_layers)
+                ],
+                dim=1,
+            )
 
     with torch.no_grad():
         f_input = forward(ones, *args)
@@ -317,8 +352,9 @@ def head_attribution(
             with torch.enable_grad():
                 torch.autograd.grad(forward(alpha, *args).sum(), alpha)
 
-    check_finite(model, {"an attribution": per_prompt, "f(input)": f_input, "f(baseline)": f_baseline},
-                 "head_attribution", rerun)
+    check_finite(
+        model, {"an attribution": per_prompt, "f(input)": f_input, "f(baseline)": f_baseline}, "head_attribution", rerun
+    )
     delta = per_prompt.sum((1, 2)) - (f_input - f_baseline)
     if path == "joint":
         warn_incomplete(per_prompt.sum((1, 2)), f_input - f_baseline, n_steps, method, model.cfg.dtype)
@@ -328,8 +364,9 @@ def head_attribution(
     for task in dict.fromkeys(tasks or ()):
         rows = torch.tensor([t == task for t in tasks], device=per_prompt.device)
         by_task[task] = per_prompt[rows].mean(0)
-    return HeadAttribution(per_prompt.mean(0), per_prompt, delta, f_input, f_baseline, by_task, target_type, path,
-                           f_layer_baseline)
+    return HeadAttribution(
+        per_prompt.mean(0), per_prompt, delta, f_input, f_baseline, by_task, target_type, path, f_layer_baseline
+    )
 
 
 @dataclass
@@ -340,14 +377,16 @@ class HeadAblation:
     """
 
     effect: Float[Tensor, "layer head"]
-    clean: Float[Tensor, "batch"]  # the target with every head as it is
+    clean: Float[Tensor, " batch"]  # the target with every head as it is
     heads: list[tuple[int, int]]  # the (layer, head) pairs that were ablated
     target_type: str = "logit"
 
     def __repr__(self) -> str:
         ranked = ", ".join(f"{_head_name(l, h)} {self.effect[l, h]:+.3f}" for l, h in self.top_heads(3))
-        return (f"HeadAblation({self.target_type}, {len(self.heads)} of {self.effect.numel()} heads ablated; "
-                f"largest drops {ranked}; clean target {self.clean.mean():.3f})")
+        return (
+            f"HeadAblation({self.target_type}, {len(self.heads)} of {self.effect.numel()} heads ablated; "
+            f"largest drops {ranked}; clean target {self.clean.mean():.3f})"
+        )
 
     def top_heads(self, k: int = 5) -> list[tuple[int, int]]:
         """The k ablated heads whose ablation lowers the target most."""
@@ -359,8 +398,9 @@ class HeadAblation:
 
     def to_frame(self) -> pd.DataFrame:
         """One row per ablated head: layer, head, effect."""
-        return pd.DataFrame([(l, h, float(self.effect[l, h])) for l, h in self.heads],
-                            columns=["layer", "head", "effect"])
+        return pd.DataFrame(
+            [(l, h, float(self.effect[l, h])) for l, h in self.heads], columns=["layer", "head", "effect"]
+        )
 
 
 @torch.no_grad()
@@ -369,7 +409,7 @@ def head_ablation(
     tokens: Int[Tensor, "batch pos"],
     target: Target,
     heads: Sequence[tuple[int, int]] | None = None,
-    position: int | Int[Tensor, "batch"] = -1,
+    position: int | Int[Tensor, " batch"] = -1,
     target_type: TargetType = "logit",
     baseline: Baseline = "zero",
     reference_tokens: Int[Tensor, "ref pos"] | None = None,
@@ -383,8 +423,11 @@ def head_ablation(
     tokens, target, position = _prepare(model, tokens, target, position, target_type)
     cfg = model.cfg
     heads = heads if heads is not None else [(l, h) for l in range(cfg.n_layers) for h in range(cfg.n_heads)]
-    if isinstance(heads, (str, Tensor)) or not heads or not all(isinstance(lh, (tuple, list)) and len(lh) == 2
-                                                               for lh in heads):
+    if (
+        isinstance(heads, (str, Tensor))
+        or not heads
+        or not all(isinstance(lh, (tuple, list)) and len(lh) == 2 for lh in heads)
+    ):
         raise ValueError(f"heads must be a non-empty list of (layer, head) pairs, not {heads!r}")
     heads = [(check_layer(model, l, "heads: layer"), check_head(model, h, "heads: head")) for l, h in heads]
     base = head_baseline(model, baseline, reference_tokens)
@@ -396,6 +439,10 @@ def head_ablation(
         ablated = target_value(model, tokens, target, position, target_type, gate_hooks(alpha, base))
         alpha[:, layer, head] = 1
         effect[layer, head] = (ablated - clean).mean().item()
-    check_finite(model, {"the clean target": clean, **{f"the effect of L{l}H{h}": effect[l, h] for l, h in heads}},
-                 "head_ablation", lambda: target_value(model, tokens, target, position, target_type))
+    check_finite(
+        model,
+        {"the clean target": clean, **{f"the effect of L{l}H{h}": effect[l, h] for l, h in heads}},
+        "head_ablation",
+        lambda: target_value(model, tokens, target, position, target_type),
+    )
     return HeadAblation(effect, clean.cpu(), heads, target_type)

@@ -116,9 +116,11 @@ def first_nonfinite(model, run) -> str | None:
         if not found and not torch.isfinite(x).all():
             found.append(f"the activation at {hook.name}")
         if x.requires_grad:
+
             def on_grad(g, name=hook.name):
                 if not found and not torch.isfinite(g).all():
                     found.append(f"the gradient at {name}")
+
             x.register_hook(on_grad)
         return x
 
@@ -136,8 +138,11 @@ def check_finite(model, values: dict[str, Tensor], what: str, run) -> None:
     where = first_nonfinite(model, run)
     dtype = getattr(model.cfg, "dtype", None)
     place = f"it first appears in {where}" if where else "a run with every hook watched did not meet it"
-    advice = "float16 overflows past 65504: load the model in bfloat16 or float32" if dtype == torch.float16 \
+    advice = (
+        "float16 overflows past 65504: load the model in bfloat16 or float32"
+        if dtype == torch.float16
         else "load the model in float32"
+    )
     raise NonFiniteError(f"{what}: {bad[0]} is not finite in {dtype}; {place}; {advice}")
 
 
@@ -150,8 +155,9 @@ def check_tokens(model, tokens, name: str = "tokens") -> Tensor:
     try:
         values = torch.as_tensor(tokens)
     except (TypeError, ValueError, RuntimeError) as error:
-        raise TypeError(f"{name} must be token ids (a tensor [batch, pos]), not {type(tokens).__name__}: {error}") \
-            from None
+        raise TypeError(
+            f"{name} must be token ids (a tensor [batch, pos]), not {type(tokens).__name__}: {error}"
+        ) from None
     if values.dtype.is_floating_point or values.dtype == torch.bool or values.is_complex():
         raise TypeError(f"{name} must be integer token ids, not {values.dtype}")
     if values.ndim == 1:
@@ -159,8 +165,9 @@ def check_tokens(model, tokens, name: str = "tokens") -> Tensor:
     if values.ndim != 2:
         raise ValueError(f"{name} must be [batch, pos] token ids, not a tensor of shape {tuple(values.shape)}")
     if values.shape[0] == 0 or values.shape[1] == 0:
-        raise ValueError(f"{name} is empty ({values.shape[0]} prompts of {values.shape[1]} tokens): pass at least one "
-                         "prompt")
+        raise ValueError(
+            f"{name} is empty ({values.shape[0]} prompts of {values.shape[1]} tokens): pass at least one prompt"
+        )
     d_vocab = model.cfg.d_vocab
     if not ((values >= 0) & (values < d_vocab)).all():
         raise ValueError(f"{name} holds ids outside the vocabulary 0..{d_vocab - 1}")

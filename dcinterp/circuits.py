@@ -90,7 +90,7 @@ def ov_logits(
     model: HookedDCFormer,
     layer: int,
     head: int,
-    tokens: Int[Tensor, "n"] | list[int],
+    tokens: Int[Tensor, " n"] | list[int],
     use_mlp: bool = True,
     final_norm: bool = False,
 ) -> Float[Tensor, "n d_vocab"]:
@@ -121,7 +121,7 @@ def ov_top_tokens(
     model: HookedDCFormer,
     layer: int,
     head: int,
-    tokens: Int[Tensor, "n"] | list[int],
+    tokens: Int[Tensor, " n"] | list[int],
     k: int = 10,
     use_mlp: bool = True,
     final_norm: bool = False,
@@ -136,12 +136,14 @@ def ov_top_tokens(
         raise ValueError(f"k={k!r} must be an integer in 1..{model.cfg.d_vocab} (the vocabulary's size)")
     tokens = input_ids(model, tokens)
     top = ov_logits(model, layer, head, tokens, use_mlp, final_norm).topk(k, dim=-1)
-    frame = pd.DataFrame({
-        "input": tokens.repeat_interleave(k).tolist(),
-        "rank": list(range(k)) * len(tokens),
-        "token": top.indices.flatten().tolist(),
-        "logit": top.values.flatten().tolist(),
-    })
+    frame = pd.DataFrame(
+        {
+            "input": tokens.repeat_interleave(k).tolist(),
+            "rank": list(range(k)) * len(tokens),
+            "token": top.indices.flatten().tolist(),
+            "logit": top.values.flatten().tolist(),
+        }
+    )
     if model.tokenizer is not None:
         decode = {i: model.tokenizer.decode([i]) for i in set(frame["input"]) | set(frame["token"])}
         frame["input_str"] = frame["input"].map(decode)
@@ -153,7 +155,7 @@ def ov_top_tokens(
 # Head diversity (Fig. 5)
 def concat_spectrum(
     left: Float[Tensor, "head d_model d_head"], right: Float[Tensor, "head d_head d_out"]
-) -> Float[Tensor, "k"]:
+) -> Float[Tensor, " k"]:
     """Squared singular values (descending) of M = concat_h(left[h] @ right[h]) along columns, without M.
 
     k = min(d_model, head * d_head): M has no more nonzero singular values. Computed in the inputs' dtype
@@ -167,7 +169,8 @@ def concat_spectrum(
 def concat_factor(
     left: Float[Tensor, "head d_model d_head"], right: Float[Tensor, "head d_head d_out"]
 ) -> Float[Tensor, "d_model n"]:
-    """Z = concat_h(left[h] S_h) with S_h S_h^T = right[h] right[h]^T: Z Z^T = M M^T for M = concat_h(left[h] right[h])."""
+    """Z = concat_h(left[h] S_h) with S_h S_h^T = right[h] right[h]^T:
+    Z Z^T = M M^T for M = concat_h(left[h] right[h])."""
     gram = right @ right.transpose(-2, -1)
     eigvals, eigvecs = torch.linalg.eigh(gram)
     factor = eigvecs * eigvals.clamp_min(0).sqrt()[:, None, :]
@@ -179,14 +182,19 @@ class TopSpectrum:
     """The k largest squared singular values of a matrix, its total sum(sigma^2), and a bound on the error of
     their cumulative sums relative to the total (0 when computed by a full eigendecomposition)."""
 
-    sigma2: Float[Tensor, "k"]
+    sigma2: Float[Tensor, " k"]
     total: float
     bound: float
     krylov_dim: int  # the size of the Krylov space that reached the bound (0: full eigendecomposition)
 
 
-def top_spectrum(Z: Float[Tensor, "m n"], k: int, tol: float = 1e-6, block: int | None = None,
-                 generator: torch.Generator | None = None) -> TopSpectrum:
+def top_spectrum(
+    Z: Float[Tensor, "m n"],
+    k: int,
+    tol: float = 1e-6,
+    block: int | None = None,
+    generator: torch.Generator | None = None,
+) -> TopSpectrum:
     """The k largest eigenvalues of Z^T Z (squared singular values of Z) by block Lanczos with full
     reorthogonalisation, never forming Z^T Z; the total from the trace, ||Z||_F^2.
 
@@ -240,13 +248,13 @@ def top_spectrum(Z: Float[Tensor, "m n"], k: int, tol: float = 1e-6, block: int 
         W = AV[:, -block:]
         for _ in range(2):  # classical Gram-Schmidt, twice
             W = W - V @ (V.T @ W)
-        Q = V_buffer[:, m:m + block]
+        Q = V_buffer[:, m : m + block]
         Q.copy_(torch.linalg.qr(W)[0])
-        AQ = AV_buffer[:, m:m + block]
+        AQ = AV_buffer[:, m : m + block]
         AQ.copy_(apply(Q))
         VtAQ = V.T @ AQ
         T = torch.cat([torch.cat([T, VtAQ], 1), torch.cat([VtAQ.T, Q.T @ AQ], 1)], 0)
-        V, AV = V_buffer[:, :m + block], AV_buffer[:, :m + block]
+        V, AV = V_buffer[:, : m + block], AV_buffer[:, : m + block]
 
 
 @contextmanager
@@ -357,15 +365,17 @@ class HeadDiversity:
 
     def __repr__(self) -> str:
         k = min(4, self.qk.shape[1])
-        return (f"HeadDiversity({len(self.layers)} layers, {self.options}; mean captured by {k} components: "
-                f"QK {self.qk_mean[k - 1]:.3f}, OV {self.ov_mean[k - 1]:.3f})")
+        return (
+            f"HeadDiversity({len(self.layers)} layers, {self.options}; mean captured by {k} components: "
+            f"QK {self.qk_mean[k - 1]:.3f}, OV {self.ov_mean[k - 1]:.3f})"
+        )
 
     @property
-    def qk_mean(self) -> Float[Tensor, "k"]:
+    def qk_mean(self) -> Float[Tensor, " k"]:
         return self.qk.mean(0)
 
     @property
-    def ov_mean(self) -> Float[Tensor, "k"]:
+    def ov_mean(self) -> Float[Tensor, " k"]:
         return self.ov.mean(0)
 
     def to_frame(self) -> pd.DataFrame:
@@ -373,7 +383,7 @@ class HeadDiversity:
         rows = []
         for circuit in ("qk", "ov"):
             values = getattr(self, circuit)
-            for name, curve in [*zip(self.layers, values), ("mean", values.mean(0))]:
+            for name, curve in [*zip(self.layers, values, strict=True), ("mean", values.mean(0))]:
                 rows += [(circuit, name, k + 1, v) for k, v in enumerate(curve.tolist())]
         return pd.DataFrame(rows, columns=["circuit", "layer", "components", "captured"])
 
@@ -416,13 +426,19 @@ def head_diversity(
     for layer in layers:
         attn = model.blocks[layer].attn
         W_Q, W_K = folded_qk(model, layer) if qk_norm == "fold" else (attn.W_Q, attn.W_K)
-        qk_curve, ov_curve, bounds = layer_diversity(W_Q, W_K, attn.W_V, attn.W_O, dtype, normalize, axis, spectrum,
-                                                     components, tol, return_bounds=True)
+        qk_curve, ov_curve, bounds = layer_diversity(
+            W_Q, W_K, attn.W_V, attn.W_O, dtype, normalize, axis, spectrum, components, tol, return_bounds=True
+        )
         qk.append(qk_curve.cpu())
         ov.append(ov_curve.cpu())
         bound = max(bound, *bounds)
-    options = {"qk_norm": qk_norm if model.cfg.use_qk_norm else "none", "normalize": normalize, "axis": axis,
-               "spectrum": spectrum, "components": qk[0].shape[0]}
+    options = {
+        "qk_norm": qk_norm if model.cfg.use_qk_norm else "none",
+        "normalize": normalize,
+        "axis": axis,
+        "spectrum": spectrum,
+        "components": qk[0].shape[0],
+    }
     return HeadDiversity(layers, torch.stack(qk), torch.stack(ov), options, bound)
 
 

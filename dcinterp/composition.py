@@ -51,27 +51,31 @@ class ComposeBreakdown:
     query_pos: int
     key_pos: int
     stage: Stage
-    before: Float[Tensor, "head"]  # A[:, t, s]: scores (pre) or probabilities (post) before composition
-    o_qp: Float[Tensor, "head"]  # query-wise low-rank projection: A @ w_q1 @ w_q2.T
-    o_qg: Float[Tensor, "head"]  # query-wise gate: A * w_qg
-    o_kp: Float[Tensor, "head"]  # key-wise low-rank projection: A @ w_k1 @ w_k2.T
-    o_kg: Float[Tensor, "head"]  # key-wise gate: A * w_kg
-    composed: Float[Tensor, "head"]  # A'[:, t, s], the exact sum of the five parts
+    before: Float[Tensor, " head"]  # A[:, t, s]: scores (pre) or probabilities (post) before composition
+    o_qp: Float[Tensor, " head"]  # query-wise low-rank projection: A @ w_q1 @ w_q2.T
+    o_qg: Float[Tensor, " head"]  # query-wise gate: A * w_qg
+    o_kp: Float[Tensor, " head"]  # key-wise low-rank projection: A @ w_k1 @ w_k2.T
+    o_kg: Float[Tensor, " head"]  # key-wise gate: A * w_kg
+    composed: Float[Tensor, " head"]  # A'[:, t, s], the exact sum of the five parts
     w_q1: Float[Tensor, "head rank"]
     w_q2: Float[Tensor, "head rank"]
     w_k1: Float[Tensor, "head rank"]
     w_k2: Float[Tensor, "head rank"]
-    w_qg: Float[Tensor, "head"]
-    w_kg: Float[Tensor, "head"]
+    w_qg: Float[Tensor, " head"]
+    w_kg: Float[Tensor, " head"]
 
     @property
     def branches(self) -> dict[str, Tensor]:
         return {name: getattr(self, f"o_{name}") for name in BRANCHES}
 
     def __repr__(self) -> str:
-        heads = ", ".join(f"H{h} {a:.3f}->{b:.3f}" for h, (a, b) in enumerate(zip(self.before, self.composed)))
-        return (f"ComposeBreakdown(L{self.layer} {self.stage}-compose at query {self.query_pos}, key {self.key_pos}: "
-                f"{heads})")
+        heads = ", ".join(
+            f"H{h} {a:.3f}->{b:.3f}" for h, (a, b) in enumerate(zip(self.before, self.composed, strict=True))
+        )
+        return (
+            f"ComposeBreakdown(L{self.layer} {self.stage}-compose at query {self.query_pos}, key {self.key_pos}: "
+            f"{heads})"
+        )
 
     def to_frame(self) -> pd.DataFrame:
         """One row per head: before, o_qp, o_qg, o_kp, o_kg, composed (before + the four = composed)."""
@@ -96,8 +100,11 @@ def _check_stage(model: HookedDCFormer, stage: str) -> None:
 
 def _single_prompt(model: HookedDCFormer, tokens, batch_index: int) -> Int[Tensor, "1 pos"]:
     tokens = check_tokens(model, tokens)
-    if isinstance(batch_index, bool) or not isinstance(batch_index, int) \
-            or not -tokens.shape[0] <= batch_index < tokens.shape[0]:
+    if (
+        isinstance(batch_index, bool)
+        or not isinstance(batch_index, int)
+        or not -tokens.shape[0] <= batch_index < tokens.shape[0]
+    ):
         raise ValueError(f"batch_index={batch_index!r} is out of range: the batch has prompts 0..{tokens.shape[0] - 1}")
     batch_index %= tokens.shape[0]
     return tokens[batch_index : batch_index + 1]
@@ -176,9 +183,12 @@ def compose_breakdown(
         before = torch.zeros_like(before)  # a hidden key (future, or out of the window) enters the compose as 0
     outputs = branch_outputs(  # the model's own branch formulas, on a 1 x 1 (query, key) block
         before[None, :, None, None],
-        weights["w_q1"].T[None, None], weights["w_q2"].T[None, None],
-        weights["w_k1"].T[None, None], weights["w_k2"].T[None, None],
-        weights["w_qg"][None, None], weights["w_kg"][None, None],
+        weights["w_q1"].T[None, None],
+        weights["w_q2"].T[None, None],
+        weights["w_k1"].T[None, None],
+        weights["w_k2"].T[None, None],
+        weights["w_qg"][None, None],
+        weights["w_kg"][None, None],
     )
     branches = {f"o_{name}": outputs[name][0, :, 0, 0] for name in BRANCHES}
     composed = before + branches["o_qp"] + branches["o_qg"] + branches["o_kp"] + branches["o_kg"]
@@ -237,19 +247,26 @@ class AttentionDistributions:
     w_k1: Float[Tensor, "key head rank"] | None  # the stage's key-wise w_k1 at each key (None if not run)
 
     def __repr__(self) -> str:
-        tops = ", ".join(f"H{h} key {int(b.argmax())}->{int(a.argmax())}"
-                         for h, b, a in zip(self.heads, self.before, self.after))
-        return f"AttentionDistributions(L{self.layer} {self.stage}-compose from query {self.query_pos}, most attended: {tops})"
+        tops = ", ".join(
+            f"H{h} key {int(b.argmax())}->{int(a.argmax())}"
+            for h, b, a in zip(self.heads, self.before, self.after, strict=True)
+        )
+        return (
+            f"AttentionDistributions(L{self.layer} {self.stage}-compose from query {self.query_pos}, "
+            f"most attended: {tops})"
+        )
 
     def to_frame(self) -> pd.DataFrame:
         """One row per (head, key): head, key, before, after."""
         keys = self.before.shape[1]
-        return pd.DataFrame({
-            "head": [h for h in self.heads for _ in range(keys)],
-            "key": list(range(keys)) * len(self.heads),
-            "before": self.before.flatten().tolist(),
-            "after": self.after.flatten().tolist(),
-        })
+        return pd.DataFrame(
+            {
+                "head": [h for h in self.heads for _ in range(keys)],
+                "key": list(range(keys)) * len(self.heads),
+                "before": self.before.flatten().tolist(),
+                "after": self.after.flatten().tolist(),
+            }
+        )
 
 
 def attention_distributions(
@@ -283,7 +300,6 @@ def attention_distributions(
     return AttentionDistributions(layer, t, stage, heads, before, after, w_k1)
 
 
-
 # --------------------------------------------------------------------------------------------------
 # Donor heads (Fig. 8)
 DONOR_RULES = ("contribution", "w_k1")
@@ -301,10 +317,10 @@ class Donors:
     head: int
     rule: str
     donors: list[int]
-    attention: Float[Tensor, "head"]  # A[:, t, s] before the stage
-    contribution: Float[Tensor, "head"]
+    attention: Float[Tensor, " head"]  # A[:, t, s] before the stage
+    contribution: Float[Tensor, " head"]
     w_k1_rank: int  # the rank component with the largest |A @ w_k1| (the "w_k1" rule reads its column)
-    delivered: Float[Tensor, "rank"]
+    delivered: Float[Tensor, " rank"]
 
     def __repr__(self) -> str:
         names = ", ".join(f"H{n} ({self.contribution[n]:+.3f}, A {self.attention[n]:.3f})" for n in self.donors)
@@ -313,20 +329,23 @@ class Donors:
     def to_frame(self) -> pd.DataFrame:
         """One row per other head: head, attention, contribution, donor (whether it is one of `donors`)."""
         others = [n for n in range(len(self.attention)) if n != self.head]
-        return pd.DataFrame({
-            "head": others,
-            "attention": [float(self.attention[n]) for n in others],
-            "contribution": [float(self.contribution[n]) for n in others],
-            "donor": [n in self.donors for n in others],
-        })
+        return pd.DataFrame(
+            {
+                "head": others,
+                "attention": [float(self.attention[n]) for n in others],
+                "contribution": [float(self.contribution[n]) for n in others],
+                "donor": [n in self.donors for n in others],
+            }
+        )
 
 
 def donor_heads(breakdown: ComposeBreakdown, head: int, k: int = 2, rule: str = "contribution") -> Donors:
     """The k heads whose attention the composition hands most to `head` at the breakdown's (query, key) pair.
 
     rule="contribution" (default): the largest positive A[n] * W[n, head], n != head, i.e. the heads that raise
-    `head`'s attention most (fewer than k if fewer raise it). rule="w_k1": the largest |w_k1[n, r]| in the rank component r with the largest
-    |A @ w_k1[:, r]|, which ignores how much attention head n has on the key and what w_k2 delivers to `head`.
+    `head`'s attention most (fewer than k if fewer raise it). rule="w_k1": the largest |w_k1[n, r]| in the rank
+    component r with the largest |A @ w_k1[:, r]|, which ignores how much attention head n has on the key and what
+    w_k2 delivers to `head`.
     """
     n_heads = len(breakdown.before)
     if not -n_heads <= head < n_heads:

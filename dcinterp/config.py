@@ -104,8 +104,10 @@ class DCFormerConfig:
         if self.act_fn not in ("gelu", "swiglu"):
             raise ValueError(f"act_fn must be 'gelu' or 'swiglu', not {self.act_fn!r}")
         if self.window_type is not None and not set(self.window_pattern) <= {"L", "G"}:
-            raise ValueError(f"window_type must be one of {sorted(WINDOW_PATTERNS)}, a pattern of L (local) and G "
-                             f"(global) layers, or None, not {self.window_type!r}")
+            raise ValueError(
+                f"window_type must be one of {sorted(WINDOW_PATTERNS)}, a pattern of L (local) and G "
+                f"(global) layers, or None, not {self.window_type!r}"
+            )
         if self.window not in WINDOW_SEMANTICS:
             raise ValueError(f"window must be one of {WINDOW_SEMANTICS}, not {self.window!r}")
         if self.window_type is not None and not self.window_size:
@@ -155,7 +157,7 @@ class DCFormerConfig:
 
     @property
     def attn_types(self) -> list[str] | None:
-        """"local" or "global" per layer, as TransformerLens writes it; None when every layer is global."""
+        """ "local" or "global" per layer, as TransformerLens writes it; None when every layer is global."""
         if self.window_type is None:
             return None
         return ["local" if self.layer_window(layer) else "global" for layer in range(self.n_layers)]

@@ -24,7 +24,7 @@ def available_devices() -> list[str]:
 
 
 def default_device() -> str:
-    """"cuda" where a GPU is available, else "cpu"."""
+    """ "cuda" where a GPU is available, else "cpu"."""
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -47,8 +47,10 @@ def check_device(name: str | None) -> str:
     index = 0 if device.index is None else device.index
     wanted = device.type if device.type in ("cpu", "mps") else f"{device.type}:{index}"
     if wanted not in available:
-        build = f"torch {torch.__version__}" + (" has no CUDA support" if device.type == "cuda"
-                                                and torch.version.cuda is None else "")
-        raise ValueError(f"device {name!r} is not available on this machine ({build}); "
-                         f"available: {', '.join(available)}")
+        build = f"torch {torch.__version__}" + (
+            " has no CUDA support" if device.type == "cuda" and torch.version.cuda is None else ""
+        )
+        raise ValueError(
+            f"device {name!r} is not available on this machine ({build}); available: {', '.join(available)}"
+        )
     return name

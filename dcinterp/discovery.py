@@ -111,13 +111,24 @@ class Graph:
         for layer in range(L):
             S = self.senders_before(layer)
             for part in ("q", "k", "v"):
-                self._add((part, layer), (S, H), [
-                    Edge(self.senders[s], f"L{layer}H{h}.{part}", "residual", layer, None, None,
-                         self._head(s), h) for s in range(S) for h in range(H)])
+                self._add(
+                    (part, layer),
+                    (S, H),
+                    [
+                        Edge(self.senders[s], f"L{layer}H{h}.{part}", "residual", layer, None, None, self._head(s), h)
+                        for s in range(S)
+                        for h in range(H)
+                    ],
+                )
             if self.dcmha:
-                self._add(("compose", layer), (S,), [
-                    Edge(self.senders[s], f"L{layer}.compose", "residual", layer, None, None, self._head(s))
-                    for s in range(S)])
+                self._add(
+                    ("compose", layer),
+                    (S,),
+                    [
+                        Edge(self.senders[s], f"L{layer}.compose", "residual", layer, None, None, self._head(s))
+                        for s in range(S)
+                    ],
+                )
                 for stage in self.stages:
                     src, dst = STAGE_INPUT[stage], STAGE_OUTPUT[stage]
                     for branch in self.branches:
@@ -126,14 +137,33 @@ class Graph:
                             shape = (H, H)
                         else:
                             pairs, shape = [(n, n) for n in range(H)], (H,)
-                        self._add((stage, layer, branch), shape, [
-                            Edge(f"L{layer}H{n}.{src}", f"L{layer}H{m}.{dst}", "compose", layer, stage, branch, n, m)
-                            for n, m in pairs])
+                        self._add(
+                            (stage, layer, branch),
+                            shape,
+                            [
+                                Edge(
+                                    f"L{layer}H{n}.{src}", f"L{layer}H{m}.{dst}", "compose", layer, stage, branch, n, m
+                                )
+                                for n, m in pairs
+                            ],
+                        )
             S_mlp = self.mlp_senders(layer)
-            self._add(("mlp", layer), (S_mlp,), [
-                Edge(self.senders[s], f"MLP{layer}", "residual", layer, None, None, self._head(s)) for s in range(S_mlp)])
-        self._add(("logits",), (len(self.senders),), [
-            Edge(self.senders[s], "logits", "residual", L, None, None, self._head(s)) for s in range(len(self.senders))])
+            self._add(
+                ("mlp", layer),
+                (S_mlp,),
+                [
+                    Edge(self.senders[s], f"MLP{layer}", "residual", layer, None, None, self._head(s))
+                    for s in range(S_mlp)
+                ],
+            )
+        self._add(
+            ("logits",),
+            (len(self.senders),),
+            [
+                Edge(self.senders[s], "logits", "residual", L, None, None, self._head(s))
+                for s in range(len(self.senders))
+            ],
+        )
         self.group = {g.key: g for g in self.groups}
 
     def _add(self, key, shape, edges) -> None:
@@ -160,20 +190,23 @@ class Graph:
 
     def __repr__(self) -> str:
         counts = self.frame()["kind"].value_counts().to_dict()
-        return (f"Graph({self.cfg.n_layers} layers x {self.cfg.n_heads} heads, {len(self.senders)} senders, "
-                f"{len(self)} edges: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) + ")")
+        return (
+            f"Graph({self.cfg.n_layers} layers x {self.cfg.n_heads} heads, {len(self.senders)} senders, "
+            f"{len(self)} edges: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) + ")"
+        )
 
     def split(self, flat: Tensor) -> dict[tuple, Tensor]:
         """A flat [edge] tensor as one tensor per edge group (views)."""
-        return {g.key: flat[g.offset:g.offset + g.size].view(g.shape) for g in self.groups}
+        return {g.key: flat[g.offset : g.offset + g.size].view(g.shape) for g in self.groups}
 
     def flatten(self, parts: dict[tuple, Tensor]) -> Tensor:
         return torch.cat([parts[g.key].reshape(-1) for g in self.groups])
 
     def frame(self) -> pd.DataFrame:
         """One row per edge: source, target, kind, layer, stage, branch, source_head, target_head."""
-        rows = [[e.source, e.target, e.kind, e.layer, e.stage, e.branch, e.source_head, e.target_head]
-                for e in self.edges]
+        rows = [
+            [e.source, e.target, e.kind, e.layer, e.stage, e.branch, e.source_head, e.target_head] for e in self.edges
+        ]
         frame = pd.DataFrame(rows, columns=EDGE_COLUMNS)
         for column in ("source_head", "target_head"):
             frame[column] = frame[column].astype("Int64")
@@ -182,8 +215,13 @@ class Graph:
     def counts(self) -> dict:
         kinds = pd.Series([e.kind for e in self.edges]).value_counts().to_dict()
         nodes = {e.source for e in self.edges} | {e.target for e in self.edges}
-        return {"edges": len(self), "residual_edges": int(kinds.get("residual", 0)),
-                "compose_edges": int(kinds.get("compose", 0)), "senders": len(self.senders), "nodes": len(nodes)}
+        return {
+            "edges": len(self),
+            "residual_edges": int(kinds.get("residual", 0)),
+            "compose_edges": int(kinds.get("compose", 0)),
+            "senders": len(self.senders),
+            "nodes": len(nodes),
+        }
 
     def to_networkx(self, circuit: Tensor | None = None, scores: Tensor | None = None):
         """The graph (or the edges of `circuit`) as a networkx MultiDiGraph, each edge with its attributes and
@@ -196,8 +234,14 @@ class Graph:
         for i in chosen:
             edge = self.edges[i]
             attributes = {key: value for key, value in vars(edge).items() if key not in ("source", "target")}
-            graph.add_edge(edge.source, edge.target, key=i, index=i,
-                           score=None if scores is None else float(scores[i]), **attributes)
+            graph.add_edge(
+                edge.source,
+                edge.target,
+                key=i,
+                index=i,
+                score=None if scores is None else float(scores[i]),
+                **attributes,
+            )
         for node in list(graph.nodes):
             todo = [node]
             while todo:
@@ -240,12 +284,12 @@ class Metric:
     """Per prompt: logit(clean answer) - logit(corrupted answer) ("logit_diff") or log p(clean answer) ("logprob")
     at the answer's position, from the residual stream entering the unembedding."""
 
-    clean_answer: Int[Tensor, "batch"]
-    corrupt_answer: Int[Tensor, "batch"]
-    position: Int[Tensor, "batch"]
+    clean_answer: Int[Tensor, " batch"]
+    corrupt_answer: Int[Tensor, " batch"]
+    position: Int[Tensor, " batch"]
     kind: MetricKind = "logit_diff"
 
-    def __call__(self, model: HookedDCFormer, final: Float[Tensor, "batch pos d"]) -> Float[Tensor, "batch"]:
+    def __call__(self, model: HookedDCFormer, final: Float[Tensor, "batch pos d"]) -> Float[Tensor, " batch"]:
         rows = torch.arange(final.shape[0], device=final.device)
         normed = model.ln_final(final[rows, self.position.to(final.device)][:, None])[:, 0]
         W_U = model.W_U
@@ -309,7 +353,7 @@ def graph_forward(
     model: HookedDCFormer,
     graph: Graph,
     tokens: Int[Tensor, "batch pos"],
-    circuit: Bool[Tensor, "edge"] | None = None,
+    circuit: Bool[Tensor, " edge"] | None = None,
     corrupted: Run | None = None,
     embed: Float[Tensor, "batch pos d"] | None = None,
     track_grad: bool = False,
@@ -325,7 +369,9 @@ def graph_forward(
             raise ValueError("graph_forward: a circuit with cut edges needs the corrupted run")
         if track_grad:
             raise ValueError("graph_forward: track_grad is for runs of the full graph (clean or interpolated inputs)")
-        cuts = {key: part.to(model.cfg.dtype) for key, part in graph.split((~circuit.bool()).to(model.input_device)).items()}
+        cuts = {
+            key: part.to(model.cfg.dtype) for key, part in graph.split((~circuit.bool()).to(model.input_device)).items()
+        }
     tokens = tokens.to(model.input_device)
     resid = model.hook_embed(model.embed(tokens)) if embed is None else embed
     b, p, d = resid.shape
@@ -357,11 +403,19 @@ def graph_forward(
             run.weights[(layer, stage)] = {}
             for name in ("qw1", "qw2", "kw1", "kw2", "qg", "kg"):
                 hooks.append((f"{attn}.{stage}_compose.hook_{name}", _store(run.weights[(layer, stage)], name)))
-            hooks.append((f"{attn}.hook_{'attn_scores' if stage == 'pre' else 'pattern'}",
-                          _store_stage_input(run.stage_inputs, (layer, stage), hidden)))
+            hooks.append(
+                (
+                    f"{attn}.hook_{'attn_scores' if stage == 'pre' else 'pattern'}",
+                    _store_stage_input(run.stage_inputs, (layer, stage), hidden),
+                )
+            )
             cut = None if cuts is None else {branch: cuts[(stage, layer, branch)] for branch in graph.branches}
-            hooks.append((f"{attn}.hook_{STAGE_OUTPUT[stage]}",
-                          _compose_output_hook(run, layer, stage, cut, corrupted, track_grad)))
+            hooks.append(
+                (
+                    f"{attn}.hook_{STAGE_OUTPUT[stage]}",
+                    _compose_output_hook(run, layer, stage, cut, corrupted, track_grad),
+                )
+            )
 
     masks = {}
     with _attn_result(model), model.hooks(fwd_hooks=hooks):
@@ -374,8 +428,9 @@ def graph_forward(
                 # No per-head copies of the stream (3 x heads x d_model per position, kept for the backward pass):
                 # one normed input with a zero offset; `_attention_receiver_grads` splits its gradient afterwards.
                 run.resid_in[layer] = resid.detach()
-                run.offsets[("x", layer)] = torch.zeros((b, p, d), dtype=resid.dtype, device=resid.device,
-                                                        requires_grad=True)
+                run.offsets[("x", layer)] = torch.zeros(
+                    (b, p, d), dtype=resid.dtype, device=resid.device, requires_grad=True
+                )
                 attn_out = block.attn(block.ln1(resid) + run.offsets[("x", layer)], masks[window])
             else:
                 q_in, k_in, v_in = (receive((part, layer), resid, S, True) for part in ("q", "k", "v"))
@@ -383,9 +438,9 @@ def graph_forward(
                 qkv = tuple(block.ln1(part) for part in (q_in, k_in, v_in))
                 attn_out = block.attn(block.ln1(x), masks[window], qkv)
             head_out = results.pop(layer).detach()  # [b, p, H, d]
-            outputs[S:S + H] = head_out.permute(2, 0, 1, 3)
+            outputs[S : S + H] = head_out.permute(2, 0, 1, 3)
             if diff is not None:
-                diff[S:S + H] = outputs[S:S + H] - corrupted.outputs[S:S + H]
+                diff[S : S + H] = outputs[S : S + H] - corrupted.outputs[S : S + H]
             mlp_base = resid if cfg.parallel_residual else resid + attn_out
             mlp_out = block.mlp(block.ln2(receive(("mlp", layer), mlp_base, graph.mlp_senders(layer), False)))
             outputs[S + H] = mlp_out.detach()
@@ -438,7 +493,7 @@ def _attention_receiver_grads(model: HookedDCFormer, graph: Graph, run: Run, gra
     copies = resid[:, :, None].expand(-1, -1, cotangent.shape[2], -1).clone().requires_grad_(True)
     with torch.enable_grad():
         g = torch.autograd.grad(block.ln1(copies), copies, cotangent)[0]
-    out = {"q": g[:, :, :H], "k": g[:, :, H:2 * H], "v": g[:, :, 2 * H:3 * H]}
+    out = {"q": g[:, :, :H], "k": g[:, :, H : 2 * H], "v": g[:, :, 2 * H : 3 * H]}
     if graph.dcmha:
         out["compose"] = g[:, :, 3 * H]
     return out
@@ -472,11 +527,16 @@ def _pairs_on(model: HookedDCFormer, pairs: PairTokens, metric: MetricKind) -> t
     device = model.input_device
     clean, corrupt = pairs.clean.to(device), pairs.corrupt.to(device)
     if clean.shape != corrupt.shape:
-        raise ValueError(f"pairs: clean tokens {tuple(clean.shape)} and corrupted {tuple(corrupt.shape)} differ in shape")
+        raise ValueError(
+            f"pairs: clean tokens {tuple(clean.shape)} and corrupted {tuple(corrupt.shape)} differ in shape"
+        )
     if metric not in ("logit_diff", "logprob"):
         raise ValueError(f"metric must be 'logit_diff' or 'logprob', not {metric!r}")
-    return clean, corrupt, Metric(pairs.clean_answer.to(device), pairs.corrupt_answer.to(device),
-                                  pairs.position.to(device), metric)
+    return (
+        clean,
+        corrupt,
+        Metric(pairs.clean_answer.to(device), pairs.corrupt_answer.to(device), pairs.position.to(device), metric),
+    )
 
 
 def _batches(n: int, batch_size: int | None) -> list[slice]:
@@ -503,27 +563,33 @@ class CircuitEvaluator:
         self.batches = _batches(self.clean.shape[0], self.batch_size)
         with torch.no_grad():
             self.corrupted = [graph_forward(self.model, self.graph, self.corrupt[i]) for i in self.batches]
-            self.m_corrupt = self._mean([self._metric.rows(i)(self.model, r.final) for i, r in zip(self.batches, self.corrupted)])
+            self.m_corrupt = self._mean(
+                [self._metric.rows(i)(self.model, r.final) for i, r in zip(self.batches, self.corrupted, strict=True)]
+            )
             self.m_clean = self(torch.ones(len(self.graph), dtype=torch.bool))
         if abs(self.m_clean - self.m_corrupt) < 1e-6:
-            raise ValueError("pairs: the clean and corrupted prompts give the same mean metric "
-                             f"({self.m_clean:.4g}); there is nothing to restore")
+            raise ValueError(
+                "pairs: the clean and corrupted prompts give the same mean metric "
+                f"({self.m_clean:.4g}); there is nothing to restore"
+            )
 
     def _mean(self, values: list[Tensor]) -> float:
         return torch.cat(values).mean().item()
 
     @torch.no_grad()
-    def __call__(self, circuit: Bool[Tensor, "edge"]) -> float:
+    def __call__(self, circuit: Bool[Tensor, " edge"]) -> float:
         circuit = torch.as_tensor(circuit, dtype=torch.bool)
         if circuit.shape != (len(self.graph),):
-            raise ValueError(f"circuit: expected a bool mask of {len(self.graph)} edges, got shape {tuple(circuit.shape)}")
+            raise ValueError(
+                f"circuit: expected a bool mask of {len(self.graph)} edges, got shape {tuple(circuit.shape)}"
+            )
         values = []
-        for index, corrupted in zip(self.batches, self.corrupted):
+        for index, corrupted in zip(self.batches, self.corrupted, strict=True):
             run = graph_forward(self.model, self.graph, self.clean[index], circuit, corrupted)
             values.append(self._metric.rows(index)(self.model, run.final))
         return self._mean(values)
 
-    def faithfulness(self, circuit: Bool[Tensor, "edge"]) -> float:
+    def faithfulness(self, circuit: Bool[Tensor, " edge"]) -> float:
         return (self(circuit) - self.m_corrupt) / (self.m_clean - self.m_corrupt)
 
     def single_edge_effects(self, edges: Sequence[int]) -> list[float]:
@@ -536,8 +602,13 @@ class CircuitEvaluator:
         return effects
 
 
-def circuit_metric(model: HookedDCFormer, pairs: PairTokens, circuit: Bool[Tensor, "edge"],
-                   metric: MetricKind = "logit_diff", graph: Graph | None = None) -> float:
+def circuit_metric(
+    model: HookedDCFormer,
+    pairs: PairTokens,
+    circuit: Bool[Tensor, " edge"],
+    metric: MetricKind = "logit_diff",
+    graph: Graph | None = None,
+) -> float:
     """The mean metric over the pairs' clean prompts with every edge outside `circuit` carrying its corrupted value."""
     graph = graph or build_graph(model)
     return CircuitEvaluator(model, graph, pairs, metric)(circuit)
@@ -545,8 +616,9 @@ def circuit_metric(model: HookedDCFormer, pairs: PairTokens, circuit: Bool[Tenso
 
 # --------------------------------------------------------------------------------------------------
 # Scores
-def _accumulate_scores(model: HookedDCFormer, graph: Graph, scores: dict, run: Run, grads: dict, delta: Tensor,
-                       delta_A: dict) -> None:
+def _accumulate_scores(
+    model: HookedDCFormer, graph: Graph, scores: dict, run: Run, grads: dict, delta: Tensor, delta_A: dict
+) -> None:
     """Add each edge's (corrupted - clean value) . gradient from one backward pass (summed over its rows)."""
     attention = {}
     for group in graph.groups:
@@ -560,7 +632,7 @@ def _accumulate_scores(model: HookedDCFormer, graph: Graph, scores: dict, run: R
         else:
             continue
         spec = "sbpd,bphd->sh" if key[0] in ("q", "k", "v") else "sbpd,bpd->s"
-        scores[key] += torch.einsum(spec, delta[:group.shape[0]], _fold(g, delta.shape[1]))
+        scores[key] += torch.einsum(spec, delta[: group.shape[0]], _fold(g, delta.shape[1]))
     for (layer, stage), dA in delta_A.items():
         # with IG the rows hold several steps: W and G of each step go together, so the sum over rows comes last
         k = grads[(stage, layer)].shape[0] // dA.shape[0]
@@ -597,7 +669,7 @@ def edge_scores(
     batch_size: int | None = 8,
     ig_batch_size: int | None = None,
     graph: Graph | None = None,
-) -> Float[Tensor, "edge"]:
+) -> Float[Tensor, " edge"]:
     """Each edge's estimated change of the mean metric when it alone is cut (corrupted), in `graph.edges` order.
 
     method: "eap" (gradient on the clean run) or "eap-ig" (gradient averaged over `n_steps` runs whose input
@@ -618,8 +690,9 @@ def edge_scores(
             corrupted = graph_forward(model, graph, corrupt[index])
             clean_run = graph_forward(model, graph, clean[index])
         delta = (corrupted.outputs - clean_run.outputs).float()
-        delta_A = {key: (corrupted.stage_inputs[key] - clean_run.stage_inputs[key]).float()
-                   for key in clean_run.stage_inputs}
+        delta_A = {
+            key: (corrupted.stage_inputs[key] - clean_run.stage_inputs[key]).float() for key in clean_run.stage_inputs
+        }
         rows_metric = full_metric.rows(index)
         if method == "eap":
             alphas = [1.0]
@@ -628,16 +701,22 @@ def edge_scores(
         chunk = len(alphas) if ig_batch_size is None else ig_batch_size
         embed_clean, embed_corrupt = clean_run.outputs[0], corrupted.outputs[0]
         for start in range(0, len(alphas), chunk):
-            steps = torch.tensor(alphas[start:start + chunk], device=embed_clean.device, dtype=embed_clean.dtype)
+            steps = torch.tensor(alphas[start : start + chunk], device=embed_clean.device, dtype=embed_clean.dtype)
             k = len(steps)
-            embed = (embed_corrupt[None] + steps[:, None, None, None] * (embed_clean - embed_corrupt)[None])
+            embed = embed_corrupt[None] + steps[:, None, None, None] * (embed_clean - embed_corrupt)[None]
             embed = embed.reshape(-1, *embed_clean.shape[1:])
             tokens = clean[index].repeat(k, 1)
             with torch.enable_grad():
                 run = graph_forward(model, graph, tokens, embed=embed, track_grad=True)
                 value = rows_metric.repeat(k)(model, run.final).sum() / (n * len(alphas))
                 keys = list(run.offsets)
-                grads = dict(zip(keys, torch.autograd.grad(value, [run.offsets[key] for key in keys], allow_unused=True)))
+                grads = dict(
+                    zip(
+                        keys,
+                        torch.autograd.grad(value, [run.offsets[key] for key in keys], allow_unused=True),
+                        strict=True,
+                    )
+                )
             grads = {key: torch.zeros_like(run.offsets[key]) if g is None else g.detach() for key, g in grads.items()}
             _accumulate_scores(model, graph, scores, run, grads, delta, delta_A)
             del run, grads
@@ -646,14 +725,14 @@ def edge_scores(
 
 # --------------------------------------------------------------------------------------------------
 # Circuits from scores
-def top_n_circuit(scores: Float[Tensor, "edge"], n: int) -> Bool[Tensor, "edge"]:
+def top_n_circuit(scores: Float[Tensor, " edge"], n: int) -> Bool[Tensor, " edge"]:
     """The n edges of largest |score|."""
     circuit = torch.zeros(len(scores), dtype=torch.bool)
     circuit[scores.abs().argsort(descending=True, stable=True)[:n]] = True
     return circuit
 
 
-def greedy_circuit(graph: Graph, scores: Float[Tensor, "edge"], n: int) -> Bool[Tensor, "edge"]:
+def greedy_circuit(graph: Graph, scores: Float[Tensor, " edge"], n: int) -> Bool[Tensor, " edge"]:
     """n edges grown from the logits: at each step the edge of largest |score| among those whose target already
     reaches the logits through the circuit (through chosen edges, and inside a head or layer from q/k/v and the
     compose weights to the head's output). Every edge of the result is connected to the logits."""
@@ -692,7 +771,7 @@ def greedy_circuit(graph: Graph, scores: Float[Tensor, "edge"], n: int) -> Bool[
     return circuit
 
 
-def random_circuit(n_edges: int, n: int, generator: torch.Generator) -> Bool[Tensor, "edge"]:
+def random_circuit(n_edges: int, n: int, generator: torch.Generator) -> Bool[Tensor, " edge"]:
     circuit = torch.zeros(n_edges, dtype=torch.bool)
     circuit[torch.randperm(n_edges, generator=generator)[:n]] = True
     return circuit
@@ -710,9 +789,14 @@ def default_counts(n_edges: int) -> list[int]:
     return counts + [n_edges]
 
 
-def faithfulness_curve(evaluator: CircuitEvaluator, scores: dict[str, Tensor], counts: Sequence[int] | None = None,
-                       selections: Sequence[str] = ("top-n", "greedy"), random_repeats: int = 3,
-                       seed: int = 0) -> pd.DataFrame:
+def faithfulness_curve(
+    evaluator: CircuitEvaluator,
+    scores: dict[str, Tensor],
+    counts: Sequence[int] | None = None,
+    selections: Sequence[str] = ("top-n", "greedy"),
+    random_repeats: int = 3,
+    seed: int = 0,
+) -> pd.DataFrame:
     """Exact faithfulness of circuits of `counts` edges chosen from each method's scores by each selection, and of
     random edges (mean of `random_repeats` draws). Columns: method, selection, edges, faithfulness."""
     graph = evaluator.graph
@@ -731,8 +815,9 @@ def faithfulness_curve(evaluator: CircuitEvaluator, scores: dict[str, Tensor], c
     return pd.DataFrame(rows, columns=["method", "selection", "edges", "faithfulness"])
 
 
-def smallest_faithful_circuit(evaluator: CircuitEvaluator, scores: Tensor, selection: str = "top-n",
-                              threshold: float = 0.8) -> tuple[int, float]:
+def smallest_faithful_circuit(
+    evaluator: CircuitEvaluator, scores: Tensor, selection: str = "top-n", threshold: float = 0.8
+) -> tuple[int, float]:
     """The smallest n whose circuit reaches `threshold` faithfulness, by bisection over n (faithfulness is
     assumed to grow with n, as it nearly does for score-ranked circuits), with its faithfulness."""
     graph = evaluator.graph

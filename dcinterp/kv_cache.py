@@ -107,10 +107,14 @@ class DCFormerKeyValueCacheEntry:
         return tuple(out)
 
     def past_key_compose(self, stage: str) -> dict[str, Tensor]:
-        """The cached key side of a compose stage in the hooks' layout: kw1, kw2 [b, pos, rank, head], kg [b, pos, head]."""
+        """The cached key side of a compose stage in the hooks' layout:
+        kw1, kw2 [b, pos, rank, head], kg [b, pos, head]."""
         stored = self.key_compose.get(stage, {})
-        return {name: (t.value.permute(0, 3, 1, 2) if t.value.ndim == 4 else t.value.transpose(1, 2))
-                for name, t in stored.items() if t.value is not None}
+        return {
+            name: (t.value.permute(0, 3, 1, 2) if t.value.ndim == 4 else t.value.transpose(1, 2))
+            for name, t in stored.items()
+            if t.value is not None
+        }
 
 
 @dataclass
@@ -122,13 +126,16 @@ class DCFormerKeyValueCache:
     frozen: bool = False
 
     @classmethod
-    def init_cache(cls, cfg: DCFormerConfig, device: torch.device | str | None = None,
-                   batch_size: int = 1) -> DCFormerKeyValueCache:
+    def init_cache(
+        cls, cfg: DCFormerConfig, device: torch.device | str | None = None, batch_size: int = 1
+    ) -> DCFormerKeyValueCache:
         """An empty cache for `cfg`'s layers. Each layer's tensors are made on the device of that layer's first keys
         (so models spread over devices work); `device` is where the attention mask lives."""
         device = device if device is not None else (cfg.device or "cpu")
-        return cls([DCFormerKeyValueCacheEntry() for _ in range(cfg.n_layers)],
-                   torch.ones(batch_size, 0, dtype=torch.long, device=device))
+        return cls(
+            [DCFormerKeyValueCacheEntry() for _ in range(cfg.n_layers)],
+            torch.ones(batch_size, 0, dtype=torch.long, device=device),
+        )
 
     @property
     def batch_size(self) -> int:
@@ -152,8 +159,10 @@ class DCFormerKeyValueCache:
     def append_attention_mask(self, attention_mask: Int[Tensor, "batch new"]) -> Int[Tensor, "batch pos_so_far"]:
         """The mask of every position so far with the new positions' appended (stored unless frozen)."""
         if attention_mask.shape[0] != self.batch_size:
-            raise ValueError(f"past_kv_cache: the cache holds a batch of {self.batch_size}, the input has "
-                             f"{attention_mask.shape[0]} rows")
+            raise ValueError(
+                f"past_kv_cache: the cache holds a batch of {self.batch_size}, the input has "
+                f"{attention_mask.shape[0]} rows"
+            )
         mask = self.previous_attention_mask
         updated = torch.cat([mask, attention_mask.to(mask.device, mask.dtype)], dim=1)
         if not self.frozen:

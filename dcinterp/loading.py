@@ -14,6 +14,7 @@ import pickle
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -22,7 +23,9 @@ from torch import Tensor, nn
 
 from .config import DCFormerConfig
 from .devices import check_device
-from .model import HookedDCFormer
+
+if TYPE_CHECKING:
+    from .model import HookedDCFormer
 
 EMBEDDED_DIR = Path(__file__).parent / "checkpoints"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -35,8 +38,17 @@ class CheckpointError(ValueError):
 
 # --------------------------------------------------------------------------------------------------
 # Entry points
-def load_pretrained(path_or_name, dtype=None, device=None, device_map=None, max_memory=None,
-                    offload_folder=None, processing: dict | None = None) -> HookedDCFormer:
+def load_pretrained(
+    path_or_name,
+    dtype=None,
+    device=None,
+    device_map=None,
+    max_memory=None,
+    offload_folder=None,
+    processing: dict | None = None,
+    *,
+    model_class: type[HookedDCFormer],
+) -> HookedDCFormer:
     """Build the model on the meta device, then stream the weights into it one tensor at a time.
 
     Each tensor is read from the memory-mapped checkpoint, converted once into `dtype` and copied straight to
@@ -44,6 +56,8 @@ def load_pretrained(path_or_name, dtype=None, device=None, device_map=None, max_
     weights in their target dtype plus one tensor, and nothing stays mapped. With a `device_map` the model is
     dispatched with accelerate (blocks across GPUs, CPU or disk offload); the forward moves activations.
     `processing`: `process_weights_` keywords, applied in place before dispatch (no second copy of the weights).
+
+    `model_class`: the class to build (`HookedDCFormer.from_pretrained` passes itself).
     """
     directory = resolve_checkpoint(path_or_name)
     config_file = directory / "config.json"
@@ -67,7 +81,7 @@ def load_pretrained(path_or_name, dtype=None, device=None, device_map=None, max_
     cfg.dtype = dtype
 
     with torch.device("meta"):
-        model = HookedDCFormer(cfg, init=False)
+        model = model_class(cfg, init=False)
     if device_map is not None and device is not None:
         raise ValueError("pass either device or device_map, not both")
     if device_map is None:
@@ -115,7 +129,9 @@ def _reshape_errors_named(converted, take: "_Taker", files: "CheckpointFiles"):
     try:
         yield from converted
     except RuntimeError as e:
-        raise CheckpointError(f"{files.origin(take.last)}: weight {take.last!r} does not fit config.json ({e})") from None
+        raise CheckpointError(
+            f"{files.origin(take.last)}: weight {take.last!r} does not fit config.json ({e})"
+        ) from None
 
 
 def save_pretrained(model: HookedDCFormer, directory) -> None:
@@ -124,8 +140,9 @@ def save_pretrained(model: HookedDCFormer, directory) -> None:
     model.cfg.save(directory / "config.json")
     if model.weight_processing:  # a processed model says so when it is loaded again (dcinterp.processing)
         config = read_json(directory / "config.json")
-        (directory / "config.json").write_text(json.dumps({**config, "weight_processing": model.weight_processing},
-                                                          indent=2) + "\n")
+        (directory / "config.json").write_text(
+            json.dumps({**config, "weight_processing": model.weight_processing}, indent=2) + "\n"
+        )
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     save_safetensors(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
     if model.tokenizer is not None:
@@ -154,8 +171,15 @@ def resolve_dtype(dtype) -> torch.dtype:
         return torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-             "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "half": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+    }
     if str(dtype).removeprefix("torch.") not in names:
         raise ValueError(f"unknown dtype {dtype!r} (use float32, float16 or bfloat16)")
     return names[str(dtype).removeprefix("torch.")]
@@ -171,9 +195,11 @@ def resolve_device(device) -> torch.device:
 
 def warn_if_half_on_cpu(dtype: torch.dtype, device_map: dict) -> None:
     if dtype in (torch.float16, torch.bfloat16) and any(str(d) in ("cpu", "disk") for d in device_map.values()):
-        warnings.warn(f"{str(dtype).removeprefix('torch.')} on the CPU: most CPUs run half-precision matmuls "
-                      f"hundreds of times slower than float32; load with dtype=torch.float32 to compute on the CPU",
-                      stacklevel=4)
+        warnings.warn(
+            f"{str(dtype).removeprefix('torch.')} on the CPU: most CPUs run half-precision matmuls "
+            f"hundreds of times slower than float32; load with dtype=torch.float32 to compute on the CPU",
+            stacklevel=4,
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -188,22 +214,29 @@ def plan_device_map(model: HookedDCFormer, device_map, max_memory, dtype: torch.
 
     if isinstance(device_map, str):
         if device_map not in DEVICE_MAP_STRATEGIES:
-            raise ValueError(f"device_map {device_map!r}: use one of {', '.join(DEVICE_MAP_STRATEGIES)}, or a dict "
-                             f"from module names to devices")
+            raise ValueError(
+                f"device_map {device_map!r}: use one of {', '.join(DEVICE_MAP_STRATEGIES)}, or a dict "
+                f"from module names to devices"
+            )
         no_split = ["TransformerBlock"]
         if device_map != "sequential":
-            max_memory = get_balanced_memory(model, max_memory=max_memory, no_split_module_classes=no_split,
-                                             dtype=dtype, low_zero=device_map == "balanced_low_0")
-        device_map = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split,
-                                           dtype=dtype)
+            max_memory = get_balanced_memory(
+                model,
+                max_memory=max_memory,
+                no_split_module_classes=no_split,
+                dtype=dtype,
+                low_zero=device_map == "balanced_low_0",
+            )
+        device_map = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split, dtype=dtype)
     if not isinstance(device_map, dict):
         raise ValueError(f"device_map must be a strategy name or a dict, not {type(device_map).__name__}")
     modules = dict(model.named_modules())
     placed = {}
     for name, device in device_map.items():
         if name not in modules:
-            raise ValueError(f"device_map: {name!r} is not a module of the model (e.g. 'embed', 'blocks.0', "
-                             f"'ln_final', 'unembed')")
+            raise ValueError(
+                f"device_map: {name!r} is not a module of the model (e.g. 'embed', 'blocks.0', 'ln_final', 'unembed')"
+            )
         placed[name] = device if device == "disk" else _accelerate_device(resolve_device(device))
     for key, _ in model.named_parameters():
         if _module_device(placed, key) is None:
@@ -264,7 +297,8 @@ class _Placer:
             raise CheckpointError(f"{where}: unexpected weight {key!r}")
         if tuple(value.shape) != tuple(expected.shape):
             raise CheckpointError(
-                f"{where}: weight {key!r} has shape {tuple(value.shape)}, expected {tuple(expected.shape)}")
+                f"{where}: weight {key!r} has shape {tuple(value.shape)}, expected {tuple(expected.shape)}"
+            )
         dtype = self.dtype if value.is_floating_point() else value.dtype
         device = _module_device(self.device_map, key)
         if device == "disk":
@@ -477,10 +511,10 @@ def convert_official(take: "_Taker", cfg: DCFormerConfig) -> Iterator[tuple[str,
         else:
             wq, wk, wv = (take(a + f"w{n}.weight") for n in "qkv")
             biases = [take(a + f"w{n}.bias") for n in "qkv"] if cfg.use_bias else None
-        for name, w in zip("QKV", (wq, wk, wv)):
+        for name, w in zip("QKV", (wq, wk, wv), strict=True):
             yield dst + f"attn.W_{name}", w.reshape(H, E, D).transpose(1, 2)
         if biases is not None:
-            for name, b in zip("QKV", biases):
+            for name, b in zip("QKV", biases, strict=True):
                 yield dst + f"attn.b_{name}", b.reshape(H, E)
             yield dst + "attn.b_O", take(a + "wo.bias")
         yield dst + "attn.W_O", take(a + "wo.weight").T.reshape(H, E, D)
@@ -573,6 +607,7 @@ def convert_gpt_neox(take: "_Taker", cfg: DCFormerConfig) -> Iterator[tuple[str,
 
 def _required(raw: dict, source: Path):
     """need(key): raw[key], or a CheckpointError naming the config file and the key."""
+
     def need(key):
         if key not in raw:
             raise CheckpointError(f"{source}: missing key {key!r}")

@@ -21,12 +21,29 @@ import torch
 GiB = 2**30
 
 # Hooks whose tensors are [batch, pos, d_model].
-_RESIDUAL = ("hook_embed", "hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_attn_out", "hook_mlp_out",
-             "hook_normalized")
+_RESIDUAL = (
+    "hook_embed",
+    "hook_resid_pre",
+    "hook_resid_mid",
+    "hook_resid_post",
+    "hook_attn_out",
+    "hook_mlp_out",
+    "hook_normalized",
+)
 _PER_HEAD = ("hook_q", "hook_k", "hook_v", "hook_rot_q", "hook_rot_k", "hook_z")
 _ATTENTION = ("hook_attn_scores", "hook_composed_scores", "hook_pattern", "hook_composed_pattern")
-_BRANCH_OF = {"hook_qw1": "qp", "hook_qw2": "qp", "hook_kw1": "kp", "hook_kw2": "kp", "hook_qg": "qg", "hook_kg": "kg",
-              "hook_o_qp": "qp", "hook_o_kp": "kp", "hook_o_qg": "qg", "hook_o_kg": "kg"}
+_BRANCH_OF = {
+    "hook_qw1": "qp",
+    "hook_qw2": "qp",
+    "hook_kw1": "kp",
+    "hook_kw2": "kp",
+    "hook_qg": "qg",
+    "hook_kg": "kg",
+    "hook_o_qp": "qp",
+    "hook_o_kp": "kp",
+    "hook_o_qg": "qg",
+    "hook_o_kg": "kg",
+}
 
 
 @dataclass
@@ -161,15 +178,16 @@ def check_cache_fits(model, estimate: CacheEstimate, fraction: float) -> None:
                 f"run_with_cache would hold {nbytes / GiB:.2f} GiB in {estimate.n_tensors} tensors on {device}, more "
                 f"than {fraction:.0%} of its {free / GiB:.1f} GiB free; cache fewer hooks with names_filter (e.g. "
                 f"names_filter=lambda name: name.startswith('blocks.0.attn')), or pass allow_large_cache=True "
-                f"(dcinterp.estimate_cache(model, tokens, names_filter) gives the estimate)")
+                f"(dcinterp.estimate_cache(model, tokens, names_filter) gives the estimate)"
+            )
 
 
 class PeakAnonMemory:
     """Samples this process's anonymous resident memory (RssAnon in /proc/self/status) in a background thread.
 
-        with PeakAnonMemory() as memory:
-            model = HookedDCFormer.from_pretrained(...)
-        memory.peak, memory.baseline  # bytes
+    with PeakAnonMemory() as memory:
+        model = HookedDCFormer.from_pretrained(...)
+    memory.peak, memory.baseline  # bytes
     """
 
     def __init__(self, interval: float = 0.002):
@@ -201,20 +219,28 @@ class PeakAnonMemory:
         self.peak = max(self.peak, self.current())
 
 
-def measure_load(checkpoint, dtype=None, device=None, device_map=None) -> dict:
-    """Load a checkpoint in this process and report its peak anonymous memory against the weights' size."""
-    from .model import HookedDCFormer
+def measure_load(checkpoint, dtype=None, device=None, device_map=None, *, model_class) -> dict:
+    """Load a checkpoint in this process and report its peak anonymous memory against the weights' size.
 
+    `model_class`: the class whose `from_pretrained` loads it (the command line passes HookedDCFormer).
+    """
     start = time.perf_counter()
     with PeakAnonMemory() as memory:
-        model = HookedDCFormer.from_pretrained(checkpoint, dtype=dtype, device=device, device_map=device_map)
+        model = model_class.from_pretrained(checkpoint, dtype=dtype, device=device, device_map=device_map)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"seconds": time.perf_counter() - start, "weights_bytes": weights, "baseline_anon_bytes": memory.baseline,
-            "peak_anon_bytes": memory.peak, "peak_over_weights": (memory.peak - memory.baseline) / weights}
+    return {
+        "seconds": time.perf_counter() - start,
+        "weights_bytes": weights,
+        "baseline_anon_bytes": memory.baseline,
+        "peak_anon_bytes": memory.peak,
+        "peak_over_weights": (memory.peak - memory.baseline) / weights,
+    }
 
 
 if __name__ == "__main__":  # python -m dcinterp.memory CHECKPOINT [DTYPE [DEVICE]]: one load, measured, as JSON
     import json
     import sys
 
-    print(json.dumps(measure_load(*sys.argv[1:4])))
+    from dcinterp.model import HookedDCFormer
+
+    print(json.dumps(measure_load(*sys.argv[1:4], model_class=HookedDCFormer)))

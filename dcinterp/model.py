@@ -22,20 +22,19 @@ window), as TransformerLens does. docs/hooks.md maps every hook to the paper's e
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 from transformer_lens import HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
 from .config import DCFormerConfig
 from .kv_cache import DCFormerKeyValueCache
-from .processing import PROCESSING_OPTIONS, DCActivationCache
+from .processing import DCActivationCache
+from .tl_api import TransformerLensAPI
 
 # The hooks TransformerLens' get_act_name does not know: in blocks.{layer}.attn, and in its compose stages.
 DCMHA_ACT_NAMES = ("composed_scores", "composed_pattern")
@@ -102,7 +101,10 @@ class HeadRMSNorm(nn.Module):
 
 
 def apply_rotary(
-    x: Float[Tensor, "b p h e"], rotary_dim: int, base: float, table_dtype: torch.dtype = torch.float32,
+    x: Float[Tensor, "b p h e"],
+    rotary_dim: int,
+    base: float,
+    table_dtype: torch.dtype = torch.float32,
     positions: Int[Tensor, "*batch pos"] | None = None,
 ) -> Float[Tensor, "b p h e"]:
     """Rotary embedding on the first `rotary_dim` dims, "half" pairing (dim j rotates with j + rotary_dim/2).
@@ -163,8 +165,9 @@ class Compose(nn.Module):
         """Whether a hook (or the cache) asks for a branch output, so that each branch is its own tensor."""
         return any(_hooked(getattr(self, f"hook_o_{b}")) for b in self.branches)
 
-    def forward(self, A: Float[Tensor, "b h t s"], qw1, qw2, kw1, kw2, qg, kg,
-                past_kv_cache_entry=None) -> Float[Tensor, "b h t s"]:
+    def forward(
+        self, A: Float[Tensor, "b h t s"], qw1, qw2, kw1, kw2, qg, kg, past_kv_cache_entry=None
+    ) -> Float[Tensor, "b h t s"]:
         """With `past_kv_cache_entry` (dcinterp.kv_cache), the key-side weights given are the new positions'; those
         of every key come from the cache, where the new ones are stored."""
         qw1, qw2, kw1, kw2, qg, kg = self.dynamic_weights(qw1, qw2, kw1, kw2, qg, kg)
@@ -319,8 +322,12 @@ class Attention(nn.Module):
         return scores.masked_fill(mask != 0, 0.0)
 
     def forward(
-        self, x: Float[Tensor, "b p d"], mask: Float[Tensor, "t s"] | Float[Tensor, "b 1 t s"],
-        qkv_input: tuple[Tensor, ...] | None = None, positions: Tensor | None = None, past_kv_cache_entry=None,
+        self,
+        x: Float[Tensor, "b p d"],
+        mask: Float[Tensor, "t s"] | Float[Tensor, "b 1 t s"],
+        qkv_input: tuple[Tensor, ...] | None = None,
+        positions: Tensor | None = None,
+        past_kv_cache_entry=None,
     ) -> Float[Tensor, "b p d"]:
         """`x`: the normed input; `mask`: 0 where a query sees a key, else the dtype's minimum (`attention_mask`).
         `qkv_input`: per-head normed inputs [b, p, h, d] of q, k and v, when split (cfg.use_split_qkv_input);
@@ -332,7 +339,10 @@ class Attention(nn.Module):
             k = torch.einsum("bpd,hde->bphe", x, self.W_K)
             v = torch.einsum("bpd,hde->bphe", x, self.W_V)
         else:
-            q, k, v = (torch.einsum("bphd,hde->bphe", xi, W) for xi, W in zip(qkv_input, (self.W_Q, self.W_K, self.W_V)))
+            q, k, v = (
+                torch.einsum("bphd,hde->bphe", xi, W)
+                for xi, W in zip(qkv_input, (self.W_Q, self.W_K, self.W_V), strict=True)
+            )
         if self.b_Q is not None:
             q, k, v = q + self.b_Q, k + self.b_K, v + self.b_V
         if cfg.use_qk_norm:
@@ -424,8 +434,13 @@ class TransformerBlock(nn.Module):
         forks = (self.attn.hook_q_input, self.attn.hook_k_input, self.attn.hook_v_input)
         return tuple(self.ln1(fork(copies.clone())) for fork in forks)
 
-    def forward(self, resid_pre: Float[Tensor, "b p d"], mask: Float[Tensor, "t s"], positions: Tensor | None = None,
-                past_kv_cache_entry=None) -> Float[Tensor, "b p d"]:
+    def forward(
+        self,
+        resid_pre: Float[Tensor, "b p d"],
+        mask: Float[Tensor, "t s"],
+        positions: Tensor | None = None,
+        past_kv_cache_entry=None,
+    ) -> Float[Tensor, "b p d"]:
         resid_pre = self.hook_resid_pre(resid_pre)
         qkv_input = self.split_qkv_input(resid_pre) if self.cfg.use_split_qkv_input else None
         attn_out = self.hook_attn_out(self.attn(self.ln1(resid_pre), mask, qkv_input, positions, past_kv_cache_entry))
@@ -484,7 +499,12 @@ def visible_keys(n: int, window: int | None, device, semantics: str = "training"
 
 
 def attention_mask(
-    n: int, window: int | None, device, dtype=torch.float32, semantics: str = "training", past: int = 0,
+    n: int,
+    window: int | None,
+    device,
+    dtype=torch.float32,
+    semantics: str = "training",
+    past: int = 0,
     real: Bool[Tensor, "b s"] | None = None,
 ) -> Float[Tensor, "t s"] | Float[Tensor, "b 1 t s"]:
     """The same as an additive mask: 0 where query t may see key s, else the dtype's minimum (as TransformerLens).
@@ -502,11 +522,13 @@ def attention_mask(
 _attention_mask = attention_mask  # HookedDCFormer.forward's argument of that name shadows it
 
 
-class HookedDCFormer(HookedRootModule):
+class HookedDCFormer(TransformerLensAPI, HookedRootModule):
     """DCFormer with every part of DCMHA exposed as a hook point. See the module docstring for the math.
 
     `model(tokens)` gives logits [batch, pos, d_vocab]; `run_with_cache`, `run_with_hooks`, `hooks()` work as
     in TransformerLens. Load checkpoints with `HookedDCFormer.from_pretrained(path_or_name)`.
+
+    TransformerLens' accessors (`W_Q`, `OV`, `to_tokens`, `generate`, ...) come from `dcinterp.tl_api`.
     """
 
     def __init__(self, cfg: DCFormerConfig, tokenizer=None, init: bool = True):
@@ -528,7 +550,8 @@ class HookedDCFormer(HookedRootModule):
 
     def setup(self) -> None:
         """TransformerLens' setup, plus TransformerBridge's block aliases `blocks.{l}.hook_in` (= hook_resid_pre) and
-        `hook_out` (= hook_resid_post) for hooks by name (what `get_act_name("in", l)` gives); caches use the real names."""
+        `hook_out` (= hook_resid_post) for hooks by name (what `get_act_name("in", l)` gives); caches use the real
+        names."""
         super().setup()
         for layer, block in enumerate(self.blocks):
             self.mod_dict[f"blocks.{layer}.hook_in"] = block.hook_resid_pre
@@ -573,8 +596,10 @@ class HookedDCFormer(HookedRootModule):
             positions = torch.arange(past, past + n, device=resid.device)
         if attention_mask is not None:
             if attention_mask.shape != (resid.shape[0], past + n):
-                raise ValueError(f"attention_mask: shape {tuple(attention_mask.shape)}, expected [batch, pos] = "
-                                 f"{[resid.shape[0], n]}")
+                raise ValueError(
+                    f"attention_mask: shape {tuple(attention_mask.shape)}, expected [batch, pos] = "
+                    f"{[resid.shape[0], n]}"
+                )
             if not attention_mask.bool().all():
                 real = attention_mask.to(resid.device).bool()
                 positions = (real.cumsum(1) - 1).clamp_min(0)[:, past:]
@@ -616,8 +641,14 @@ class HookedDCFormer(HookedRootModule):
         itself; the weights stay frozen and get no gradient. The gradients equal an unfrozen model's."""
         self.use_activation_grads = use_activation_grads
 
-    def run_with_cache(self, *args, return_cache_object: bool = True, remove_batch_dim: bool = False,
-                       allow_large_cache: bool = False, **kwargs):
+    def run_with_cache(
+        self,
+        *args,
+        return_cache_object: bool = True,
+        remove_batch_dim: bool = False,
+        allow_large_cache: bool = False,
+        **kwargs,
+    ):
         """As `HookedRootModule.run_with_cache`, returning a TransformerLens `ActivationCache`.
 
         Before running, the cache is estimated from the shapes (`dcinterp.estimate_cache`); one that would take
@@ -627,16 +658,22 @@ class HookedDCFormer(HookedRootModule):
         if not allow_large_cache and self.cache_memory_fraction is not None and args:
             from .memory import check_cache_fits, estimate_cache
 
-            estimate = estimate_cache(self, args[0], kwargs.get("names_filter"), kwargs.get("incl_bwd", False),
-                                      kwargs.get("device"))
+            estimate = estimate_cache(
+                self, args[0], kwargs.get("names_filter"), kwargs.get("incl_bwd", False), kwargs.get("device")
+            )
             check_cache_fits(self, estimate, self.cache_memory_fraction)
         out, cache = super().run_with_cache(*args, remove_batch_dim=remove_batch_dim, **kwargs)
         if return_cache_object:
             cache = DCActivationCache(cache, self, has_batch_dim=not remove_batch_dim)
         return out, cache
 
-    def loss_fn(self, logits: Float[Tensor, "b p v"], tokens: Int[Tensor, "b p"],
-                attention_mask: Int[Tensor, "b p"] | None = None, per_token: bool = False) -> Tensor:
+    def loss_fn(
+        self,
+        logits: Float[Tensor, "b p v"],
+        tokens: Int[Tensor, "b p"],
+        attention_mask: Int[Tensor, "b p"] | None = None,
+        per_token: bool = False,
+    ) -> Tensor:
         """Next-token cross-entropy, as TransformerLens' `loss_fn` (positions where a token or the next one is
         masked out are left out of the mean, and 0 per token)."""
         return lm_cross_entropy(logits, tokens.to(logits.device), per_token, attention_mask)
@@ -655,7 +692,9 @@ class HookedDCFormer(HookedRootModule):
     def set_use_attn_in(self, use_attn_in: bool) -> None:
         """TransformerLens' `hook_attn_in` fork is not implemented; only False is accepted."""
         if use_attn_in:
-            raise NotImplementedError("set_use_attn_in: HookedDCFormer has no hook_attn_in (use set_use_split_qkv_input)")
+            raise NotImplementedError(
+                "set_use_attn_in: HookedDCFormer has no hook_attn_in (use set_use_split_qkv_input)"
+            )
         self.cfg.use_attn_in = False
 
     # ----------------------------------------------------------------------------------------------
@@ -700,330 +739,23 @@ class HookedDCFormer(HookedRootModule):
         device = self.embed.W_E.device
         return torch.device(self.cfg.device) if device.type == "meta" and self.cfg.device else device
 
-    def tl_named_parameters(self):
-        """TransformerBridge's name for the parameters under TransformerLens names (what ours already are)."""
-        return self.named_parameters()
-
-    @property
-    def W_E(self) -> Float[Tensor, "d_vocab d_model"]:
-        return self.embed.W_E
-
-    @property
-    def W_U(self) -> Float[Tensor, "d_model d_vocab"]:
-        return self.unembed.W_U
-
-    @property
-    def b_U(self) -> Float[Tensor, "d_vocab"]:
-        """`unembed.b_U`: zeros (neither DCFormer nor Pythia has one) until `fold_ln` folds the final norm's bias."""
-        return self.unembed.b_U
-
-    def _stack(self, name: str, part: str = "attn") -> Tensor:
-        """One weight of every block's `attn` or `mlp`, stacked [layer, ...]; a bias the model lacks as zeros."""
-        weights = [getattr(getattr(block, part), name) for block in self.blocks]
-        if weights[0] is None:
-            return torch.zeros(len(weights), *self._bias_shape(name), device=self.input_device, dtype=self.cfg.dtype)
-        return torch.stack(weights)
-
-    def _bias_shape(self, name: str) -> tuple[int, ...]:
-        cfg = self.cfg
-        return {"b_Q": (cfg.n_heads, cfg.d_head), "b_K": (cfg.n_heads, cfg.d_head), "b_V": (cfg.n_heads, cfg.d_head),
-                "b_O": (cfg.d_model,), "b_in": (cfg.d_mlp,), "b_out": (cfg.d_model,)}[name]
-
-    @property
-    def W_Q(self) -> Float[Tensor, "layer head d_model d_head"]:
-        return self._stack("W_Q")
-
-    @property
-    def W_K(self) -> Float[Tensor, "layer head d_model d_head"]:
-        return self._stack("W_K")
-
-    @property
-    def W_V(self) -> Float[Tensor, "layer head d_model d_head"]:
-        return self._stack("W_V")
-
-    @property
-    def W_O(self) -> Float[Tensor, "layer head d_head d_model"]:
-        return self._stack("W_O")
-
-    @property
-    def b_Q(self) -> Float[Tensor, "layer head d_head"]:
-        return self._stack("b_Q")
-
-    @property
-    def b_K(self) -> Float[Tensor, "layer head d_head"]:
-        return self._stack("b_K")
-
-    @property
-    def b_V(self) -> Float[Tensor, "layer head d_head"]:
-        return self._stack("b_V")
-
-    @property
-    def b_O(self) -> Float[Tensor, "layer d_model"]:
-        return self._stack("b_O")
-
-    @property
-    def W_in(self) -> Float[Tensor, "layer d_model d_mlp"]:
-        return self._stack("W_in", "mlp")
-
-    @property
-    def W_gate(self) -> Float[Tensor, "layer d_model d_mlp"] | None:
-        """SwiGLU's gate projection (TransformerLens' name); None for a GELU MLP."""
-        return self._stack("W_gate", "mlp") if self.cfg.act_fn == "swiglu" else None
-
-    @property
-    def W_out(self) -> Float[Tensor, "layer d_mlp d_model"]:
-        return self._stack("W_out", "mlp")
-
-    @property
-    def b_in(self) -> Float[Tensor, "layer d_mlp"]:
-        return self._stack("b_in", "mlp")
-
-    @property
-    def b_out(self) -> Float[Tensor, "layer d_model"]:
-        return self._stack("b_out", "mlp")
-
-    def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> Tensor:
-        """Sum of the attention and MLP output biases written into the residual stream before `layer`.
-
-        As TransformerLens: `mlp_input=True` adds layer `layer`'s attention bias (the stream entering its MLP
-        in a sequential block). `ActivationCache.get_full_resid_decomposition` reads it.
-        """
-        if mlp_input and layer >= self.cfg.n_layers:
-            raise ValueError(f"accumulated_bias: mlp_input needs layer < n_layers ({self.cfg.n_layers}), not {layer}")
-        bias = self.b_O[:layer].sum(0)
-        if include_mlp_biases:
-            bias = bias + self.b_out[:layer].sum(0)
-        if mlp_input:
-            bias = bias + self.b_O[layer]
-        return bias
-
-    @property
-    def QK(self):
-        """QK circuits per layer and head as a FactoredMatrix [layer, head, d_model, d_model] (rotary ignored)."""
-        from transformer_lens import FactoredMatrix
-
-        return FactoredMatrix(self.W_Q, self.W_K.transpose(-2, -1))
-
-    @property
-    def OV(self):
-        """OV circuits per layer and head as a FactoredMatrix [layer, head, d_model, d_model]."""
-        from transformer_lens import FactoredMatrix
-
-        return FactoredMatrix(self.W_V, self.W_O)
-
-    def tokens_to_residual_directions(self, tokens) -> Tensor:
-        """The columns of `W_U` for the tokens, as TransformerLens: [*tokens.shape, d_model].
-
-        Dotted with `cache.apply_ln_to_stack(...)` (the final norm applied with its weight, see
-        `dcinterp.processing.DCActivationCache`) they give each component's share of the logit; the shares add
-        up to the logit less `dcinterp.logit_offset(model)` (the final norm's bias through `W_U`, plus `b_U`).
-        """
-        if isinstance(tokens, str):
-            tokens = self.to_single_token(tokens)
-        if isinstance(tokens, int):
-            tokens = torch.tensor(tokens)
-        tokens = torch.as_tensor(tokens)
-        return self.W_U[:, tokens.to(self.W_U.device)].movedim(0, -1)
-
-    # ----------------------------------------------------------------------------------------------
-    # Tokenizer helpers (TransformerLens names)
-    def _need_tokenizer(self):
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer attached; pass token ids, or set model.tokenizer")
-        return self.tokenizer
-
-    def to_tokens(
-        self,
-        input: str | list[str],
-        prepend_bos: bool | None = None,
-        padding_side: Literal["left", "right"] | None = None,
-        move_to_device: bool = True,
-        truncate: bool = True,
-        allow_unknown: bool | None = None,
-    ) -> Int[Tensor, "b p"]:
-        """Token ids [batch, pos], as TransformerLens: padded on the right (or `padding_side="left"`), cut to
-        `cfg.n_ctx` tokens (`truncate`), on the model's input device (`move_to_device`).
-
-        BOS only where the tokenizer adds it itself, unless prepend_bos. Words the tokenizer does not know raise a
-        ValueError naming them (never a silent [UNK]); `allow_unknown=True` (or `model.allow_unknown_tokens = True`,
-        for code that calls to_tokens for you) turns it into one warning line."""
-        tokenizer = self._need_tokenizer()
-        texts = [input] if isinstance(input, str) else list(input)
-        prepend_bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
-        check_unknown = _has_unknown_token(tokenizer)
-        encodings = [tokenizer(t, return_offsets_mapping=check_unknown) for t in texts]
-        ids = [e["input_ids"] for e in encodings]
-        if check_unknown:
-            allow_unknown = self.allow_unknown_tokens if allow_unknown is None else allow_unknown
-            _report_unknown(texts, encodings, tokenizer, allow_unknown)
-        if prepend_bos:
-            bos = tokenizer.bos_token_id
-            ids = [i if i[:1] == [bos] else [bos, *i] for i in ids]
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        width = max(len(i) for i in ids)
-        if padding_side == "left":
-            ids = [[pad] * (width - len(i)) + i for i in ids]
-        else:
-            ids = [i + [pad] * (width - len(i)) for i in ids]
-        tokens = torch.tensor(ids)
-        if truncate and tokens.shape[1] > self.cfg.n_ctx:
-            warnings.warn(f"to_tokens: {tokens.shape[1]} tokens cut to the model's n_ctx = {self.cfg.n_ctx} "
-                          "(truncate=False keeps them all)", stacklevel=2)
-            tokens = tokens[:, : self.cfg.n_ctx]
-        return tokens.to(self.input_device) if move_to_device else tokens
-
-    def to_string(self, tokens) -> str | list[str]:
-        tokenizer = self._need_tokenizer()
-        if isinstance(tokens, Tensor):
-            tokens = tokens.tolist()
-        if isinstance(tokens, int):
-            tokens = [tokens]
-        if tokens and isinstance(tokens[0], list):
-            return [tokenizer.decode(t) for t in tokens]
-        return tokenizer.decode(tokens)
-
-    def to_str_tokens(
-        self, input, prepend_bos: bool | None = None, padding_side: Literal["left", "right"] | None = None
-    ) -> list[str] | list[list[str]]:
-        """One string per token, as TransformerLens: a string or 1-d ids give a list, a list gives one list per item.
-
-        A [batch, pos] tensor (or array) gives one list per row, where TransformerLens raises; a [1, pos] one a
-        single list. `prepend_bos` and `padding_side` apply to strings only."""
-        tokenizer = self._need_tokenizer()
-        if isinstance(input, list):
-            return [self.to_str_tokens(item, prepend_bos, padding_side) for item in input]
-        if isinstance(input, str):
-            ids = self.to_tokens(input, prepend_bos=prepend_bos, padding_side=padding_side)[0]
-        else:
-            ids = torch.as_tensor(input)
-            if ids.ndim == 2 and ids.shape[0] > 1:
-                return [self.to_str_tokens(row) for row in ids]
-            ids = ids.reshape(-1)
-        return [tokenizer.decode([i]) for i in ids.tolist()]
-
-    def get_token_position(self, single_token: str | int | Tensor, input: str | Tensor, mode: str = "first",
-                           prepend_bos: bool | None = None, padding_side: Literal["left", "right"] | None = None) -> int:
-        """Position of a token in a string or a [pos] / [1, pos] token tensor ("first" or "last" occurrence)."""
-        tokens = self.to_tokens(input, prepend_bos, padding_side) if isinstance(input, str) else torch.as_tensor(input)
-        if tokens.ndim == 2:
-            if tokens.shape[0] != 1:
-                raise ValueError(f"get_token_position: tokens of shape {tuple(tokens.shape)}; pass [pos] or [1, pos]")
-            tokens = tokens[0]
-        if mode not in ("first", "last"):
-            raise ValueError(f"get_token_position: mode must be 'first' or 'last', not {mode!r}")
-        if isinstance(single_token, str):
-            single_token = self.to_single_token(single_token)
-        positions = (tokens == int(single_token)).nonzero()[:, 0]
-        if not len(positions):
-            raise ValueError(f"get_token_position: token {int(single_token)} does not occur in the input")
-        return int(positions[0] if mode == "first" else positions[-1])
-
-    def to_single_token(self, string: str) -> int:
-        ids = self.to_tokens(string)[0]
-        if ids.numel() != 1:
-            raise ValueError(f"{string!r} is {ids.numel()} tokens, not one")
-        return int(ids.item())
-
-    # ----------------------------------------------------------------------------------------------
-    # Generation
-    @torch.no_grad()
-    def generate(
-        self,
-        input: str | list[str] | Int[Tensor, "b p"] = "",
-        max_new_tokens: int = 10,
-        stop_at_eos: bool = True,
-        eos_token_id: int | list[int] | None = None,
-        do_sample: bool = True,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        temperature: float = 1.0,
-        freq_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
-        use_past_kv_cache: bool = True,
-        prepend_bos: bool | None = None,
-        return_type: Literal["input", "str", "tokens"] = "input",
-        verbose: bool = False,
-        attention_mask: Int[Tensor, "b p"] | None = None,
-    ) -> str | list[str] | Int[Tensor, "b p"]:
-        """Continue a prompt token by token, as TransformerLens' `generate` (same arguments and defaults).
-
-        Greedy with `do_sample=False`, else sampled with TransformerLens' `sample_logits` (temperature, top-k,
-        top-p, frequency and repetition penalties). With `stop_at_eos`, a sequence that reaches an EOS token
-        (`eos_token_id`: one id or several; default the tokenizer's) is padded with EOS, and generation stops when
-        all have. A list of prompts of different lengths is padded on the left; a padded token tensor needs its
-        `attention_mask` (1 real, 0 padding). Hooks attached to the model (`with model.hooks(...)`, `add_hook`)
-        are active at every step.
-
-        `use_past_kv_cache=True` (default): the prompt runs once and each step runs the new token alone against a
-        `DCFormerKeyValueCache` (keys, values and the key side of DCMHA's compose), so a hook sees the prompt at
-        the first step and then each new token's activations (its row of a [b, h, t, s] hook). False: every step
-        reruns the whole sequence. Both give the same tokens (docs/generation.md).
-        """
-        from transformer_lens.utilities import sample_logits
-
-        if isinstance(input, (str, list)):
-            texts = [input] if isinstance(input, str) else list(input)
-            tokens = self.to_tokens(texts, prepend_bos=prepend_bos, padding_side="left")
-            lengths = torch.tensor([len(self.to_tokens(t, prepend_bos=prepend_bos)[0]) for t in texts])
-            if (lengths < tokens.shape[1]).any():
-                attention_mask = (torch.arange(tokens.shape[1]) >= tokens.shape[1] - lengths[:, None]).long()
-        else:
-            tokens = input.to(self.input_device)
-            if tokens.ndim == 1:
-                tokens = tokens[None]
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(tokens.device)
-            if attention_mask.shape != tokens.shape:
-                raise ValueError(f"generate: attention_mask has shape {tuple(attention_mask.shape)}, the prompt "
-                                 f"{tuple(tokens.shape)}")
-        stop_tokens = None
-        if stop_at_eos:
-            if eos_token_id is None:
-                eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
-                if eos_token_id is None:
-                    raise ValueError("generate: stop_at_eos needs an eos_token_id (the model has no tokenizer with one)")
-            stop_tokens = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
-                                       device=tokens.device)
-        cache = None
-        if use_past_kv_cache:
-            cache = DCFormerKeyValueCache.init_cache(self.cfg, tokens.device, tokens.shape[0])
-        finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
-        for step in tqdm(range(max_new_tokens), disable=not verbose):
-            if cache is None:
-                mask = None if attention_mask is None else F.pad(attention_mask, (0, tokens.shape[1] - attention_mask.shape[1]), value=1)
-                final_logits = self(tokens, attention_mask=mask)[:, -1]
-            elif step == 0:
-                final_logits = self(tokens, attention_mask=attention_mask, past_kv_cache=cache)[:, -1]
-            else:
-                final_logits = self(tokens[:, -1:], past_kv_cache=cache)[:, -1]
-            if do_sample:
-                new = sample_logits(final_logits, top_k=top_k, top_p=top_p, temperature=temperature,
-                                    freq_penalty=freq_penalty, repetition_penalty=repetition_penalty, tokens=tokens)
-            else:
-                new = final_logits.argmax(-1)
-            new = new.to(tokens.device)
-            if stop_tokens is not None:
-                new = new.masked_fill(finished, stop_tokens[0])
-                finished |= torch.isin(new, stop_tokens)
-            tokens = torch.cat([tokens, new[:, None]], dim=1)
-            if stop_tokens is not None and finished.all():
-                break
-        if return_type == "tokens" or (return_type == "input" and isinstance(input, Tensor)):
-            return tokens
-        if attention_mask is None:
-            strings = self.to_string(tokens)
-        else:  # without the left padding
-            n_pad = (attention_mask == 0).sum(1).tolist()
-            strings = [self.to_string(row[pad:]) for row, pad in zip(tokens, n_pad)]
-        return strings[0] if isinstance(input, str) else strings
-
     # ----------------------------------------------------------------------------------------------
     # Loading and saving (see dcinterp.loading)
     @classmethod
-    def from_pretrained(cls, path_or_name, dtype=None, device=None, device_map=None, max_memory=None,
-                        offload_folder=None, fold_ln: bool = False, center_writing_weights: bool = False,
-                        center_unembed: bool = False, fold_value_biases: bool = False,
-                        refactor_factored_attn_matrices: bool = False) -> "HookedDCFormer":
+    def from_pretrained(
+        cls,
+        path_or_name,
+        dtype=None,
+        device=None,
+        device_map=None,
+        max_memory=None,
+        offload_folder=None,
+        fold_ln: bool = False,
+        center_writing_weights: bool = False,
+        center_unembed: bool = False,
+        fold_value_biases: bool = False,
+        refactor_factored_attn_matrices: bool = False,
+    ) -> "HookedDCFormer":
         """Load a local checkpoint directory (DCPythia, DCFormer, GPT-NeoX/Pythia, dcinterp) or an embedded model.
 
         The weights come as released (the paper's Eq. 12 reads the raw norms), as TransformerLens 4's
@@ -1038,28 +770,23 @@ class HookedDCFormer(HookedRootModule):
         """
         from .loading import load_pretrained
 
-        processing = dict(fold_ln=fold_ln, center_writing_weights=center_writing_weights, center_unembed=center_unembed,
-                          fold_value_biases=fold_value_biases,
-                          refactor_factored_attn_matrices=refactor_factored_attn_matrices)
-        return load_pretrained(path_or_name, dtype=dtype, device=device, device_map=device_map,
-                               max_memory=max_memory, offload_folder=offload_folder,
-                               processing=processing if any(processing.values()) else None)
-
-    @classmethod
-    def from_pretrained_no_processing(cls, path_or_name, **kwargs) -> "HookedDCFormer":
-        """TransformerLens' name for a load with the weights as released (what `from_pretrained` gives by default)."""
-        for option in PROCESSING_OPTIONS:
-            kwargs[option] = False
-        return cls.from_pretrained(path_or_name, **kwargs)
-
-    def process_weights_(self, fold_ln: bool = True, center_writing_weights: bool = True, center_unembed: bool = True,
-                         fold_value_biases: bool = True, refactor_factored_attn_matrices: bool = False):
-        """TransformerLens' weight processing, in place (`dcinterp.processing.process_weights_`); returns the model."""
-        from .processing import process_weights_
-
-        return process_weights_(self, fold_ln=fold_ln, center_writing_weights=center_writing_weights,
-                                center_unembed=center_unembed, fold_value_biases=fold_value_biases,
-                                refactor_factored_attn_matrices=refactor_factored_attn_matrices)
+        processing = dict(
+            fold_ln=fold_ln,
+            center_writing_weights=center_writing_weights,
+            center_unembed=center_unembed,
+            fold_value_biases=fold_value_biases,
+            refactor_factored_attn_matrices=refactor_factored_attn_matrices,
+        )
+        return load_pretrained(
+            path_or_name,
+            model_class=cls,
+            dtype=dtype,
+            device=device,
+            device_map=device_map,
+            max_memory=max_memory,
+            offload_folder=offload_folder,
+            processing=processing if any(processing.values()) else None,
+        )
 
     def save_pretrained(self, directory) -> None:
         """Write `config.json`, `model.safetensors` and the tokenizer (if any) to a directory."""
@@ -1068,8 +795,12 @@ class HookedDCFormer(HookedRootModule):
         save_pretrained(self, directory)
 
 
-def lm_cross_entropy(logits: Float[Tensor, "b p v"], tokens: Int[Tensor, "b p"], per_token: bool = False,
-                     attention_mask: Int[Tensor, "b p"] | None = None) -> Tensor:
+def lm_cross_entropy(
+    logits: Float[Tensor, "b p v"],
+    tokens: Int[Tensor, "b p"],
+    per_token: bool = False,
+    attention_mask: Int[Tensor, "b p"] | None = None,
+) -> Tensor:
     """Next-token cross-entropy; per token [batch, pos-1] or the mean (over unmasked pairs, as TransformerLens)."""
     logprobs = logits[:, :-1].float().log_softmax(-1)
     loss = -logprobs.gather(-1, tokens[:, 1:, None])[..., 0]
@@ -1079,28 +810,6 @@ def lm_cross_entropy(logits: Float[Tensor, "b p v"], tokens: Int[Tensor, "b p"],
     kept = mask[:, :-1] & mask[:, 1:]
     loss = loss.masked_fill(~kept, 0.0)
     return loss if per_token else loss.sum() / kept.sum()
-
-
-def _has_unknown_token(tokenizer) -> bool:
-    """Whether unknown text can become an unknown token: a word-level vocabulary with its own [UNK] (byte-level BPE
-    tokenizers such as Pythia's name <|endoftext|> as unk, bos and eos, and never produce it for unknown text)."""
-    unk = tokenizer.unk_token_id
-    return (unk is not None and unk not in (tokenizer.bos_token_id, tokenizer.eos_token_id)
-            and getattr(tokenizer, "is_fast", False))
-
-
-def _report_unknown(texts: list[str], encodings, tokenizer, allow_unknown: bool) -> None:
-    """The words the tokenizer maps to its unknown token: a ValueError naming them, or one warning line."""
-    unk = tokenizer.unk_token_id
-    words = sorted({text[a:b] for text, e in zip(texts, encodings)
-                    for tid, (a, b) in zip(e["input_ids"], e["offset_mapping"]) if tid == unk})
-    if not words:
-        return
-    listed = ", ".join(repr(w) for w in words[:10]) + (f" and {len(words) - 10} more" if len(words) > 10 else "")
-    message = f"to_tokens: not in the tokenizer's vocabulary (they become {tokenizer.unk_token}): {listed}"
-    if not allow_unknown:
-        raise ValueError(message + "; pass allow_unknown=True to go on with a warning")
-    warnings.warn(message, stacklevel=3)
 
 
 def get_act_name(name: str, layer: int | None = None, layer_type: str | None = None) -> str:

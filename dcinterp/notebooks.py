@@ -90,8 +90,7 @@ def parse_parameters(notebook: Path, pairs: list[tuple[str, str]] = (), yaml_tex
             parameters[name] = value  # reported with the other unknown names below
     unknown = [name for name in parameters if name not in defaults]
     if unknown:
-        raise NotebookError(f"{notebook.stem} has no parameter {unknown[0]!r} (its parameters: "
-                            f"{', '.join(defaults)})")
+        raise NotebookError(f"{notebook.stem} has no parameter {unknown[0]!r} (its parameters: {', '.join(defaults)})")
     return parameters
 
 
@@ -107,8 +106,10 @@ def _typed_like(default, value: str, name: str):
             try:
                 return kind(value)
             except ValueError:
-                raise NotebookError(f"-p {name} {value!r}: expected {'an integer' if kind is int else 'a number'}, "
-                                    f"like the default {default!r}") from None
+                raise NotebookError(
+                    f"-p {name} {value!r}: expected {'an integer' if kind is int else 'a number'}, "
+                    f"like the default {default!r}"
+                ) from None
     return value
 
 
@@ -125,8 +126,15 @@ def check_parameters(parameters: dict) -> None:
 
 # --------------------------------------------------------------------------------------------------
 # Running
-def run_notebook(notebook, parameters: dict | None = None, out=None, figures=None, cwd=None, timeout: int = 1800,
-                 log_output: bool = False) -> Path:
+def run_notebook(
+    notebook,
+    parameters: dict | None = None,
+    out=None,
+    figures=None,
+    cwd=None,
+    timeout: int = 1800,
+    log_output: bool = False,
+) -> Path:
     """Execute a notebook top to bottom with papermill; returns the path of the executed copy.
 
     Figures go to `figures` (default: the executed copy's folder); the kernel runs in `cwd` (default: here).
@@ -140,9 +148,16 @@ def run_notebook(notebook, parameters: dict | None = None, out=None, figures=Non
     parameters["figures_dir"] = str(figures.resolve())
     out.parent.mkdir(parents=True, exist_ok=True)
     papermill.execute_notebook(
-        str(notebook), str(out), parameters=parameters, cwd=str(cwd or Path.cwd()),
-        kernel_name="python3", progress_bar=False, log_output=log_output, request_save_on_cell_execute=False,
-        execution_timeout=timeout, kernel_manager_class=_local_kernel_manager(),
+        str(notebook),
+        str(out),
+        parameters=parameters,
+        cwd=str(cwd or Path.cwd()),
+        kernel_name="python3",
+        progress_bar=False,
+        log_output=log_output,
+        request_save_on_cell_execute=False,
+        execution_timeout=timeout,
+        kernel_manager_class=_local_kernel_manager(),
         extra_arguments=["--IPKernelApp.log_level=CRITICAL"],  # the kernel's own start/shutdown log, not the cells'
     )
     return out
@@ -177,20 +192,42 @@ def written_since(directory: Path, start: float) -> list[Path]:
 # --------------------------------------------------------------------------------------------------
 # Command line
 def build_parser() -> Parser:
-    parser = Parser(prog="python -m dcinterp.notebooks", description=__doc__.split("\n\n")[0],
-                    epilog=__doc__.split("\n\n", 1)[1], formatter_class=_RawDescription)
+    parser = Parser(
+        prog="python -m dcinterp.notebooks",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=_RawDescription,
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("list", help="list the notebooks")
-    run = commands.add_parser("run", help="execute a notebook with parameters", formatter_class=_RawDescription,
-                              epilog=__doc__.split("\n\n", 1)[1])
+    run = commands.add_parser(
+        "run",
+        help="execute a notebook with parameters",
+        formatter_class=_RawDescription,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     run.add_argument("notebook", help="a notebook name (e.g. case_study) or path")
-    run.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
-                     help="a parameter, VALUE as typed (a string; a number or boolean where the default is one)")
-    run.add_argument("-y", "--parameters-yaml", action="append", default=[], metavar="YAML",
-                     help="parameters as a YAML mapping, e.g. 'limit: 74' or '{layers: [1, 2], limit: null}'")
+    run.add_argument(
+        "-p",
+        "--parameter",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("NAME", "VALUE"),
+        help="a parameter, VALUE as typed (a string; a number or boolean where the default is one)",
+    )
+    run.add_argument(
+        "-y",
+        "--parameters-yaml",
+        action="append",
+        default=[],
+        metavar="YAML",
+        help="parameters as a YAML mapping, e.g. 'limit: 74' or '{layers: [1, 2], limit: null}'",
+    )
     run.add_argument("--out", type=Path, help="the executed notebook (default: out/notebooks/<name>.ipynb)")
-    run.add_argument("--figures", type=Path, metavar="DIR",
-                     help="where the figures go (default: the executed notebook's folder)")
+    run.add_argument(
+        "--figures", type=Path, metavar="DIR", help="where the figures go (default: the executed notebook's folder)"
+    )
     run.add_argument("--help-parameters", action="store_true", help="list the notebook's parameters and exit")
     run.add_argument("--quiet", action="store_true", help="do not stream the cells' output")
     return parser
@@ -232,8 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_notebook(notebook, parameters, out, figures, log_output=not args.quiet)
     except papermill.PapermillExecutionError as error:
-        print(f"error: {notebook.stem}: cell {error.exec_count} raised {error.ename}: {error.evalue} "
-              f"(the executed notebook, up to the error: {out})", file=sys.stderr)
+        print(
+            f"error: {notebook.stem}: cell {error.exec_count} raised {error.ename}: {error.evalue} "
+            f"(the executed notebook, up to the error: {out})",
+            file=sys.stderr,
+        )
         return 1
     print(f"executed {notebook} -> {out}")
     for path in written_since(figures, start):

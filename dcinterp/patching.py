@@ -46,8 +46,18 @@ STAGES = ("pre", "post")
 BRANCH_OUTPUTS = ("o_qp", "o_kp", "o_qg", "o_kg")
 DYNAMIC_WEIGHTS = ("qw1", "qw2", "kw1", "kw2", "qg", "kg")
 SITE_NAMES = BRANCH_OUTPUTS + DYNAMIC_WEIGHTS
-SITE_BRANCH = {"o_qp": "qp", "qw1": "qp", "qw2": "qp", "o_kp": "kp", "kw1": "kp", "kw2": "kp",
-               "o_qg": "qg", "qg": "qg", "o_kg": "kg", "kg": "kg"}
+SITE_BRANCH = {
+    "o_qp": "qp",
+    "qw1": "qp",
+    "qw2": "qp",
+    "o_kp": "kp",
+    "kw1": "kp",
+    "kw2": "kp",
+    "o_qg": "qg",
+    "qg": "qg",
+    "o_kg": "kg",
+    "kg": "kg",
+}
 BRANCH_WEIGHTS = {"qp": ("qw1", "qw2"), "kp": ("kw1", "kw2"), "qg": ("qg",), "kg": ("kg",)}
 Direction = Literal["noising", "denoising"]
 Softmax = Literal["linear", "exact"]
@@ -85,8 +95,12 @@ class Site:
         return (slice(None), self.head) if self.head_axis == 1 else (..., self.head)
 
 
-def sites(model: HookedDCFormer, names: Sequence[str] = SITE_NAMES, layers: Sequence[int] | None = None,
-          per_head: bool = False) -> list[Site]:
+def sites(
+    model: HookedDCFormer,
+    names: Sequence[str] = SITE_NAMES,
+    layers: Sequence[int] | None = None,
+    per_head: bool = False,
+) -> list[Site]:
     """Every site the model has (its compose stages and branches), layer by layer, stage, then `names` order."""
     cfg = model.cfg
     names = [names] if isinstance(names, str) else list(names)
@@ -99,9 +113,15 @@ def sites(model: HookedDCFormer, names: Sequence[str] = SITE_NAMES, layers: Sequ
         raise ValueError(f"{cfg.model_name} has no DCMHA (use_dcmha=False): it has no compose sites")
     layers = _check_layers(model, layers)
     heads = range(cfg.n_heads) if per_head else [None]
-    return [Site(layer, stage, name, head)
-            for layer in layers for stage in STAGES if stage in cfg.compose_stages
-            for name in names if SITE_BRANCH[name] in cfg.active_branches for head in heads]
+    return [
+        Site(layer, stage, name, head)
+        for layer in layers
+        for stage in STAGES
+        if stage in cfg.compose_stages
+        for name in names
+        if SITE_BRANCH[name] in cfg.active_branches
+        for head in heads
+    ]
 
 
 def _check_layers(model: HookedDCFormer, layers: Sequence[int] | None) -> list[int]:
@@ -111,7 +131,9 @@ def _check_layers(model: HookedDCFormer, layers: Sequence[int] | None) -> list[i
     layers = list(range(n_layers)) if layers is None else list(layers)
     if not layers:
         raise ValueError("layers is empty: pass layer indices, or None for every layer")
-    bad = [layer for layer in layers if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < n_layers]
+    bad = [
+        layer for layer in layers if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < n_layers
+    ]
     if bad:
         raise ValueError(f"layers: {bad[0]} is not a layer of this {n_layers}-layer model")
     return layers
@@ -126,11 +148,15 @@ def check_sites(model: HookedDCFormer, site_list: Sequence[Site], name: str = "c
         if not isinstance(site.layer, int) or not 0 <= site.layer < cfg.n_layers:
             raise ValueError(f"{name}: layer {site.layer!r} is not a layer of this {cfg.n_layers}-layer model")
         if site.stage not in cfg.compose_stages or not cfg.use_dcmha:
-            raise ValueError(f"{name}: stage {site.stage!r} is not a compose stage of this model "
-                             f"(it has {', '.join(cfg.compose_stages) if cfg.use_dcmha else 'none'})")
+            raise ValueError(
+                f"{name}: stage {site.stage!r} is not a compose stage of this model "
+                f"(it has {', '.join(cfg.compose_stages) if cfg.use_dcmha else 'none'})"
+            )
         if site.name not in SITE_NAMES or SITE_BRANCH[site.name] not in cfg.active_branches:
-            raise ValueError(f"{name}: site {site.name!r} is not one of this model's ({', '.join(SITE_NAMES)}; "
-                             f"branches {', '.join(cfg.active_branches)})")
+            raise ValueError(
+                f"{name}: site {site.name!r} is not one of this model's ({', '.join(SITE_NAMES)}; "
+                f"branches {', '.join(cfg.active_branches)})"
+            )
         if site.head is not None and (not isinstance(site.head, int) or not 0 <= site.head < cfg.n_heads):
             raise ValueError(f"{name}: head {site.head!r} is out of range: the model has heads 0..{cfg.n_heads - 1}")
 
@@ -146,11 +172,14 @@ class Component:
     head: int | str = "all"
 
 
-def branch_components(model: HookedDCFormer, per_head: bool = False,
-                      layers: Sequence[int] | None = None) -> list[Component]:
+def branch_components(
+    model: HookedDCFormer, per_head: bool = False, layers: Sequence[int] | None = None
+) -> list[Component]:
     """One component per (layer, stage, branch), or per (layer, stage, branch, output head)."""
-    return [Component((site,), site.layer, site.stage, site.branch, "all" if site.head is None else site.head)
-            for site in sites(model, BRANCH_OUTPUTS, layers, per_head)]
+    return [
+        Component((site,), site.layer, site.stage, site.branch, "all" if site.head is None else site.head)
+        for site in sites(model, BRANCH_OUTPUTS, layers, per_head)
+    ]
 
 
 def check_components(model: HookedDCFormer, components: Sequence[Component]) -> None:
@@ -175,8 +204,10 @@ def stage_components(model: HookedDCFormer, layers: Sequence[int] | None = None)
 def layer_components(model: HookedDCFormer, layers: Sequence[int] | None = None) -> list[Component]:
     """One component per layer: its whole compose, both stages."""
     found = sites(model, BRANCH_OUTPUTS, layers)
-    return [Component(tuple(s for s in found if s.layer == layer), layer, "all", "all")
-            for layer in dict.fromkeys(site.layer for site in found)]
+    return [
+        Component(tuple(s for s in found if s.layer == layer), layer, "all", "all")
+        for layer in dict.fromkeys(site.layer for site in found)
+    ]
 
 
 def everywhere_components(model: HookedDCFormer) -> list[Component]:
@@ -184,8 +215,10 @@ def everywhere_components(model: HookedDCFormer) -> list[Component]:
     found = sites(model, BRANCH_OUTPUTS)
     keys = dict.fromkeys((site.stage, site.branch) for site in found)
     by_branch = [Component(tuple(s for s in found if (s.stage, s.branch) == key), "all", *key) for key in keys]
-    by_stage = [Component(tuple(s for s in found if s.stage == stage), "all", stage, "all")
-                for stage in dict.fromkeys(site.stage for site in found)]
+    by_stage = [
+        Component(tuple(s for s in found if s.stage == stage), "all", stage, "all")
+        for stage in dict.fromkeys(site.stage for site in found)
+    ]
     return by_branch + by_stage + [Component(tuple(found), "all", "all", "all")]
 
 
@@ -206,9 +239,15 @@ def _real_entries(model: HookedDCFormer, hook_name: str, activation: Tensor, len
     return real.reshape(*real.shape, *[1] * (activation.ndim - 2))
 
 
-def mean_activations(model: HookedDCFormer, tokens: Int[Tensor, "batch pos"], hook_names: Sequence[str],
-                     over: MeanOver = "position", lengths: Int[Tensor, "batch"] | None = None,
-                     templates: Sequence | None = None, width: int | None = None) -> dict[str, Tensor]:
+def mean_activations(
+    model: HookedDCFormer,
+    tokens: Int[Tensor, "batch pos"],
+    hook_names: Sequence[str],
+    over: MeanOver = "position",
+    lengths: Int[Tensor, " batch"] | None = None,
+    templates: Sequence | None = None,
+    width: int | None = None,
+) -> dict[str, Tensor]:
     """Each hook's mean activation over the real tokens of a right-padded batch: pads never count.
 
     over="position": at each position (each query and key for a branch output), the mean over the prompts that
@@ -227,7 +266,9 @@ def mean_activations(model: HookedDCFormer, tokens: Int[Tensor, "batch pos"], ho
     labels = [0] * tokens.shape[0] if templates is None else list(templates)
     if len(labels) != tokens.shape[0]:
         raise ValueError(f"templates has {len(labels)} labels for {tokens.shape[0]} prompts")
-    groups = {label: torch.tensor([l == label for l in labels], device=tokens.device) for label in dict.fromkeys(labels)}
+    groups = {
+        label: torch.tensor([l == label for l in labels], device=tokens.device) for label in dict.fromkeys(labels)
+    }
     width = tokens.shape[1] if width is None else width
     with torch.no_grad():
         _, cache = model.run_with_cache(tokens, names_filter=list(hook_names), stop_at_layer=model.cfg.n_layers)
@@ -242,7 +283,9 @@ def mean_activations(model: HookedDCFormer, tokens: Int[Tensor, "batch pos"], ho
             if over == "position":
                 mean = (x * r).sum(0) / r.sum(0).clamp(min=1)
                 n = min(width, mean.shape[1 if output else 0])
-                fitted = mean.new_zeros(mean.shape[0], width, width) if output else mean.new_zeros(width, *mean.shape[1:])
+                fitted = (
+                    mean.new_zeros(mean.shape[0], width, width) if output else mean.new_zeros(width, *mean.shape[1:])
+                )
                 if output:
                     fitted[:, :n, :n] = mean[:, :n, :n]
                 else:
@@ -255,8 +298,7 @@ def mean_activations(model: HookedDCFormer, tokens: Int[Tensor, "batch pos"], ho
             else:
                 mean = (x * r).sum((0, 1)) / r.sum((0, 1)).clamp(min=1)  # [rank, head] or [head]
                 by_group[label] = mean.expand(width, *mean.shape)
-        means[name] = torch.stack([by_group[label] for label in labels]) if templates is not None \
-            else by_group[0][None]
+        means[name] = torch.stack([by_group[label] for label in labels]) if templates is not None else by_group[0][None]
     return means
 
 
@@ -285,11 +327,11 @@ def branch_ablation(
     components: Sequence[Component] | None = None,
     ablation: Literal["zero", "mean"] = "zero",
     reference_tokens: Int[Tensor, "ref pos"] | None = None,
-    position: int | Int[Tensor, "batch"] = -1,
+    position: int | Int[Tensor, " batch"] = -1,
     target_type: Literal["logit", "logprob", "prob"] = "logit",
     mean_over: MeanOver = "position",
     templates: Sequence | None = None,
-    lengths: Int[Tensor, "ref"] | None = None,
+    lengths: Int[Tensor, " ref"] | None = None,
 ) -> pd.DataFrame:
     """The target's change (mean over prompts) when each component is ablated: one row per component.
 
@@ -316,16 +358,19 @@ def branch_ablation(
     means = None
     if ablation == "mean":
         if templates is not None and reference_tokens is not None:
-            raise ValueError("templates: per-template means need the tokens to be their own reference "
-                             "(reference_tokens=None)")
+            raise ValueError(
+                "templates: per-template means need the tokens to be their own reference (reference_tokens=None)"
+            )
         reference = tokens if reference_tokens is None else check_tokens(model, reference_tokens, "reference_tokens")
         names = list(dict.fromkeys(site.hook_name for c in components for site in c.sites))
         means = mean_activations(model, reference, names, mean_over, lengths, templates, tokens.shape[1])
         if mean_over == "position" and reference_tokens is not None:
             longest = int(real_lengths(model, reference, lengths).max())
             if int(real_lengths(model, tokens).max()) > longest:
-                raise ValueError(f"reference_tokens: its prompts have at most {longest} real tokens, fewer than "
-                                 "tokens': no per-position mean at the later positions (use mean_over='token')")
+                raise ValueError(
+                    f"reference_tokens: its prompts have at most {longest} real tokens, fewer than "
+                    "tokens': no per-position mean at the later positions (use mean_over='token')"
+                )
     elif ablation != "zero":
         raise ValueError(f"ablation must be 'zero' or 'mean', not {ablation!r}")
     clean = target_value(model, tokens, target, position, target_type)
@@ -334,9 +379,17 @@ def branch_ablation(
         hooks = ablation_hooks(component, means)
         ablated = target_value(model, tokens, target, position, target_type, hooks)
         values[f"the target with {component.sites[0].hook_name} ablated"] = ablated
-        rows.append({"layer": component.layer, "stage": component.stage, "branch": component.branch,
-                     "head": component.head, "clean": clean.mean().item(), "ablated": ablated.mean().item(),
-                     "effect": (ablated - clean).mean().item()})
+        rows.append(
+            {
+                "layer": component.layer,
+                "stage": component.stage,
+                "branch": component.branch,
+                "head": component.head,
+                "clean": clean.mean().item(),
+                "ablated": ablated.mean().item(),
+                "effect": (ablated - clean).mean().item(),
+            }
+        )
     check_finite(model, values, "branch_ablation", lambda: target_value(model, tokens, target, position, target_type))
     return pd.DataFrame(rows, columns=["layer", "stage", "branch", "head", "clean", "ablated", "effect"])
 
@@ -347,12 +400,13 @@ def branch_ablation(
 class LogitDiff:
     """logit(clean answer) - logit(corrupted answer) at each prompt's answer position: [batch]."""
 
-    clean_answer: Int[Tensor, "batch"]
-    corrupt_answer: Int[Tensor, "batch"]
-    position: int | Int[Tensor, "batch"] = -1
+    clean_answer: Int[Tensor, " batch"]
+    corrupt_answer: Int[Tensor, " batch"]
+    position: int | Int[Tensor, " batch"] = -1
 
-    def __call__(self, model: HookedDCFormer, tokens: Int[Tensor, "batch pos"],
-                 fwd_hooks: Sequence[tuple[str, Callable]] = ()) -> Float[Tensor, "batch"]:
+    def __call__(
+        self, model: HookedDCFormer, tokens: Int[Tensor, "batch pos"], fwd_hooks: Sequence[tuple[str, Callable]] = ()
+    ) -> Float[Tensor, " batch"]:
         resid = model.run_with_hooks(tokens, fwd_hooks=list(fwd_hooks), stop_at_layer=model.cfg.n_layers)
         rows = torch.arange(tokens.shape[0], device=resid.device)
         position = torch.as_tensor(self.position, device=resid.device).expand(tokens.shape[0])
@@ -366,7 +420,9 @@ class LogitDiff:
 
 # --------------------------------------------------------------------------------------------------
 # Patching: the raw change of the mean metric, one value per site
-def cache_sites(model: HookedDCFormer, tokens: Int[Tensor, "batch pos"], hook_names: Sequence[str]) -> dict[str, Tensor]:
+def cache_sites(
+    model: HookedDCFormer, tokens: Int[Tensor, "batch pos"], hook_names: Sequence[str]
+) -> dict[str, Tensor]:
     """The activations at the given hooks for a batch of prompts (no gradients)."""
     with torch.no_grad():
         _, cache = model.run_with_cache(tokens, names_filter=list(hook_names), stop_at_layer=model.cfg.n_layers)
@@ -387,16 +443,23 @@ def patch_hook(site: Site, source: Tensor) -> tuple[str, Callable]:
 
 
 @torch.no_grad()
-def patching_deltas(model: HookedDCFormer, tokens: Int[Tensor, "batch pos"], sources: dict[str, Tensor],
-                    metric: Metric, site_list: Sequence[Site]) -> Float[Tensor, "site"]:
+def patching_deltas(
+    model: HookedDCFormer,
+    tokens: Int[Tensor, "batch pos"],
+    sources: dict[str, Tensor],
+    metric: Metric,
+    site_list: Sequence[Site],
+) -> Float[Tensor, " site"]:
     """Exact: mean metric with each site patched from `sources`, less the unpatched mean metric (a forward each)."""
     base = metric(model, tokens, []).mean()
-    return torch.stack([metric(model, tokens, [patch_hook(site, sources[site.hook_name])]).mean() - base
-                        for site in site_list])
+    return torch.stack(
+        [metric(model, tokens, [patch_hook(site, sources[site.hook_name])]).mean() - base for site in site_list]
+    )
 
 
-def site_gradients(model: HookedDCFormer, tokens: Int[Tensor, "batch pos"], metric: Metric,
-                   hook_names: Sequence[str]) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
+def site_gradients(
+    model: HookedDCFormer, tokens: Int[Tensor, "batch pos"], metric: Metric, hook_names: Sequence[str]
+) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
     """The mean metric, and its gradient and the activation at each hook, from one forward and one backward.
 
     A zero tensor added at each hook carries the gradient, so it is the total derivative of the metric with
@@ -412,12 +475,20 @@ def site_gradients(model: HookedDCFormer, tokens: Int[Tensor, "batch pos"], metr
     with torch.enable_grad():
         value = metric(model, tokens, [(name, hook) for name in hook_names]).mean()
         grads = torch.autograd.grad(value, [offsets[name] for name in hook_names], allow_unused=True)
-    gradients = {name: torch.zeros_like(activations[name]) if g is None else g for name, g in zip(hook_names, grads)}
+    gradients = {
+        name: torch.zeros_like(activations[name]) if g is None else g for name, g in zip(hook_names, grads, strict=True)
+    }
     return value.detach(), gradients, activations
 
 
-def attribution_deltas(model: HookedDCFormer, tokens: Int[Tensor, "batch pos"], sources: dict[str, Tensor],
-                       metric: Metric, site_list: Sequence[Site], softmax: Softmax = "linear") -> Float[Tensor, "site"]:
+def attribution_deltas(
+    model: HookedDCFormer,
+    tokens: Int[Tensor, "batch pos"],
+    sources: dict[str, Tensor],
+    metric: Metric,
+    site_list: Sequence[Site],
+    softmax: Softmax = "linear",
+) -> Float[Tensor, " site"]:
     """First order: gradient . (source - activation) over each site's part, from one forward and backward.
 
     softmax="exact" (AtP*'s fix for saturated attention, Kramar et al. 2024): a pre-compose site's change is
@@ -427,13 +498,24 @@ def attribution_deltas(model: HookedDCFormer, tokens: Int[Tensor, "batch pos"], 
     if softmax not in ("linear", "exact"):
         raise ValueError(f"softmax must be 'linear' or 'exact', not {softmax!r}")
     exact = [site for site in site_list if softmax == "exact" and site.stage == "pre"]
-    hook_names = list(dict.fromkeys([site.hook_name for site in site_list]
-                                    + [name for site in exact for name in _softmax_inputs(site)]))
+    hook_names = list(
+        dict.fromkeys(
+            [site.hook_name for site in site_list] + [name for site in exact for name in _softmax_inputs(site)]
+        )
+    )
     _, gradients, activations = site_gradients(model, tokens, metric, hook_names)
-    products = {name: (gradients[name] * (sources[name] - activations[name])).float()
-                for name in dict.fromkeys(site.hook_name for site in site_list)}
-    return torch.stack([_through_softmax(model, site, sources, activations, gradients) if site in exact
-                        else products[site.hook_name][site.index()].sum() for site in site_list])
+    products = {
+        name: (gradients[name] * (sources[name] - activations[name])).float()
+        for name in dict.fromkeys(site.hook_name for site in site_list)
+    }
+    return torch.stack(
+        [
+            _through_softmax(model, site, sources, activations, gradients)
+            if site in exact
+            else products[site.hook_name][site.index()].sum()
+            for site in site_list
+        ]
+    )
 
 
 def _softmax_inputs(site: Site) -> list[str]:
@@ -443,8 +525,13 @@ def _softmax_inputs(site: Site) -> list[str]:
     return names + [f"{attn}.pre_compose.hook_{name}" for name in BRANCH_WEIGHTS[site.branch]]
 
 
-def _through_softmax(model: HookedDCFormer, site: Site, sources: dict[str, Tensor], activations: dict[str, Tensor],
-                     gradients: dict[str, Tensor]) -> Tensor:
+def _through_softmax(
+    model: HookedDCFormer,
+    site: Site,
+    sources: dict[str, Tensor],
+    activations: dict[str, Tensor],
+    gradients: dict[str, Tensor],
+) -> Tensor:
     """gradient at the pattern . the pattern's exact change when the pre-compose site takes its source value."""
     attn = f"blocks.{site.layer}.attn"
     composed = activations[f"{attn}.hook_composed_scores"]
@@ -469,9 +556,14 @@ def _through_softmax(model: HookedDCFormer, site: Site, sources: dict[str, Tenso
 
 # --------------------------------------------------------------------------------------------------
 # Patching tables
-def activation_patching(model: HookedDCFormer, pairs: PairTokens, direction: Direction = "noising",
-                        per_head: bool = False, names: Sequence[str] = SITE_NAMES,
-                        layers: Sequence[int] | None = None) -> pd.DataFrame:
+def activation_patching(
+    model: HookedDCFormer,
+    pairs: PairTokens,
+    direction: Direction = "noising",
+    per_head: bool = False,
+    names: Sequence[str] = SITE_NAMES,
+    layers: Sequence[int] | None = None,
+) -> pd.DataFrame:
     """Exact activation patching of every site (one forward pass per site, or per site and head).
 
     pairs: `dcinterp.synth.tokenize_pairs(contrast_pairs(...), model.tokenizer)`, or your own `PairTokens`.
@@ -481,9 +573,15 @@ def activation_patching(model: HookedDCFormer, pairs: PairTokens, direction: Dir
     return _patching_table(model, pairs, direction, per_head, names, layers, patching_deltas)
 
 
-def attribution_patching(model: HookedDCFormer, pairs: PairTokens, direction: Direction = "noising",
-                         per_head: bool = False, names: Sequence[str] = SITE_NAMES,
-                         layers: Sequence[int] | None = None, softmax: Softmax = "linear") -> pd.DataFrame:
+def attribution_patching(
+    model: HookedDCFormer,
+    pairs: PairTokens,
+    direction: Direction = "noising",
+    per_head: bool = False,
+    names: Sequence[str] = SITE_NAMES,
+    layers: Sequence[int] | None = None,
+    softmax: Softmax = "linear",
+) -> pd.DataFrame:
     """The first-order estimate of `activation_patching`, same rows and columns, from one backward pass.
 
     softmax: "linear" (default: the plain first-order estimate) or "exact" (pre-compose sites carried through
@@ -502,9 +600,14 @@ def check_pairs(model: HookedDCFormer, pairs: PairTokens) -> tuple[Tensor, ...]:
     """(clean, corrupt, clean_answer, corrupt_answer, position) on the model's device, or one line naming `pairs`."""
     if not all(hasattr(pairs, field) for field in ("clean", "corrupt", "clean_answer", "corrupt_answer", "position")):
         raise TypeError(f"pairs must be a PairTokens (dcinterp.synth.tokenize_pairs), not {type(pairs).__name__}")
-    clean, corrupt = check_tokens(model, pairs.clean, "pairs.clean"), check_tokens(model, pairs.corrupt, "pairs.corrupt")
+    clean, corrupt = (
+        check_tokens(model, pairs.clean, "pairs.clean"),
+        check_tokens(model, pairs.corrupt, "pairs.corrupt"),
+    )
     if clean.shape != corrupt.shape:
-        raise ValueError(f"pairs: clean tokens {tuple(clean.shape)} and corrupted {tuple(corrupt.shape)} differ in shape")
+        raise ValueError(
+            f"pairs: clean tokens {tuple(clean.shape)} and corrupted {tuple(corrupt.shape)} differ in shape"
+        )
     batch = clean.shape[0]
     answers = []
     for field in ("clean_answer", "corrupt_answer", "position"):
@@ -532,19 +635,30 @@ def _patching_table(model, pairs, direction, per_head, names, layers, deltas_of)
         ld_clean, ld_corrupt = metric(model, clean).mean(), metric(model, corrupt).mean()
     scale = (ld_clean - ld_corrupt).item()
     if abs(scale) < 1e-6:
-        raise ValueError("pairs: the clean and corrupted prompts give the same mean logit difference "
-                         f"({ld_clean.item():.4g}); there is nothing to restore")
+        raise ValueError(
+            "pairs: the clean and corrupted prompts give the same mean logit difference "
+            f"({ld_clean.item():.4g}); there is nothing to restore"
+        )
     deltas = deltas_of(model, base, cache_sites(model, source, hook_names), metric, site_list).cpu()
-    values = {f"the change at {site.hook_name}" + ("" if site.head is None else f" head {site.head}"): delta
-              for site, delta in zip(site_list, deltas)}
-    check_finite(model, {"the clean-minus-corrupt logit difference": torch.tensor(scale), **values},
-                 "patching", lambda: site_gradients(model, base, metric, hook_names))
-    return pd.DataFrame({
-        "layer": [site.layer for site in site_list],
-        "stage": [site.stage for site in site_list],
-        "site": [site.name for site in site_list],
-        "branch": [site.branch for site in site_list],
-        "head": ["all" if site.head is None else site.head for site in site_list],
-        "effect": (deltas / scale).tolist(),
-        "delta": deltas.tolist(),
-    }, columns=FRAME_COLUMNS)
+    values = {
+        f"the change at {site.hook_name}" + ("" if site.head is None else f" head {site.head}"): delta
+        for site, delta in zip(site_list, deltas, strict=True)
+    }
+    check_finite(
+        model,
+        {"the clean-minus-corrupt logit difference": torch.tensor(scale), **values},
+        "patching",
+        lambda: site_gradients(model, base, metric, hook_names),
+    )
+    return pd.DataFrame(
+        {
+            "layer": [site.layer for site in site_list],
+            "stage": [site.stage for site in site_list],
+            "site": [site.name for site in site_list],
+            "branch": [site.branch for site in site_list],
+            "head": ["all" if site.head is None else site.head for site in site_list],
+            "effect": (deltas / scale).tolist(),
+            "delta": deltas.tolist(),
+        },
+        columns=FRAME_COLUMNS,
+    )

@@ -81,8 +81,15 @@ def _annotate(ax, values: np.ndarray, fontsize: int = 7, limit: float | None = N
     limit = limit or _symmetric_limit(values)
     for (row, col), value in np.ndenumerate(values):
         if not np.isnan(value):
-            ax.text(col, row, fmt(value), ha="center", va="center", fontsize=fontsize,
-                    color="white" if abs(value) > 0.6 * limit else "black")
+            ax.text(
+                col,
+                row,
+                fmt(value),
+                ha="center",
+                va="center",
+                fontsize=fontsize,
+                color="white" if abs(value) > 0.6 * limit else "black",
+            )
 
 
 def _quote(token: str | None) -> str:
@@ -129,10 +136,20 @@ def plot_head_attribution(
     ax = fig.subplots()
     image = _diverging(ax, values, limit, norm)
     ticks = [-limit, -limit / 10, 0, limit / 10, limit] if color_scale == "symlog" else None
-    fig.colorbar(image, ax=ax, ticks=ticks, format="%.2g",
-                 label=label + (" (symmetric-log scale)" if color_scale == "symlog" else ""))
-    _annotate(ax, values, fontsize=8 if n_heads <= 16 else 6, limit=limit * (0.1 if norm else 1),
-              fmt=lambda v: f"{v:.2g}" if abs(v) < 100 else f"{v:.0f}")
+    fig.colorbar(
+        image,
+        ax=ax,
+        ticks=ticks,
+        format="%.2g",
+        label=label + (" (symmetric-log scale)" if color_scale == "symlog" else ""),
+    )
+    _annotate(
+        ax,
+        values,
+        fontsize=8 if n_heads <= 16 else 6,
+        limit=limit * (0.1 if norm else 1),
+        fmt=lambda v: f"{v:.2g}" if abs(v) < 100 else f"{v:.0f}",
+    )
     order = np.argsort(-values, axis=None)[:top_k]
     top = []
     for rank, flat in enumerate(order):
@@ -147,9 +164,13 @@ def plot_head_attribution(
     heading = title or "Head attribution (integrated gradients)"
     lines = [", ".join(top[i : i + 3]) for i in range(0, len(top), 3)]
     ax.set_title("\n".join([heading, *lines]), fontsize=10)
-    _caption(fig, caption or "One score per head: how much the target changes along the path that switches every "
-             "head on at once (the scores add up to the total effect). Red raises the target, blue lowers it; "
-             "boxed: the top heads by score.")
+    _caption(
+        fig,
+        caption
+        or "One score per head: how much the target changes along the path that switches every "
+        "head on at once (the scores add up to the total effect). Red raises the target, blue lowers it; "
+        "boxed: the top heads by score.",
+    )
     return fig
 
 
@@ -159,12 +180,22 @@ def plot_head_attribution_plotly(
     """Interactive version of `plot_head_attribution`: hover shows layer, head and score."""
     values = _np(scores.scores if isinstance(scores, HeadAttribution) else scores)
     limit = _symmetric_limit(values)
-    heatmap = go.Heatmap(z=values, colorscale="RdBu", reversescale=True, zmin=-limit, zmax=limit,
-                         colorbar=dict(title=label),
-                         hovertemplate="L%{y}H%{x}<br>" + label + ": %{z:.4g}<extra></extra>")
+    heatmap = go.Heatmap(
+        z=values,
+        colorscale="RdBu",
+        reversescale=True,
+        zmin=-limit,
+        zmax=limit,
+        colorbar=dict(title=label),
+        hovertemplate="L%{y}H%{x}<br>" + label + ": %{z:.4g}<extra></extra>",
+    )
     fig = go.Figure(heatmap)
-    fig.update_layout(title=title or "Head attribution (integrated gradients)", xaxis_title="head",
-                      yaxis_title="layer", yaxis_autorange="reversed")
+    fig.update_layout(
+        title=title or "Head attribution (integrated gradients)",
+        xaxis_title="head",
+        yaxis_title="layer",
+        yaxis_autorange="reversed",
+    )
     return fig
 
 
@@ -173,7 +204,8 @@ def plot_head_attribution_plotly(
 COMPOSITION_MAP_CAPTION = (
     "Drawn as C = W^T, where W is what composition_map returns (A' = A @ W): row h is the composed head, column j "
     "the head it draws on, A'_h = sum_j C[h, j] A_j. Red: head h takes on head j's attention, blue: it subtracts "
-    "it; one colour scale for all panels.")
+    "it; one colour scale for all panels."
+)
 
 
 def plot_composition_maps(
@@ -203,7 +235,7 @@ def plot_composition_maps(
     fig = Figure(figsize=(max(6.0, size * ncols + 1.4), size * nrows + 1.6), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False)
     limit = _symmetric_limit(*maps)
-    for ax, C, title in zip(axes.flat, maps, titles):
+    for ax, C, title in zip(axes.flat, maps, titles, strict=False):
         image = _diverging(ax, C, limit)
         if n_heads <= 8:
             _annotate(ax, C, fontsize=8 if n_heads <= 4 else 6, limit=limit)
@@ -212,7 +244,7 @@ def plot_composition_maps(
         ax.set_xlabel("source head j")
         ax.set_ylabel("composed head h")
         ax.set_title(title, fontsize=10)
-    for ax in axes.flat[len(maps):]:
+    for ax in axes.flat[len(maps) :]:
         ax.set_visible(False)
     fig.colorbar(image, ax=axes, shrink=0.8 if nrows > 1 else 0.9, label="C[h, j]")
     fig.suptitle(suptitle or "Composition maps C (A'_h = sum_j C[h, j] A_j)")
@@ -224,14 +256,28 @@ def plot_composition_map_plotly(W: torch.Tensor, title: str | None = None) -> go
     """Interactive composition map C = W.T (hover: composed head, source head, weight), diverging at zero."""
     C = _np(W).T
     limit = _symmetric_limit(C)
-    heatmap = go.Heatmap(z=C, colorscale="RdBu", reversescale=True, zmin=-limit, zmax=limit, zmid=0,
-                         colorbar=dict(title="C[h, j]"),
-                         texttemplate="%{z:.2f}" if C.shape[0] <= 8 else None,
-                         hovertemplate="composed head %{y} <- source head %{x}: %{z:.4g}<extra></extra>")
+    heatmap = go.Heatmap(
+        z=C,
+        colorscale="RdBu",
+        reversescale=True,
+        zmin=-limit,
+        zmax=limit,
+        zmid=0,
+        colorbar=dict(title="C[h, j]"),
+        texttemplate="%{z:.2f}" if C.shape[0] <= 8 else None,
+        hovertemplate="composed head %{y} <- source head %{x}: %{z:.4g}<extra></extra>",
+    )
     fig = go.Figure(heatmap)
-    fig.update_layout(title=title or "Composition map C", xaxis_title="source head j",
-                      yaxis_title="composed head h", yaxis_autorange="reversed", xaxis_dtick=1, yaxis_dtick=1,
-                      width=620, height=560)
+    fig.update_layout(
+        title=title or "Composition map C",
+        xaxis_title="source head j",
+        yaxis_title="composed head h",
+        yaxis_autorange="reversed",
+        xaxis_dtick=1,
+        yaxis_dtick=1,
+        width=620,
+        height=560,
+    )
     return fig
 
 
@@ -247,8 +293,9 @@ def plot_composition_along_sequence(
     reach (a local layer's window); the keys a layer can see are drawn, the others left blank."""
     series = {name: _np(v) for name, v in values.items()}
     n_keys = max(len(v) for v in series.values())
-    labels = [token_label(t) for t in str_tokens[:n_keys]] if str_tokens is not None else \
-        [str(i) for i in range(n_keys)]
+    labels = (
+        [token_label(t) for t in str_tokens[:n_keys]] if str_tokens is not None else [str(i) for i in range(n_keys)]
+    )
     fig = Figure(figsize=(min(22.0, max(8.0, 0.2 * n_keys + 2)), 4.6), layout="constrained")
     ax = fig.subplots()
     for i, (name, v) in enumerate(series.items()):
@@ -263,9 +310,13 @@ def plot_composition_along_sequence(
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     ax.set_title(title or "How far the composition is from the identity, key by key")
-    _caption(fig, caption or f"{ylabel} for the query and each key (_F: the Frobenius norm, the root of the summed squares of the "
-             "entries of W - I); 0 means every head keeps its own attention. "
-             "Layers with a local window are drawn only over the keys they can see.")
+    _caption(
+        fig,
+        caption
+        or f"{ylabel} for the query and each key (_F: the Frobenius norm, the root of the summed squares of the "
+        "entries of W - I); 0 means every head keeps its own attention. "
+        "Layers with a local window are drawn only over the keys they can see.",
+    )
     return fig
 
 
@@ -333,12 +384,18 @@ def plot_compose_breakdown(
     if n_heads <= 40:
         _annotate(ax3, columns)
     pair = f"{_quote(query_token) or f'pos {b.query_pos}'} -> {_quote(key_token) or f'pos {b.key_pos}'}"
-    fig.suptitle(title or f"Layer {b.layer} {b.stage}-compose of the attention {pair} "
-                 f"(query pos {b.query_pos}, key pos {b.key_pos})")
-    _caption(fig, caption or "Right: each head's attention at this pair before composition (A), what each branch "
-             "adds (query-wise / key-wise projection O_qp / O_kp, gates O_qg / O_kg), and the sum A'; the columns "
-             "add up exactly. Left: the key's dynamic weights; w_1 gathers attention from the heads into rank "
-             "components, w_2 shares it out again.")
+    fig.suptitle(
+        title
+        or f"Layer {b.layer} {b.stage}-compose of the attention {pair} (query pos {b.query_pos}, key pos {b.key_pos})"
+    )
+    _caption(
+        fig,
+        caption
+        or "Right: each head's attention at this pair before composition (A), what each branch "
+        "adds (query-wise / key-wise projection O_qp / O_kp, gates O_qg / O_kg), and the sum A'; the columns "
+        "add up exactly. Left: the key's dynamic weights; w_1 gathers attention from the heads into rank "
+        "components, w_2 shares it out again.",
+    )
     return fig
 
 
@@ -356,8 +413,9 @@ def plot_attention_distributions(
     all on one scale. `highlight`: key positions whose labels are drawn bold and red (e.g. the key studied).
     """
     n_keys = dist.before.shape[1]
-    labels = [token_label(t) for t in str_tokens[:n_keys]] if str_tokens is not None else \
-        [str(i) for i in range(n_keys)]
+    labels = (
+        [token_label(t) for t in str_tokens[:n_keys]] if str_tokens is not None else [str(i) for i in range(n_keys)]
+    )
     has_w = dist.w_k1 is not None
     n_rows = len(dist.heads) + has_w
     fig = Figure(figsize=(min(22.0, max(7.0, 0.24 * n_keys + 2)), 1.8 * n_rows + 1.8), layout="constrained")
@@ -366,17 +424,26 @@ def plot_attention_distributions(
     if has_w:
         ax = axes[0]
         for head in w_k1_heads if w_k1_heads is not None else dist.heads:
-            ax.plot(x, _np(dist.w_k1[:, head, rank_index]), marker="o", markersize=3, linewidth=1,
-                    label=f"w_k1 of L{dist.layer}H{head}")
+            ax.plot(
+                x,
+                _np(dist.w_k1[:, head, rank_index]),
+                marker="o",
+                markersize=3,
+                linewidth=1,
+                label=f"w_k1 of L{dist.layer}H{head}",
+            )
         ax.axhline(0, color="grey", linewidth=0.6)
         ax.set_ylabel(f"w_k1[key, h, {rank_index}]")
-        ax.set_title(f"{dist.stage}-compose key-wise weight w_k1 (rank component {rank_index}) at each key",
-                     fontsize=10, loc="left")
+        ax.set_title(
+            f"{dist.stage}-compose key-wise weight w_k1 (rank component {rank_index}) at each key",
+            fontsize=10,
+            loc="left",
+        )
         ax.legend(fontsize=8, ncol=4, loc="upper left")
     what = "attention weight" if dist.stage == "post" else "attention score"
     limit = _symmetric_limit(_np(dist.before), _np(dist.after))
     low = min(0.0, float(np.nanmin(_np(dist.before))), float(np.nanmin(_np(dist.after))))
-    for ax, i, head in zip(axes[has_w:], range(len(dist.heads)), dist.heads):
+    for ax, i, head in zip(axes[has_w:], range(len(dist.heads)), dist.heads, strict=True):
         ax.bar(x - 0.2, _np(dist.before[i]), width=0.4, color="0.6", label="before composition (A)")
         ax.bar(x + 0.2, _np(dist.after[i]), width=0.4, color="tab:blue", label="after composition (A')")
         ax.axhline(0, color="black", linewidth=0.6)
@@ -393,19 +460,26 @@ def plot_attention_distributions(
     axes[-1].set_xlabel("key token")
     query = labels[dist.query_pos] if dist.query_pos < len(labels) else str(dist.query_pos)
     fig.suptitle(title or f"Layer {dist.layer}: attention from query {query!r} (pos {dist.query_pos})")
-    _caption(fig, caption or (
-        "Grey: the head's own attention (softmax); blue: after post-compose, which adds signed mixtures of the "
-        "other heads' attention, so A' is no longer a distribution and can be negative or above 1. "
-        if dist.stage == "post" else
-        "Grey: the head's attention scores before pre-compose; blue: after it (scores, before the softmax). ")
-        + "Top: the key-wise weight that gathers attention from each head, along the sequence.")
+    _caption(
+        fig,
+        caption
+        or (
+            "Grey: the head's own attention (softmax); blue: after post-compose, which adds signed mixtures of the "
+            "other heads' attention, so A' is no longer a distribution and can be negative or above 1. "
+            if dist.stage == "post"
+            else "Grey: the head's attention scores before pre-compose; blue: after it (scores, before the softmax). "
+        )
+        + "Top: the key-wise weight that gathers attention from each head, along the sequence.",
+    )
     return fig
 
 
 # --------------------------------------------------------------------------------------------------
 # Head diversity
 def plot_head_diversity(
-    results: HeadDiversity | Mapping[str, HeadDiversity], per_layer: bool = False, title: str | None = None,
+    results: HeadDiversity | Mapping[str, HeadDiversity],
+    per_layer: bool = False,
+    title: str | None = None,
     caption: str | None = None,
 ) -> Figure:
     """Fig. 5: mean cumulative captured variance of concatenated QK (left) and OV (right) circuits against the
@@ -426,8 +500,14 @@ def plot_head_diversity(
             if per_layer:
                 for curve in curves:
                     ax.plot(k, curve, color=f"C{i}", linewidth=0.6, alpha=0.35, linestyle=styles[i % 4])
-            ax.plot(k, curves.mean(0), color=f"C{i}", linewidth=2.2, linestyle=styles[i % 4],
-                    label=f"{name}: area {curves.mean():.3f}")
+            ax.plot(
+                k,
+                curves.mean(0),
+                color=f"C{i}",
+                linewidth=2.2,
+                linestyle=styles[i % 4],
+                label=f"{name}: area {curves.mean():.3f}",
+            )
         ax.plot([0, k[-1]], [0, 1], color="grey", linestyle=":", linewidth=1, label="all components equal")
         ax.set_title("QK circuits (W_Q W_K^T)" if circuit == "qk" else "OV circuits (W_V W_O)")
         ax.set_ylim(0, 1.02)
@@ -444,8 +524,14 @@ def plot_head_diversity(
                 if other.shape == first.shape:  # the same depth: layer by layer
                     for curve in first - other:
                         ax.plot(k, curve, color=f"C{i}", linewidth=0.6, alpha=0.4)
-                ax.plot(k, first.mean(0) - other.mean(0), color=f"C{i}", linewidth=2.2, linestyle=styles[i % 4],
-                        label=f"minus {name}: mean over layers (thin: each layer)")
+                ax.plot(
+                    k,
+                    first.mean(0) - other.mean(0),
+                    color=f"C{i}",
+                    linewidth=2.2,
+                    linestyle=styles[i % 4],
+                    label=f"minus {name}: mean over layers (thin: each layer)",
+                )
             ax.axhline(0, color="black", linewidth=0.8)
             ax.set_title(f"{names[0]} minus the other model{'s' if len(names) > 2 else ''}", fontsize=10)
             ax.set_ylabel(f"difference (below 0: {names[0].split(' ')[0]}\nmore diverse)")
@@ -491,11 +577,19 @@ def _interval_bars(ax, table, column: str, checkpoints: list[str], categories: l
         rows = table[table["checkpoint"] == checkpoint].set_index(column).reindex(categories)
         y = positions - 0.4 + height * (i + 0.5)
         error = [rows["accuracy"] - rows["low"], rows["high"] - rows["accuracy"]]
-        ax.barh(y, rows["accuracy"], height, color=f"C{i}", label=checkpoint,
-                xerr=error, error_kw=dict(ecolor="black", elinewidth=0.8, capsize=2))
+        ax.barh(
+            y,
+            rows["accuracy"],
+            height,
+            color=f"C{i}",
+            label=checkpoint,
+            xerr=error,
+            error_kw=dict(ecolor="black", elinewidth=0.8, capsize=2),
+        )
     chance = table.groupby(column, sort=False)["chance"].mean().reindex(categories)
-    ax.vlines(chance, positions - 0.45, positions + 0.45, colors="black", linestyles="--", linewidth=1.2,
-              label="chance")
+    ax.vlines(
+        chance, positions - 0.45, positions + 0.45, colors="black", linestyles="--", linewidth=1.2, label="chance"
+    )
     ax.set_yticks(positions, categories)
     ax.set_ylim(len(categories) - 0.5, -0.5)
     ax.set_xlim(0, 1)
@@ -508,8 +602,7 @@ def _combination_grid(table, checkpoint: str, qk_patterns: list[str], ov_transfo
 
 
 def _label_combination_axes(ax, qk_patterns: list[str], ov_transformations: list[str], left: bool) -> None:
-    ax.set_xticks(range(len(ov_transformations)), ov_transformations, rotation=30, ha="right",
-                  rotation_mode="anchor")
+    ax.set_xticks(range(len(ov_transformations)), ov_transformations, rotation=30, ha="right", rotation_mode="anchor")
     ax.set_yticks(range(len(qk_patterns)), qk_patterns if left else [""] * len(qk_patterns))
     ax.set_xlabel("OV transformation")
     if left:
@@ -542,8 +635,13 @@ def plot_synthetic_eval(tables: Mapping, title: str | None = None, caption: str 
     for i, checkpoint in enumerate(checkpoints):
         rows = by_k[by_k["checkpoint"] == checkpoint].sort_values("k_shot")
         o = overall.loc[checkpoint]
-        ax.plot(rows["k_shot"], rows["accuracy"], marker="o", color=f"C{i}",
-                label=f"{checkpoint}: {o['accuracy']:.1%} [{o['low']:.1%}, {o['high']:.1%}]")
+        ax.plot(
+            rows["k_shot"],
+            rows["accuracy"],
+            marker="o",
+            color=f"C{i}",
+            label=f"{checkpoint}: {o['accuracy']:.1%} [{o['low']:.1%}, {o['high']:.1%}]",
+        )
         ax.fill_between(rows["k_shot"], rows["low"], rows["high"], color=f"C{i}", alpha=0.2, linewidth=0)
     chance = float(tables["overall"]["chance"].mean())
     ax.axhline(chance, color="black", linestyle="--", linewidth=1.2, label=f"chance ({chance:.0%})")
@@ -555,8 +653,10 @@ def plot_synthetic_eval(tables: Mapping, title: str | None = None, caption: str 
     ax.set_title("Accuracy by number of shots", fontsize=11)
 
     bar_axes = []
-    for position, column, label in ((top[1], "qk_pattern", "QK pattern"),
-                                    (top[2], "ov_transformation", "OV transformation")):
+    for position, column, label in (
+        (top[1], "qk_pattern", "QK pattern"),
+        (top[2], "ov_transformation", "OV transformation"),
+    ):
         ax = fig.add_subplot(position)
         categories = qk_patterns if column == "qk_pattern" else ov_transformations
         _interval_bars(ax, tables[column], column, checkpoints, categories)
@@ -564,12 +664,21 @@ def plot_synthetic_eval(tables: Mapping, title: str | None = None, caption: str 
         ax.set_title(f"Accuracy by {label}", fontsize=11)
         bar_axes.append(ax)
     handles, labels = bar_axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside upper right", ncol=len(labels), fontsize=9,
-               title="bars: accuracy with its interval; dashes: chance", title_fontsize=8)
+    fig.legend(
+        handles,
+        labels,
+        loc="outside upper right",
+        ncol=len(labels),
+        fontsize=9,
+        title="bars: accuracy with its interval; dashes: chance",
+        title_fontsize=8,
+    )
 
     combinations = tables["combination"]
-    maps = [(checkpoint, _combination_grid(combinations, checkpoint, qk_patterns, ov_transformations, "accuracy"))
-            for checkpoint in checkpoints]
+    maps = [
+        (checkpoint, _combination_grid(combinations, checkpoint, qk_patterns, ov_transformations, "accuracy"))
+        for checkpoint in checkpoints
+    ]
     for j, (checkpoint, values) in enumerate(maps):
         ax = fig.add_subplot(bottom[j])
         low = _combination_grid(combinations, checkpoint, qk_patterns, ov_transformations, "low")
@@ -578,8 +687,15 @@ def plot_synthetic_eval(tables: Mapping, title: str | None = None, caption: str 
         image = ax.imshow(values, cmap=cmap, vmin=0, vmax=1, aspect="auto")
         for (r, c), value in np.ndenumerate(values):
             text = "no\nsample" if np.isnan(value) else f"{value:.0%}\n{100 * low[r, c]:.0f}-{100 * high[r, c]:.0f}"
-            ax.text(c, r, text, ha="center", va="center", fontsize=7,
-                    color="0.4" if np.isnan(value) else ("black" if value > 0.6 else "white"))
+            ax.text(
+                c,
+                r,
+                text,
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="0.4" if np.isnan(value) else ("black" if value > 0.6 else "white"),
+            )
         _label_combination_axes(ax, qk_patterns, ov_transformations, left=j == 0)
         ax.set_title(f"{checkpoint}: accuracy per combination", fontsize=10)
     fig.colorbar(image, ax=[fig.axes[-1]], label="accuracy", shrink=0.9)
@@ -593,12 +709,17 @@ def plot_synthetic_eval(tables: Mapping, title: str | None = None, caption: str 
         _label_combination_axes(ax, qk_patterns, ov_transformations, left=False)
         ax.set_title(f"{checkpoints[0]} minus {checkpoints[1]}", fontsize=10)
         fig.colorbar(image, ax=ax, label="difference (percentage points)", shrink=0.9)
-    _caption(fig, caption or (
-        f"Accuracy per answer (every answer token is the model's top prediction), {interval}. Chance: picking "
-        "at random among the line's candidates (1/3; 1/2 for odd-one-out). Bottom: each cell holds the tasks "
-        "of one QK pattern (which fact to look up) and one OV transformation (what to answer with it), with the "
-        "accuracy and its interval in percent; grey: no sample of that combination in the data (no task of the "
-        "catalog is both prev and a person lookup)."))
+    _caption(
+        fig,
+        caption
+        or (
+            f"Accuracy per answer (every answer token is the model's top prediction), {interval}. Chance: picking "
+            "at random among the line's candidates (1/3; 1/2 for odd-one-out). Bottom: each cell holds the tasks "
+            "of one QK pattern (which fact to look up) and one OV transformation (what to answer with it), with the "
+            "accuracy and its interval in percent; grey: no sample of that combination in the data (no task of the "
+            "catalog is both prev and a person lookup)."
+        ),
+    )
     for ax in bar_axes:
         ax.grid(alpha=0.3, axis="x")
     fig.suptitle(title or "Synthetic-task evaluation")
@@ -619,8 +740,15 @@ def _centred_heatmap(ax, values: np.ndarray, limit: float, fontsize: int = 7, di
     for (row, col), value in np.ndenumerate(values):
         if np.isfinite(value):
             text = f"{value:+.{digits}f}" if round(value, digits) != 0 else "0"
-            ax.text(col, row, text, ha="center", va="center", fontsize=fontsize,
-                    color="white" if abs(value) > 0.6 * limit else "black")
+            ax.text(
+                col,
+                row,
+                text,
+                ha="center",
+                va="center",
+                fontsize=fontsize,
+                color="white" if abs(value) > 0.6 * limit else "black",
+            )
     return image
 
 
@@ -649,7 +777,7 @@ def plot_patching(frames: Mapping[str, object], title: str | None = None, captio
     n_cols = max(len(cols) for _, _, cols, _ in grids.values())
     fig = Figure(figsize=(1.6 + (0.55 * n_cols + 1.3) * len(grids), 1.4 + 0.27 * n_rows), layout="constrained")
     axes = fig.subplots(1, len(grids), squeeze=False, sharey=True)[0]
-    for ax, (name, (values, rows, cols, column)) in zip(axes, grids.items()):
+    for ax, (name, (values, rows, cols, column)) in zip(axes, grids.items(), strict=True):
         image = _centred_heatmap(ax, values, limit)
         ax.set_xticks(range(len(cols)), cols)
         ax.set_yticks(range(len(rows)), rows)
@@ -686,8 +814,12 @@ def plot_patching_agreement(exact, estimate, title: str | None = None) -> Figure
     ax.legend(fontsize=7, loc="upper left")
     rho = spearmanr(x, y).statistic
     ax.set_title(title or "attribution vs exact patching", fontsize=10)
-    fig.text(0.01, 0.0, f"{len(x)} rows; Spearman rho = {rho:.2f}. Effect: share of the clean - corrupt logit "
-             "difference.", fontsize=7)
+    fig.text(
+        0.01,
+        0.0,
+        f"{len(x)} rows; Spearman rho = {rho:.2f}. Effect: share of the clean - corrupt logit difference.",
+        fontsize=7,
+    )
     fig.get_layout_engine().set(rect=(0, 0.04, 1, 0.96))
     return fig
 
@@ -715,8 +847,14 @@ def plot_ablation_table(table, title: str | None = None) -> Figure:
     ax.set_ylabel("switched off (in every layer, or one layer's compose)")
     fig.colorbar(image, ax=ax, label="accuracy change (points)", shrink=0.8)
     ax.set_title(title or "compose switched off", fontsize=10)
-    fig.text(0.01, 0.0, "Columns: all samples, by QK pattern, by OV transformation; in brackets the full model's "
-             "accuracy. Chance (a random candidate of the line) is about 35%.", fontsize=7, wrap=True)
+    fig.text(
+        0.01,
+        0.0,
+        "Columns: all samples, by QK pattern, by OV transformation; in brackets the full model's "
+        "accuracy. Chance (a random candidate of the line) is about 35%.",
+        fontsize=7,
+        wrap=True,
+    )
     fig.get_layout_engine().set(rect=(0, 0.04, 1, 0.96))
     return fig
 
@@ -733,14 +871,27 @@ def plot_faithfulness(curve, title: str | None = None, caption: str | None = Non
     fig = Figure(figsize=(6.4, 4.2), layout="constrained")
     ax = fig.subplots()
     styles = {"top-n": "-", "greedy": "--"}
-    colors = dict(zip([m for m in dict.fromkeys(curve["method"]) if m != "random"], ["tab:blue", "tab:red", "tab:green"]))
+    colors = dict(
+        zip(
+            [m for m in dict.fromkeys(curve["method"]) if m != "random"],
+            ["tab:blue", "tab:red", "tab:green"],
+            strict=False,
+        )
+    )
     for (method, selection), rows in curve.groupby(["method", "selection"], sort=False):
         rows = rows.sort_values("edges")
         if method == "random":
             ax.plot(rows["edges"], rows["faithfulness"], ":", color="grey", marker=".", label="random edges (mean)")
         else:
-            ax.plot(rows["edges"], rows["faithfulness"], styles.get(selection, "-"), color=colors[method], marker="o",
-                    ms=3, label=f"{method}, {selection}")
+            ax.plot(
+                rows["edges"],
+                rows["faithfulness"],
+                styles.get(selection, "-"),
+                color=colors[method],
+                marker="o",
+                ms=3,
+                label=f"{method}, {selection}",
+            )
     ax.axhline(1, color="black", lw=0.6)
     ax.axhline(0.8, color="grey", lw=0.6, ls="--")
     ax.axhline(0, color="black", lw=0.6)
@@ -750,8 +901,15 @@ def plot_faithfulness(curve, title: str | None = None, caption: str | None = Non
     ax.set_ylabel("faithfulness")
     ax.legend(fontsize=7, handlelength=3.5)
     ax.set_title(title or "faithfulness of circuits", fontsize=10)
-    fig.text(0.01, 0.0, caption or "Faithfulness = (m(circuit) - m(corrupted)) / (m(clean) - m(corrupted)), by exact "
-             "edge patching; the grey dashed line is 80%.", fontsize=7, wrap=True)
+    fig.text(
+        0.01,
+        0.0,
+        caption
+        or "Faithfulness = (m(circuit) - m(corrupted)) / (m(clean) - m(corrupted)), by exact "
+        "edge patching; the grey dashed line is 80%.",
+        fontsize=7,
+        wrap=True,
+    )
     fig.get_layout_engine().set(rect=(0, 0.05, 1, 0.95))
     return fig
 
@@ -772,10 +930,15 @@ def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str 
     chosen = np.flatnonzero(_np(torch.as_tensor(circuit)).astype(bool))
     values = _np(scores)
     largest = max(np.abs(values[chosen]).max() if len(chosen) else 1.0, 1e-12)
-    width = lambda i: 0.3 + 3.2 * abs(values[i]) / largest
+
+    def width(i):
+        return 0.3 + 3.2 * abs(values[i]) / largest
+
     x_mlp, x_compose = H + 0.6, -1.4
-    fig = Figure(figsize=(min(max(7.0, 2.5 + 0.42 * (H + 3)), 18.0), min(max(4.5, 1.5 + 0.62 * (L + 2)), 26.0)),
-                 layout="constrained")
+    fig = Figure(
+        figsize=(min(max(7.0, 2.5 + 0.42 * (H + 3)), 18.0), min(max(4.5, 1.5 + 0.62 * (L + 2)), 26.0)),
+        layout="constrained",
+    )
     ax = fig.subplots()
 
     def sender_point(name: str) -> tuple[float, float]:
@@ -806,24 +969,48 @@ def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str 
             color = BRANCH_COLORS[edge.branch]
             if edge.source_head == edge.target_head:
                 offset = {"qg": -0.16, "kg": 0.0, "skip": 0.16}.get(edge.branch, 0.0)
-                ax.plot(edge.source_head + offset, y + (-0.12 if edge.stage == "pre" else 0.12), "o", mfc="none",
-                        mec=color, ms=4 + 2 * width(i), mew=1.2, zorder=4)
+                ax.plot(
+                    edge.source_head + offset,
+                    y + (-0.12 if edge.stage == "pre" else 0.12),
+                    "o",
+                    mfc="none",
+                    mec=color,
+                    ms=4 + 2 * width(i),
+                    mew=1.2,
+                    zorder=4,
+                )
             else:
                 # arc3 bends an arc drawn left to right below for rad > 0; the bulge (rad x length) stays in the layer
                 rad = (-0.3 if edge.stage == "post" else 0.3) / abs(edge.target_head - edge.source_head)
                 rad = rad if edge.target_head > edge.source_head else -rad
-                ax.add_patch(FancyArrowPatch((edge.source_head, y), (edge.target_head, y),
-                                             connectionstyle=f"arc3,rad={rad}", arrowstyle="-|>", mutation_scale=7,
-                                             color=color, lw=width(i), alpha=0.85, zorder=3))
+                ax.add_patch(
+                    FancyArrowPatch(
+                        (edge.source_head, y),
+                        (edge.target_head, y),
+                        connectionstyle=f"arc3,rad={rad}",
+                        arrowstyle="-|>",
+                        mutation_scale=7,
+                        color=color,
+                        lw=width(i),
+                        alpha=0.85,
+                        zorder=3,
+                    )
+                )
             continue
         start, end = sender_point(edge.source), receiver_point(edge.target)
         if edge.source_head is not None:
             used_heads.add((int(edge.source[1:].split("H")[0]), edge.source_head))
         if edge.target_head is not None:
             used_heads.add((edge.layer, edge.target_head))
-        ax.annotate("", xy=end, xytext=start, zorder=2,
-                    arrowprops=dict(arrowstyle="-|>", color="0.15", lw=width(i), alpha=0.6, shrinkA=2, shrinkB=2,
-                                    mutation_scale=6))
+        ax.annotate(
+            "",
+            xy=end,
+            xytext=start,
+            zorder=2,
+            arrowprops=dict(
+                arrowstyle="-|>", color="0.15", lw=width(i), alpha=0.6, shrinkA=2, shrinkB=2, mutation_scale=6
+            ),
+        )
     # nodes
     for layer in range(L):
         ax.axhspan(layer - 0.4, layer + 0.55, color="0.96" if layer % 2 else "0.92", zorder=0)
@@ -834,15 +1021,47 @@ def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str 
                 ax.scatter([head], [layer], s=60, marker="s", color="white", edgecolors="black", zorder=5)
                 if H <= 40:
                     ax.text(head, layer, str(head), ha="center", va="center", fontsize=5 if H > 12 else 7, zorder=6)
-        ax.text(x_mlp, layer + 0.32, f"MLP{layer}", ha="center", va="center", fontsize=6,
-                bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="0.5"), zorder=5)
+        ax.text(
+            x_mlp,
+            layer + 0.32,
+            f"MLP{layer}",
+            ha="center",
+            va="center",
+            fontsize=6,
+            bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="0.5"),
+            zorder=5,
+        )
         if graph.dcmha:
-            ax.text(x_compose, layer, "W", ha="center", va="center", fontsize=6,
-                    bbox=dict(boxstyle="round,pad=0.2", fc="lightyellow", ec="0.5"), zorder=5)
-    ax.text((H - 1) / 2, -1.0, "embed", ha="center", va="center", fontsize=8,
-            bbox=dict(boxstyle="round", fc="white", ec="black"), zorder=5)
-    ax.text((H - 1) / 2, L + 0.1, "logits", ha="center", va="center", fontsize=8,
-            bbox=dict(boxstyle="round", fc="white", ec="black"), zorder=5)
+            ax.text(
+                x_compose,
+                layer,
+                "W",
+                ha="center",
+                va="center",
+                fontsize=6,
+                bbox=dict(boxstyle="round,pad=0.2", fc="lightyellow", ec="0.5"),
+                zorder=5,
+            )
+    ax.text(
+        (H - 1) / 2,
+        -1.0,
+        "embed",
+        ha="center",
+        va="center",
+        fontsize=8,
+        bbox=dict(boxstyle="round", fc="white", ec="black"),
+        zorder=5,
+    )
+    ax.text(
+        (H - 1) / 2,
+        L + 0.1,
+        "logits",
+        ha="center",
+        va="center",
+        fontsize=8,
+        bbox=dict(boxstyle="round", fc="white", ec="black"),
+        zorder=5,
+    )
     ax.set_yticks(range(L), [f"L{layer}" for layer in range(L)], fontsize=7 if L > 12 else 9)
     step = max(1, H // 16)
     ax.set_xticks(range(0, H, step), [str(h) for h in range(0, H, step)], fontsize=7)
@@ -856,7 +1075,14 @@ def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str 
         handles += [Line2D([], [], color=c, lw=2, label=f"compose {b}") for b, c in BRANCH_COLORS.items()]
     ax.legend(handles=handles, fontsize=6 if L <= 12 else 9, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.set_title(title or f"circuit: {len(chosen)} edges", fontsize=10)
-    fig.text(0.01, 0.0, caption or "Line width: |score|. Compose arcs: pre-compose below a layer's heads, "
-             "post-compose above; rings: gates (qg, kg) and skip, a head to itself.", fontsize=7, wrap=True)
+    fig.text(
+        0.01,
+        0.0,
+        caption
+        or "Line width: |score|. Compose arcs: pre-compose below a layer's heads, "
+        "post-compose above; rings: gates (qg, kg) and skip, a head to itself.",
+        fontsize=7,
+        wrap=True,
+    )
     fig.get_layout_engine().set(rect=(0, 0.03, 1, 0.97))
     return fig

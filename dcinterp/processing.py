@@ -30,13 +30,24 @@ import torch
 from torch import Tensor, nn
 from transformer_lens import ActivationCache
 
-PROCESSING_OPTIONS = ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases",
-                      "refactor_factored_attn_matrices")
+PROCESSING_OPTIONS = (
+    "fold_ln",
+    "center_writing_weights",
+    "center_unembed",
+    "fold_value_biases",
+    "refactor_factored_attn_matrices",
+)
 
 
 @torch.no_grad()
-def process_weights_(model, fold_ln: bool = True, center_writing_weights: bool = True, center_unembed: bool = True,
-                     fold_value_biases: bool = True, refactor_factored_attn_matrices: bool = False):
+def process_weights_(
+    model,
+    fold_ln: bool = True,
+    center_writing_weights: bool = True,
+    center_unembed: bool = True,
+    fold_value_biases: bool = True,
+    refactor_factored_attn_matrices: bool = False,
+):
     """Process `model`'s weights in place, as TransformerLens' `HookedTransformer.process_weights_`; returns it.
 
     The log-probabilities do not change (float32: within 1e-5 on the fixtures); the logits change by a constant
@@ -45,12 +56,16 @@ def process_weights_(model, fold_ln: bool = True, center_writing_weights: bool =
     unchanged, and so is `hook_z` except where value biases were folded.
     """
     if refactor_factored_attn_matrices:
-        raise ValueError("refactor_factored_attn_matrices: not possible with rotary embeddings (the QK product depends "
-                         "on the relative position) or QK-norm; TransformerLens refuses rotary models too")
+        raise ValueError(
+            "refactor_factored_attn_matrices: not possible with rotary embeddings (the QK product depends "
+            "on the relative position) or QK-norm; TransformerLens refuses rotary models too"
+        )
     meta = [name for name, p in model.named_parameters() if p.device.type == "meta"]
     if meta:
-        raise ValueError(f"process_weights_: {meta[0]!r} is offloaded (meta); process a model loaded without disk "
-                         "offload, or pass fold_ln=... to from_pretrained, which processes before dispatching")
+        raise ValueError(
+            f"process_weights_: {meta[0]!r} is offloaded (meta); process a model loaded without disk "
+            "offload, or pass fold_ln=... to from_pretrained, which processes before dispatching"
+        )
     cfg = model.cfg
     centring_norms = cfg.normalization_type == "LN"
     if fold_ln:
@@ -62,8 +77,11 @@ def process_weights_(model, fold_ln: bool = True, center_writing_weights: bool =
         if centring_norms:
             _center_writing_weights(model)
         else:
-            warnings.warn("center_writing_weights: skipped, the model's norms are RMSNorm (they do not remove the "
-                          "mean, so the writing weights' mean matters)", stacklevel=2)
+            warnings.warn(
+                "center_writing_weights: skipped, the model's norms are RMSNorm (they do not remove the "
+                "mean, so the writing weights' mean matters)",
+                stacklevel=2,
+            )
     if center_unembed:
         _center_(model.unembed.W_U, dim=-1)
         if model.unembed._parameters["b_U"] is not None:
@@ -71,10 +89,17 @@ def process_weights_(model, fold_ln: bool = True, center_writing_weights: bool =
     if fold_value_biases:
         skipped = [layer for layer, block in enumerate(model.blocks) if not _fold_value_biases(block.attn)]
         if skipped:
-            warnings.warn(f"fold_value_biases: left in b_V in layers {skipped}: after post-compose the attention rows "
-                          "do not sum to 1, so b_V's contribution depends on the input", stacklevel=2)
-    done = {"fold_ln": fold_ln, "center_writing_weights": center_writing_weights and centring_norms,
-            "center_unembed": center_unembed, "fold_value_biases": fold_value_biases}
+            warnings.warn(
+                f"fold_value_biases: left in b_V in layers {skipped}: after post-compose the attention rows "
+                "do not sum to 1, so b_V's contribution depends on the input",
+                stacklevel=2,
+            )
+    done = {
+        "fold_ln": fold_ln,
+        "center_writing_weights": center_writing_weights and centring_norms,
+        "center_unembed": center_unembed,
+        "fold_value_biases": fold_value_biases,
+    }
     model.weight_processing = {k: bool(v) or model.weight_processing.get(k, False) for k, v in done.items()}
     return model
 
@@ -95,8 +120,10 @@ def require_raw_weights(model, analysis: str) -> None:
     W_Q W_K^T): folding and centring change them, and what was folded cannot be told apart again."""
     changed = [k for k in ("fold_ln", "center_writing_weights") if model.weight_processing.get(k)]
     if changed:
-        raise ValueError(f"{analysis}: reads the released weights as the paper does, and this model's are processed "
-                         f"({', '.join(changed)}); load it with HookedDCFormer.from_pretrained_no_processing")
+        raise ValueError(
+            f"{analysis}: reads the released weights as the paper does, and this model's are processed "
+            f"({', '.join(changed)}); load it with HookedDCFormer.from_pretrained_no_processing"
+        )
 
 
 class DCActivationCache(ActivationCache):
@@ -121,8 +148,9 @@ class DCActivationCache(ActivationCache):
         weight goes into the projection (LN(x) * w @ p = LN(x) @ (w * p))."""
         mlp_input = kwargs.get("mlp_input", args[0] if args else False)
         weight = self._norm(layer, mlp_input).w.to(project_2d.device, project_2d.dtype)
-        return super()._stack_neuron_results_apply_ln_projected(layer, pos_slice, neuron_slice,
-                                                                project_2d * weight[:, None], *args, **kwargs)
+        return super()._stack_neuron_results_apply_ln_projected(
+            layer, pos_slice, neuron_slice, project_2d * weight[:, None], *args, **kwargs
+        )
 
     def _norm(self, layer, mlp_input: bool):
         """The norm that reads the stream entering `layer` (its MLP with mlp_input; ln_final past the last block)."""

@@ -19,16 +19,40 @@ from safetensors.torch import save_file
 
 # config.json of the authors' DCPythia-6.9B release (Caiyun-AI/DCFormer, pytorch/dcpythia/config.json).
 DCPYTHIA_6_9B = {
-    "model_type": "dcpythia", "dim": 4096, "n_layer": 32, "n_head": 32, "head_dim": 128, "intermediate_size": 16384,
-    "vocab_size": 50257, "block_size": 2048, "rotary_pct": 0.25, "rope_base": 10000, "norm_eps": 1e-5,
-    "use_qk_norm": True, "use_dcmha": True, "query_wise": False, "use_parallel_residual": True,
-    "use_linear_bias": True, "window_size": 256, "window_type": None, "torch_dtype": "float16",
+    "model_type": "dcpythia",
+    "dim": 4096,
+    "n_layer": 32,
+    "n_head": 32,
+    "head_dim": 128,
+    "intermediate_size": 16384,
+    "vocab_size": 50257,
+    "block_size": 2048,
+    "rotary_pct": 0.25,
+    "rope_base": 10000,
+    "norm_eps": 1e-5,
+    "use_qk_norm": True,
+    "use_dcmha": True,
+    "query_wise": False,
+    "use_parallel_residual": True,
+    "use_linear_bias": True,
+    "window_size": 256,
+    "window_type": None,
+    "torch_dtype": "float16",
 }
 # Pythia-6.9B's shape in Hugging Face's GPT-NeoX layout (the MHA baseline).
 PYTHIA_6_9B = {
-    "model_type": "gpt_neox", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
-    "intermediate_size": 16384, "vocab_size": 50432, "max_position_embeddings": 2048, "rotary_pct": 0.25,
-    "rotary_emb_base": 10000, "layer_norm_eps": 1e-5, "use_parallel_residual": True, "hidden_act": "gelu",
+    "model_type": "gpt_neox",
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "intermediate_size": 16384,
+    "vocab_size": 50432,
+    "max_position_embeddings": 2048,
+    "rotary_pct": 0.25,
+    "rotary_emb_base": 10000,
+    "layer_norm_eps": 1e-5,
+    "use_parallel_residual": True,
+    "hidden_act": "gelu",
     "torch_dtype": "float16",
 }
 
@@ -85,7 +109,10 @@ def _gpt_neox_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         p = f"gpt_neox.layers.{l}."
         for norm in ("input_layernorm", "post_attention_layernorm"):
             shapes[p + f"{norm}.weight"] = shapes[p + f"{norm}.bias"] = (D,)
-        shapes[p + "attention.query_key_value.weight"], shapes[p + "attention.query_key_value.bias"] = (3 * D, D), (3 * D,)
+        shapes[p + "attention.query_key_value.weight"], shapes[p + "attention.query_key_value.bias"] = (
+            (3 * D, D),
+            (3 * D,),
+        )
         shapes[p + "attention.dense.weight"], shapes[p + "attention.dense.bias"] = (D, D), (D,)
         shapes[p + "mlp.dense_h_to_4h.weight"], shapes[p + "mlp.dense_h_to_4h.bias"] = (F, D), (F,)
         shapes[p + "mlp.dense_4h_to_h.weight"], shapes[p + "mlp.dense_4h_to_h.bias"] = (D, F), (D,)
@@ -98,8 +125,15 @@ def n_parameters(config: dict) -> int:
     return sum(torch.Size(shape).numel() for shape in official_shapes(config).values())
 
 
-def write_random_checkpoint(directory, config: dict, file_format: str = "safetensors", dtype=torch.float16,
-                            shard_bytes: int = 2 * 2**30, seed: int = 0, device="cpu") -> Path:
+def write_random_checkpoint(
+    directory,
+    config: dict,
+    file_format: str = "safetensors",
+    dtype=torch.float16,
+    shard_bytes: int = 2 * 2**30,
+    seed: int = 0,
+    device="cpu",
+) -> Path:
     """Write config.json and random weights (normal, std 0.02; norm scales near 1) in shards of at most
     `shard_bytes`, with a `*.index.json` when there is more than one shard. Returns the directory.
     `device="cuda"` draws the numbers on the GPU (much faster for a 7B model; different numbers)."""
@@ -122,10 +156,13 @@ def write_random_checkpoint(directory, config: dict, file_format: str = "safeten
         size += nbytes
 
     stem, suffix = ("model", ".safetensors") if file_format == "safetensors" else ("pytorch_model", ".bin")
-    names = [f"{stem}{suffix}"] if len(shards) == 1 else [
-        f"{stem}-{i + 1:05d}-of-{len(shards):05d}{suffix}" for i in range(len(shards))]
+    names = (
+        [f"{stem}{suffix}"]
+        if len(shards) == 1
+        else [f"{stem}-{i + 1:05d}-of-{len(shards):05d}{suffix}" for i in range(len(shards))]
+    )
     weight_map = {}
-    for name, keys in zip(names, shards):
+    for name, keys in zip(names, shards, strict=True):
         tensors = {key: _random(shapes[key], key, dtype, generator) for key in keys}
         if file_format == "safetensors":
             save_file(tensors, str(directory / name), metadata={"format": "pt"})
@@ -148,8 +185,9 @@ def write_tokenizer(directory, texts: list[str], vocab_size: int = 2048) -> Path
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator(texts, trainer)
     directory = Path(directory)
     tokenizer.save(str(directory / "tokenizer.json"))

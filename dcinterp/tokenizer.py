@@ -72,9 +72,27 @@ def lexicon_words(directory: Path | None = None) -> set[str]:
             words.add(w)
             words.add(w[:1].upper() + w[1:])
     # template slot names such as {person} are not words
-    words -= {"person", "Person", "item", "Item", "value", "Value", "unit", "Unit", "facts", "Facts",
-              "question", "Question", "answer", "Answer", "has_form", "possessive_form", "capitalized",
-              "capitalized_preposition", "preposition"} - set(split_words(EXTRA_WORDS))
+    words -= {
+        "person",
+        "Person",
+        "item",
+        "Item",
+        "value",
+        "Value",
+        "unit",
+        "Unit",
+        "facts",
+        "Facts",
+        "question",
+        "Question",
+        "answer",
+        "Answer",
+        "has_form",
+        "possessive_form",
+        "capitalized",
+        "capitalized_preposition",
+        "preposition",
+    } - set(split_words(EXTRA_WORDS))
     return words
 
 
@@ -128,7 +146,7 @@ def unknown_words(tokenizer, texts) -> dict[str, int]:
     found: dict[str, int] = {}
     for text in texts:
         enc = tokenizer(text, return_offsets_mapping=True)
-        for tid, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]):
+        for tid, (a, b) in zip(enc["input_ids"], enc["offset_mapping"], strict=True):
             if tid == unk:
                 found[text[a:b]] = found.get(text[a:b], 0) + 1
     return found

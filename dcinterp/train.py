@@ -55,9 +55,10 @@ import random
 import shlex
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from .cli import Parser
 from .synth import data_dir, generate, load_catalog, read_jsonl, unbracket
@@ -149,7 +150,7 @@ class TrainConfig:
 # --------------------------------------------------------------------------------------------------
 # Catalog, knowledge sentences, samples
 def parse_combos(spec) -> tuple[tuple[str, str], ...]:
-    """"same-person:superclass,matching-person:country" -> (("same-person", "superclass"), ...)."""
+    """ "same-person:superclass,matching-person:country" -> (("same-person", "superclass"), ...)."""
     if not spec:
         return ()
     items = spec.split(",") if isinstance(spec, str) else list(spec)
@@ -172,8 +173,10 @@ def split_tasks(exclude_combos) -> tuple[list[str], list[str]]:
     known = {(t.qk_pattern, t.ov_transformation) for t in tasks}
     if combos - known:
         qk, ov = min(combos - known)
-        raise ValueError(f"no task combines {qk}:{ov} (QK patterns: {', '.join(QK_PATTERNS)}; "
-                         f"OV transformations: {', '.join(OV_TRANSFORMATIONS)})")
+        raise ValueError(
+            f"no task combines {qk}:{ov} (QK patterns: {', '.join(QK_PATTERNS)}; "
+            f"OV transformations: {', '.join(OV_TRANSFORMATIONS)})"
+        )
     kept = [t for t in tasks if (t.qk_pattern, t.ov_transformation) not in combos]
     for qk, ov in combos:
         if not any(t.qk_pattern == qk for t in kept) or not any(t.ov_transformation == ov for t in kept):
@@ -212,7 +215,7 @@ def knowledge_sentences() -> list[str]:
         out.append(f"The opposite of {b} is {a}.")
     for domain in lex["ordinal_domains"]:
         seq, unit = domain["sequence"], domain["unit"]
-        for x, y in zip(seq, seq[1:]):
+        for x, y in zip(seq, seq[1:], strict=False):
             out.append(f"{x} is the {unit} just before {y}.")
             out.append(f"{y} is the {unit} just after {x}.")
     return out
@@ -249,9 +252,13 @@ def compact_share_at(step: int, cfg: TrainConfig) -> float:
     return max(0.0, 1.0 - step / end) if end > 0 else 0.0
 
 
-def sample_stream(cfg: TrainConfig, task_ids: list[str] | None, rng: random.Random,
-                  compact_share: Callable[[], float] = lambda: 0.0,
-                  focus: Callable[[], bool] = lambda: False) -> Iterator[tuple]:
+def sample_stream(
+    cfg: TrainConfig,
+    task_ids: list[str] | None,
+    rng: random.Random,
+    compact_share: Callable[[], float] = lambda: 0.0,
+    focus: Callable[[], bool] = lambda: False,
+) -> Iterator[tuple]:
     """(unbracketed sample, answer spans) forever: generator seeds 1000 + 100000 * seed + k, chunks shuffled.
 
     Each sample is written with compact facts with probability `compact_share()` (the same lines, see
@@ -266,7 +273,7 @@ def sample_stream(cfg: TrainConfig, task_ids: list[str] | None, rng: random.Rand
         if compact_share() > 0:
             compact = compact or compact_catalog(released)
             short = generate(seed, cfg.samples_per_task, ids, lines=cfg.lines, catalog=compact)
-            records = [s if rng.random() < compact_share() else r for r, s in zip(records, short)]
+            records = [s if rng.random() < compact_share() else r for r, s in zip(records, short, strict=True)]
         texts = [unbracket_spans(r["texts"]) for r in records]
         rng.shuffle(texts)
         yield from texts
@@ -375,9 +382,17 @@ def train(
     opt = make_optimizer(model, cfg)
     train_ids, held_ids = training_tasks(cfg)
     step_now = 0
-    samples = iter(texts) if texts is not None else sample_stream(
-        cfg, train_ids if cfg.exclude_combos or cfg.tasks else None, rng, lambda: compact_share_at(step_now, cfg),
-        lambda: step_now < cfg.focus_until * cfg.steps)
+    samples = (
+        iter(texts)
+        if texts is not None
+        else sample_stream(
+            cfg,
+            train_ids if cfg.exclude_combos or cfg.tasks else None,
+            rng,
+            lambda: compact_share_at(step_now, cfg),
+            lambda: step_now < cfg.focus_until * cfg.steps,
+        )
+    )
     probe = generate(EVAL_SEED, PROBE_SAMPLES_PER_TASK, train_ids) if cfg.eval_every else None
     batches = Batcher(tokenizer, samples, cfg, rng)
     log = open(log_file, "a") if log_file else None
@@ -414,8 +429,13 @@ def train(
         bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr_at(step, cfg):.2e}")
         if steps_done % cfg.log_every == 0 or steps_done == cfg.steps:
             recent = sum(losses[-cfg.log_every :]) / len(losses[-cfg.log_every :])
-            entry = {"step": steps_done, "loss": round(recent, 4), "lr": lr_at(step, cfg),
-                     "tokens": tokens_seen, "elapsed_s": round(time.time() - start, 1)}
+            entry = {
+                "step": steps_done,
+                "loss": round(recent, 4),
+                "lr": lr_at(step, cfg),
+                "tokens": tokens_seen,
+                "elapsed_s": round(time.time() - start, 1),
+            }
             if answer_losses:
                 tail_a = answer_losses[-cfg.log_every :]
                 entry["answer_loss"] = round(sum(tail_a) / len(tail_a), 4)
@@ -432,6 +452,7 @@ def train(
     wall = time.time() - start
     model.eval()
     tail = losses[-min(len(losses), cfg.log_every) :]
+    last_k = (steps_done * cfg.batch_size) // max(1, len(train_ids) * cfg.samples_per_task)  # seeds drawn
     recipe = {
         "name": cfg.model_config(len(tokenizer)).model_name,
         "command": command,
@@ -442,8 +463,9 @@ def train(
         "tokens_seen": tokens_seen,
         "final_loss": round(sum(tail) / len(tail), 4),
         "final_loss_note": f"mean next-token loss (all tokens, unweighted) over the last {len(tail)} steps",
-        "final_answer_loss": round(sum(answer_losses[-len(tail):]) / len(answer_losses[-len(tail):]), 4)
-        if answer_losses else None,
+        "final_answer_loss": round(sum(answer_losses[-len(tail) :]) / len(answer_losses[-len(tail) :]), 4)
+        if answer_losses
+        else None,
         "first_loss": round(losses[0], 4),
         "wall_time_s": round(wall, 1),
         "torch_version": torch.__version__,
@@ -451,8 +473,9 @@ def train(
         "n_params": sum(p.numel() for p in model.parameters()),
         "train_config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()},
         "data": {
-            "generation_seeds": f"{TRAIN_SEED_BASE + 100_000 * cfg.seed} + k, k = 0..{(steps_done * cfg.batch_size) // max(1, len(train_ids) * cfg.samples_per_task)}"
-            if texts is None else "texts given by the caller",
+            "generation_seeds": f"{TRAIN_SEED_BASE + 100_000 * cfg.seed} + k, k = 0..{last_k}"
+            if texts is None
+            else "texts given by the caller",
             "train_tasks": len(train_ids),
             "tasks": list(cfg.tasks) or "all",
             "excluded_combos": [f"{a}:{b}" for a, b in parse_combos(cfg.exclude_combos)],
@@ -514,8 +537,11 @@ def accuracy_report(model: HookedDCFormer, held_task_ids=(), batch_size: int = 1
         with torch.no_grad():
             df = evaluate(model, records, batch_size=batch_size, progress=False)
         entry = _accuracy(df)
-        for key, column in (("per_task", "task"), ("by_qk_pattern", "qk_pattern"),
-                            ("by_ov_transformation", "ov_transformation")):
+        for key, column in (
+            ("per_task", "task"),
+            ("by_qk_pattern", "qk_pattern"),
+            ("by_ov_transformation", "ov_transformation"),
+        ):
             entry[key] = {k: round(v, 3) for k, v in accuracy_by(df, column).items()}
         if held_task_ids:
             entry["held_out_combos"] = _accuracy(df, held_task_ids)
@@ -548,37 +574,66 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--d-head", type=int, default=d.d_head)
     p.add_argument("--d-mlp", type=int, default=d.d_mlp)
     p.add_argument("--window-size", type=int, default=d.window_size)
-    p.add_argument("--window-type", default=d.window_type,
-                   help="local (L) / global (G) layer pattern, repeated over the depth: LG, LGG, G (all global); "
-                        "default %(default)s")
+    p.add_argument(
+        "--window-type",
+        default=d.window_type,
+        help="local (L) / global (G) layer pattern, repeated over the depth: LG, LGG, G (all global); "
+        "default %(default)s",
+    )
     p.add_argument("--rotary-pct", type=float, default=d.rotary_pct)
     p.add_argument("--samples-per-task", type=int, default=d.samples_per_task)
     p.add_argument("--answer-weight", type=float, default=d.answer_weight)
-    p.add_argument("--tied-init", action=argparse.BooleanOptionalAction, default=d.tied_init,
-                   help="initialise the unembedding as the embedding's transpose (the two are still trained apart)")
-    p.add_argument("--compact-until", type=float, default=d.compact_until,
-                   help="compact-facts curriculum: the share of samples written 'Ruth cat.' for 'Ruth has a cat.' "
-                        "falls from 1 to 0 by this fraction of the steps (0: off)")
-    p.add_argument("--focus-tasks", default=None,
-                   help="task curriculum: train on these tasks only for --focus-until of the steps; '' for none "
-                        f"(default: {','.join(t.removeprefix('task') for t in d.focus_tasks)}, none with --tasks)")
+    p.add_argument(
+        "--tied-init",
+        action=argparse.BooleanOptionalAction,
+        default=d.tied_init,
+        help="initialise the unembedding as the embedding's transpose (the two are still trained apart)",
+    )
+    p.add_argument(
+        "--compact-until",
+        type=float,
+        default=d.compact_until,
+        help="compact-facts curriculum: the share of samples written 'Ruth cat.' for 'Ruth has a cat.' "
+        "falls from 1 to 0 by this fraction of the steps (0: off)",
+    )
+    p.add_argument(
+        "--focus-tasks",
+        default=None,
+        help="task curriculum: train on these tasks only for --focus-until of the steps; '' for none "
+        f"(default: {','.join(t.removeprefix('task') for t in d.focus_tasks)}, none with --tasks)",
+    )
     p.add_argument("--focus-until", type=float, default=d.focus_until)
-    p.add_argument("--compose-from", type=float, default=d.compose_from,
-                   help="DCMHA: the compose is the identity, and the model trains as its MHA twin, until this "
-                        "fraction of the steps (0: the official random initialisation, trained from the start)")
-    p.add_argument("--exclude-combos", default="",
-                   help="comma-separated qk_pattern:ov_transformation combinations left out of training "
-                        f"(e.g. {','.join(DEFAULT_EXCLUDED_COMBOS)})")
-    p.add_argument("--tasks", default="",
-                   help="train on these tasks only: 'task10,task14', '10,14' or '8-15' (default: all)")
-    p.add_argument("--eval-every", type=int, default=d.eval_every,
-                   help=f"log the accuracy on a generated probe set (seed {EVAL_SEED}, "
-                        f"{PROBE_SAMPLES_PER_TASK} samples per training task) every N steps")
+    p.add_argument(
+        "--compose-from",
+        type=float,
+        default=d.compose_from,
+        help="DCMHA: the compose is the identity, and the model trains as its MHA twin, until this "
+        "fraction of the steps (0: the official random initialisation, trained from the start)",
+    )
+    p.add_argument(
+        "--exclude-combos",
+        default="",
+        help="comma-separated qk_pattern:ov_transformation combinations left out of training "
+        f"(e.g. {','.join(DEFAULT_EXCLUDED_COMBOS)})",
+    )
+    p.add_argument(
+        "--tasks", default="", help="train on these tasks only: 'task10,task14', '10,14' or '8-15' (default: all)"
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=d.eval_every,
+        help=f"log the accuracy on a generated probe set (seed {EVAL_SEED}, "
+        f"{PROBE_SAMPLES_PER_TASK} samples per training task) every N steps",
+    )
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--max-minutes", type=float, default=None)
     p.add_argument("--no-eval", action="store_true", help="skip the accuracy evaluation after training")
-    p.add_argument("--eval-only", action="store_true",
-                   help="do not train: evaluate OUT/<name> and write the accuracies into its recipe.json")
+    p.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="do not train: evaluate OUT/<name> and write the accuracies into its recipe.json",
+    )
     p.add_argument("--log-dir", default=None, help="write a JSON-lines loss log per model here")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
@@ -586,14 +641,32 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def config_from_args(args: argparse.Namespace, arch: str, task_ids: list[str], focus_ids: list[str]) -> TrainConfig:
     return TrainConfig(
-        arch=arch, steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
-        warmup_frac=args.warmup_frac, n_layers=args.n_layers, d_model=args.d_model, n_heads=args.n_heads,
-        d_head=args.d_head, d_mlp=args.d_mlp, window_size=args.window_size, window_type=args.window_type,
-        rotary_pct=args.rotary_pct, samples_per_task=args.samples_per_task, answer_weight=args.answer_weight,
-        compact_until=args.compact_until, tied_init=args.tied_init, focus_tasks=tuple(focus_ids),
-        focus_until=args.focus_until, compose_from=args.compose_from,
-        exclude_combos=tuple(f"{a}:{b}" for a, b in parse_combos(args.exclude_combos)), tasks=tuple(task_ids),
-        eval_every=args.eval_every, threads=args.threads, max_minutes=args.max_minutes,
+        arch=arch,
+        steps=args.steps,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        warmup_frac=args.warmup_frac,
+        n_layers=args.n_layers,
+        d_model=args.d_model,
+        n_heads=args.n_heads,
+        d_head=args.d_head,
+        d_mlp=args.d_mlp,
+        window_size=args.window_size,
+        window_type=args.window_type,
+        rotary_pct=args.rotary_pct,
+        samples_per_task=args.samples_per_task,
+        answer_weight=args.answer_weight,
+        compact_until=args.compact_until,
+        tied_init=args.tied_init,
+        focus_tasks=tuple(focus_ids),
+        focus_until=args.focus_until,
+        compose_from=args.compose_from,
+        exclude_combos=tuple(f"{a}:{b}" for a, b in parse_combos(args.exclude_combos)),
+        tasks=tuple(task_ids),
+        eval_every=args.eval_every,
+        threads=args.threads,
+        max_minutes=args.max_minutes,
     )
 
 
@@ -649,8 +722,14 @@ def main(argv=None) -> None:
         if args.log_dir:
             Path(args.log_dir).mkdir(parents=True, exist_ok=True)
             log_file = Path(args.log_dir) / f"{name}.jsonl"
-        _, recipe = train(configs[arch], out_dir=out_dir, progress=not args.no_progress, log_file=log_file,
-                          command=command, evaluate_after=not args.no_eval)
+        _, recipe = train(
+            configs[arch],
+            out_dir=out_dir,
+            progress=not args.no_progress,
+            log_file=log_file,
+            command=command,
+            evaluate_after=not args.no_eval,
+        )
         recipe["name"] = name
         (out_dir / "recipe.json").write_text(json.dumps(recipe, indent=2) + "\n")
         print(json.dumps({name: summarize(recipe)}, indent=2))

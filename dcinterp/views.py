@@ -64,7 +64,7 @@ def _heads_view(element_id: str, pattern: Tensor, tokens: list[str], signed: boo
 
 
 def attention_page(
-    model: HookedDCFormer, prompt: str | Int[Tensor, "pos"], layer: int, str_tokens: list[str] | None = None
+    model: HookedDCFormer, prompt: str | Int[Tensor, " pos"], layer: int, str_tokens: list[str] | None = None
 ) -> str:
     """The HTML of one layer's attention page for one prompt (text, or token ids [pos] / [1, pos]).
 
@@ -77,19 +77,26 @@ def attention_page(
     elif len(str_tokens) != tokens.shape[1]:
         raise ValueError(f"str_tokens: {len(str_tokens)} labels for {tokens.shape[1]} tokens")
     patterns = layer_patterns(model, tokens, layer)
-    sections = [(
-        "pattern",
-        "Before post-compose: P = softmax(scores), <code>hook_pattern</code>. Each row sums to 1.",
-        patterns["pattern"], False,
-    )]
+    sections = [
+        (
+            "pattern",
+            "Before post-compose: P = softmax(scores), <code>hook_pattern</code>. Each row sums to 1.",
+            patterns["pattern"],
+            False,
+        )
+    ]
     if "composed_pattern" in patterns:
         limit = float(patterns["composed_pattern"].abs().max())
-        sections.append((
-            "composed_pattern",
-            "After post-compose: P' = P + o_qp + o_kp + o_qg + o_kg, <code>hook_composed_pattern</code>, what "
-            f"multiplies V. Signed, rows need not sum to 1; blue &lt; 0 &lt; red, one scale for every head (&plusmn;{limit:.3g}).",
-            patterns["composed_pattern"], True,
-        ))
+        sections.append(
+            (
+                "composed_pattern",
+                "After post-compose: P' = P + o_qp + o_kp + o_qg + o_kg, <code>hook_composed_pattern</code>, what "
+                "multiplies V. Signed, rows need not sum to 1; blue &lt; 0 &lt; red, one scale for every head "
+                f"(&plusmn;{limit:.3g}).",
+                patterns["composed_pattern"],
+                True,
+            )
+        )
     title = f"{html.escape(model.cfg.model_name)}, layer {layer}: attention of every head"
     body, calls = [], []
     for name, caption, pattern, signed in sections:
@@ -118,7 +125,7 @@ Hover a head to zoom on it, click to lock it.</p>
 
 
 def write_attention_page(
-    model: HookedDCFormer, prompt: str | Int[Tensor, "pos"], layer: int, path, str_tokens: list[str] | None = None
+    model: HookedDCFormer, prompt: str | Int[Tensor, " pos"], layer: int, path, str_tokens: list[str] | None = None
 ) -> Path:
     """Write `attention_page` to `path` (a self-contained .html file) and return the path."""
     page = attention_page(model, prompt, layer, str_tokens)

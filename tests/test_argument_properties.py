@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from dcinterp import HookedDCFormer
@@ -22,7 +22,12 @@ from dcinterp.attribution import head_ablation, head_attribution
 from dcinterp.circuits import head_diversity, ov_circuit, ov_logits, ov_top_tokens, qk_circuit
 from dcinterp.composition import attention_distributions, compose_breakdown, composition_maps_along_keys, donor_heads
 from dcinterp.patching import (
-    Component, Site, activation_patching, attribution_patching, branch_ablation, branch_components,
+    Component,
+    Site,
+    activation_patching,
+    attribution_patching,
+    branch_ablation,
+    branch_components,
     sites,
 )
 from dcinterp.synth import contrast_pairs, tokenize_pairs
@@ -30,8 +35,12 @@ from dcinterp.synth.contrast import PairTokens
 
 MAX_EXAMPLES = 30
 TRIED = collections.defaultdict(collections.Counter)  # function -> {"valid": n, "invalid": n}
-SETTINGS = settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = settings(
+    max_examples=MAX_EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 MODEL = HookedDCFormer.from_pretrained("dcpythia-synth")  # 3 layers, 4 heads, a word-level tokenizer
 L, H, V = MODEL.cfg.n_layers, MODEL.cfg.n_heads, MODEL.cfg.d_vocab
@@ -82,8 +91,10 @@ def outcome(call, args: dict, check, label: str = "") -> None:
 
 
 def finite(*tensors) -> bool:
-    return all(torch.isfinite(t if isinstance(t, torch.Tensor) else torch.tensor(np.array(t, dtype=float))).all()
-               for t in tensors)
+    return all(
+        torch.isfinite(t if isinstance(t, torch.Tensor) else torch.tensor(np.array(t, dtype=float))).all()
+        for t in tensors
+    )
 
 
 def table_is_finite(frame: pd.DataFrame, column: str) -> bool:
@@ -92,8 +103,10 @@ def table_is_finite(frame: pd.DataFrame, column: str) -> bool:
 
 # --------------------------------------------------------------------------------------------------
 # Shared argument strategies
-TOKENS_ARG = arg([TOKENS, TOKENS[0], TOKENS.tolist()],
-                 [TOKENS[:0], TOKENS[:, :0], TOKENS.float(), TOKENS[None], TOKENS + V, "a prompt", None])
+TOKENS_ARG = arg(
+    [TOKENS, TOKENS[0], TOKENS.tolist()],
+    [TOKENS[:0], TOKENS[:, :0], TOKENS.float(), TOKENS[None], TOKENS + V, "a prompt", None],
+)
 TARGET_ARG = arg([5, WORD, torch.tensor([5, 9])], [-1, V, 2.5, "xyzzy", torch.tensor([5, 9, 11])])
 POSITION_ARG = arg([-1, 0, POS - 1, torch.tensor([3, 5])], [POS, -POS - 1, 1.5, torch.tensor([1, 2, 3])])
 TARGET_TYPE_ARG = arg(["logit", "logprob", "prob"], ["loss", 3])
@@ -111,11 +124,17 @@ def one_prompt_per_prompt_values(args: dict) -> dict:
 
 @given(st.data())
 @SETTINGS
+@seed(0)  # fixed draws that do not depend on the test's source text (derandomize's would)
 def test_head_attribution(data):
-    args = dict(tokens=data.draw(TOKENS_ARG), target=data.draw(TARGET_ARG), position=data.draw(POSITION_ARG),
-                target_type=data.draw(TARGET_TYPE_ARG), n_steps=data.draw(arg([2, 3], [0, -1, 2.5])),
-                method=data.draw(arg(["gausslegendre", "riemann_trapezoid"], ["simpson"])),
-                path=data.draw(arg(["joint", "per-layer"], ["both"])))
+    args = dict(
+        tokens=data.draw(TOKENS_ARG),
+        target=data.draw(TARGET_ARG),
+        position=data.draw(POSITION_ARG),
+        target_type=data.draw(TARGET_TYPE_ARG),
+        n_steps=data.draw(arg([2, 3], [0, -1, 2.5])),
+        method=data.draw(arg(["gausslegendre", "riemann_trapezoid"], ["simpson"])),
+        path=data.draw(arg(["joint", "per-layer"], ["both"])),
+    )
     args = one_prompt_per_prompt_values(args)
 
     def check(result, kwargs):
@@ -128,11 +147,15 @@ def test_head_attribution(data):
 
 @given(st.data())
 @SETTINGS
+@seed(0)  # fixed draws that do not depend on the test's source text (derandomize's would)
 def test_head_ablation(data):
-    args = dict(tokens=data.draw(TOKENS_ARG), target=data.draw(TARGET_ARG), position=data.draw(POSITION_ARG),
-                target_type=data.draw(TARGET_TYPE_ARG),
-                heads=data.draw(arg([None, [(0, 1)], [(2, -1), (1, 3)]], [[], [(L, 0)], [(0, H)], [(0,)], "L0H1",
-                                                                         [(0.5, 1)]])))
+    args = dict(
+        tokens=data.draw(TOKENS_ARG),
+        target=data.draw(TARGET_ARG),
+        position=data.draw(POSITION_ARG),
+        target_type=data.draw(TARGET_TYPE_ARG),
+        heads=data.draw(arg([None, [(0, 1)], [(2, -1), (1, 3)]], [[], [(L, 0)], [(0, H)], [(0,)], "L0H1", [(0.5, 1)]])),
+    )
     args = one_prompt_per_prompt_values(args)
 
     def check(result, kwargs):
@@ -142,19 +165,31 @@ def test_head_ablation(data):
     outcome(lambda **kw: head_ablation(MODEL, **kw), args, check)
 
 
-COMPONENTS_ARG = arg([None, branch_components(MODEL, layers=[1])[:2]],
-                     [[], ["qp"], [Component((Site(L, "pre", "o_qp"),), L, "pre", "qp")],
-                      [Component((Site(0, "mid", "o_qp"),), 0, "mid", "qp")],
-                      [Component((Site(0, "pre", "o_qp", H),), 0, "pre", "qp")]])
+COMPONENTS_ARG = arg(
+    [None, branch_components(MODEL, layers=[1])[:2]],
+    [
+        [],
+        ["qp"],
+        [Component((Site(L, "pre", "o_qp"),), L, "pre", "qp")],
+        [Component((Site(0, "mid", "o_qp"),), 0, "mid", "qp")],
+        [Component((Site(0, "pre", "o_qp", H),), 0, "pre", "qp")],
+    ],
+)
 
 
 @given(st.data())
 @SETTINGS
+@seed(0)  # fixed draws that do not depend on the test's source text (derandomize's would)
 def test_branch_ablation(data):
-    args = dict(tokens=data.draw(TOKENS_ARG), target=data.draw(TARGET_ARG), position=data.draw(POSITION_ARG),
-                target_type=data.draw(TARGET_TYPE_ARG), components=data.draw(COMPONENTS_ARG),
-                ablation=data.draw(arg(["zero", "mean"], ["noise"])),
-                mean_over=data.draw(arg(["position", "token"], ["template", None])))
+    args = dict(
+        tokens=data.draw(TOKENS_ARG),
+        target=data.draw(TARGET_ARG),
+        position=data.draw(POSITION_ARG),
+        target_type=data.draw(TARGET_TYPE_ARG),
+        components=data.draw(COMPONENTS_ARG),
+        ablation=data.draw(arg(["zero", "mean"], ["noise"])),
+        mean_over=data.draw(arg(["position", "token"], ["template", None])),
+    )
     args = one_prompt_per_prompt_values(args)
 
     def check(frame, kwargs):
@@ -166,24 +201,41 @@ def test_branch_ablation(data):
 
 
 def pairs_with(**changes) -> PairTokens:
-    fields = dict(clean=PAIRS.clean, corrupt=PAIRS.corrupt, clean_answer=PAIRS.clean_answer,
-                  corrupt_answer=PAIRS.corrupt_answer, position=PAIRS.position)
+    fields = dict(
+        clean=PAIRS.clean,
+        corrupt=PAIRS.corrupt,
+        clean_answer=PAIRS.clean_answer,
+        corrupt_answer=PAIRS.corrupt_answer,
+        position=PAIRS.position,
+    )
     return PairTokens(**{**fields, **changes})
 
 
-PAIRS_ARG = arg([PAIRS], [pairs_with(clean=PAIRS.clean[:0], corrupt=PAIRS.corrupt[:0]),
-                          pairs_with(corrupt=PAIRS.corrupt[:, :-1]), pairs_with(clean_answer=PAIRS.clean_answer[:1]),
-                          pairs_with(position=PAIRS.position + PAIR_POS), pairs_with(corrupt_answer=PAIRS.clean_answer + V),
-                          PAIRS.clean, None])
+PAIRS_ARG = arg(
+    [PAIRS],
+    [
+        pairs_with(clean=PAIRS.clean[:0], corrupt=PAIRS.corrupt[:0]),
+        pairs_with(corrupt=PAIRS.corrupt[:, :-1]),
+        pairs_with(clean_answer=PAIRS.clean_answer[:1]),
+        pairs_with(position=PAIRS.position + PAIR_POS),
+        pairs_with(corrupt_answer=PAIRS.clean_answer + V),
+        PAIRS.clean,
+        None,
+    ],
+)
 
 
 @given(st.data(), st.sampled_from(["activation", "attribution"]))
 @SETTINGS
+@seed(0)  # fixed draws that do not depend on the test's source text (derandomize's would)
 def test_patching_tables(data, kind):
-    args = dict(pairs=data.draw(PAIRS_ARG), direction=data.draw(arg(["noising", "denoising"], ["both"])),
-                per_head=data.draw(arg([False, True], ["yes"])),
-                names=data.draw(arg([["o_qp"], "kw1", ["qg", "o_kg"]], [[], ["o_xx"], "o_qpx", [3]])),
-                layers=data.draw(arg([[0], [2], [1, 2]], [[], [L], [-1], ["a"], [0.5]])))
+    args = dict(
+        pairs=data.draw(PAIRS_ARG),
+        direction=data.draw(arg(["noising", "denoising"], ["both"])),
+        per_head=data.draw(arg([False, True], ["yes"])),
+        names=data.draw(arg([["o_qp"], "kw1", ["qg", "o_kg"]], [[], ["o_xx"], "o_qpx", [3]])),
+        layers=data.draw(arg([[0], [2], [1, 2]], [[], [L], [-1], ["a"], [0.5]])),
+    )
     if kind == "attribution":
         args["softmax"] = data.draw(arg(["linear", "exact"], ["approx"]))
     function = activation_patching if kind == "activation" else attribution_patching
@@ -197,15 +249,18 @@ def test_patching_tables(data, kind):
 
 @given(st.data())
 @SETTINGS
+@seed(0)  # fixed draws that do not depend on the test's source text (derandomize's would)
 def test_composition(data):
-    args = dict(tokens=data.draw(arg([TOKENS, TOKENS[0]], [TOKENS[:0], TOKENS.float(), TOKENS[None], "x"])),
-                layer=data.draw(arg([0, 2, -1], [L, -L - 1, 0.5, "0", True])),
-                query_pos=data.draw(arg([POS - 1, -1], [POS, 2.5])),
-                key_pos=data.draw(arg([0, 2], [POS + 1, -POS - 1, "xyzzy"])),
-                stage=data.draw(arg(["pre", "post"], ["mid", None])),
-                batch_index=data.draw(arg([0, 1, -1], [2, -3])))
+    args = dict(
+        tokens=data.draw(arg([TOKENS, TOKENS[0]], [TOKENS[:0], TOKENS.float(), TOKENS[None], "x"])),
+        layer=data.draw(arg([0, 2, -1], [L, -L - 1, 0.5, "0", True])),
+        query_pos=data.draw(arg([POS - 1, -1], [POS, 2.5])),
+        key_pos=data.draw(arg([0, 2], [POS + 1, -POS - 1, "xyzzy"])),
+        stage=data.draw(arg(["pre", "post"], ["mid", None])),
+        batch_index=data.draw(arg([0, 1, -1], [2, -3])),
+    )
     if args["tokens"][1] and torch.as_tensor(args["tokens"][0]).ndim == 1:
-        args["batch_index"] = (0, args["batch_index"][1])
+        args["batch_index"] = (0, True)  # a 1-d prompt is a batch of one: index 0 is its only valid index
 
     def check(breakdown, kwargs):
         parts = [breakdown.before, *breakdown.branches.values()]
@@ -215,20 +270,28 @@ def test_composition(data):
 
     outcome(lambda **kw: compose_breakdown(MODEL, **kw), args, check)
     along = {k: v for k, v in args.items() if k != "key_pos"}
-    outcome(lambda **kw: composition_maps_along_keys(MODEL, **kw), along,
-            lambda maps, kw: maps.shape[1:] == (H, H) and finite(maps))
+    outcome(
+        lambda **kw: composition_maps_along_keys(MODEL, **kw),
+        along,
+        lambda maps, kw: maps.shape[1:] == (H, H) and finite(maps),
+    )
     along["heads"] = data.draw(arg([None, [0, 3]], [[H], [0.5], "all"]))
-    outcome(lambda **kw: attention_distributions(MODEL, **kw), along,
-            lambda result, kw: finite(result.before, result.after))
+    outcome(
+        lambda **kw: attention_distributions(MODEL, **kw), along, lambda result, kw: finite(result.before, result.after)
+    )
 
 
 @given(st.data())
 @SETTINGS
+@seed(0)  # fixed draws that do not depend on the test's source text (derandomize's would)
 def test_circuits(data):
     layer = data.draw(arg([0, 2, -1], [L, 1.5, None]))
     head = data.draw(arg([0, H - 1, -H], [H, -H - 1, "1"]))
-    args = dict(layer=layer, head=head, tokens=data.draw(arg([[5, 9], WORD, [WORD, 5], torch.tensor([3])],
-                                                                [[], [V], "xyzzy", [1.5], None])))
+    args = dict(
+        layer=layer,
+        head=head,
+        tokens=data.draw(arg([[5, 9], WORD, [WORD, 5], torch.tensor([3])], [[], [V], "xyzzy", [1.5], None])),
+    )
 
     def check_logits(logits, kwargs):
         assert logits.shape[1] == V and finite(logits)
@@ -236,24 +299,37 @@ def test_circuits(data):
     outcome(lambda **kw: ov_logits(MODEL, **kw), args, check_logits)
     args["k"] = data.draw(arg([1, 5], [0, V + 1, 2.5]))
     outcome(lambda **kw: ov_top_tokens(MODEL, **kw), args, lambda frame, kw: table_is_finite(frame, "logit"))
-    outcome(lambda **kw: qk_circuit(MODEL, **kw), {"layer": layer, "head": head},
-            lambda circuit, kw: circuit.AB.shape == (MODEL.cfg.d_model,) * 2 and finite(circuit.AB))
-    outcome(lambda **kw: ov_circuit(MODEL, **kw), {"layer": layer, "head": head},
-            lambda circuit, kw: finite(circuit.AB))
-    diversity = dict(layers=data.draw(arg([None, [0, 2]], [[L], [0.5]])),
-                     dtype=data.draw(arg([torch.float32, torch.float64, "float64"], [torch.int64, "float33"])),
-                     qk_norm=data.draw(arg(["fold", "ignore"], ["keep"])),
-                     normalize=data.draw(arg(["none", "head"], ["frobenius"])))
-    outcome(lambda **kw: head_diversity(MODEL, **kw), diversity,
-            lambda result, kw: finite(result.qk, result.ov) and result.qk.shape[0] == len(result.layers))
+    outcome(
+        lambda **kw: qk_circuit(MODEL, **kw),
+        {"layer": layer, "head": head},
+        lambda circuit, kw: circuit.AB.shape == (MODEL.cfg.d_model,) * 2 and finite(circuit.AB),
+    )
+    outcome(
+        lambda **kw: ov_circuit(MODEL, **kw), {"layer": layer, "head": head}, lambda circuit, kw: finite(circuit.AB)
+    )
+    diversity = dict(
+        layers=data.draw(arg([None, [0, 2]], [[L], [0.5]])),
+        dtype=data.draw(arg([torch.float32, torch.float64, "float64"], [torch.int64, "float33"])),
+        qk_norm=data.draw(arg(["fold", "ignore"], ["keep"])),
+        normalize=data.draw(arg(["none", "head"], ["frobenius"])),
+    )
+    outcome(
+        lambda **kw: head_diversity(MODEL, **kw),
+        diversity,
+        lambda result, kw: finite(result.qk, result.ov) and result.qk.shape[0] == len(result.layers),
+    )
 
 
 @given(st.data())
 @settings(SETTINGS, max_examples=20)
 def test_synth_pairs(data):
-    args = dict(task=data.draw(arg([2, "task3"], ["task999", -1])), n=data.draw(arg([1, 2], [0, "2", 1.5])),
-                kind=data.draw(arg([None, "person"], ["place"])), seed=data.draw(arg([0, 7], ["0"])),
-                shots=data.draw(arg([1, 2], [-1])))
+    args = dict(
+        task=data.draw(arg([2, "task3"], ["task999", -1])),
+        n=data.draw(arg([1, 2], [0, "2", 1.5])),
+        kind=data.draw(arg([None, "person"], ["place"])),
+        seed=data.draw(arg([0, 7], ["0"])),
+        shots=data.draw(arg([1, 2], [-1])),
+    )
 
     def check(pairs, kwargs):
         tokens = tokenize_pairs(pairs, MODEL.tokenizer)

@@ -11,7 +11,6 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests/fixtures/dcpythia-tiny"
 
 
-
 def tiny(**overrides) -> HookedDCFormer:
     torch.manual_seed(0)
     cfg = dict(n_layers=2, d_model=32, n_heads=4, d_head=8, d_mlp=64, d_vocab=50)
@@ -68,8 +67,15 @@ def test_padded_batch_positions_tasks_and_internal_batch(fixture_model):
     padded = torch.stack([torch.cat([a, torch.zeros(3, dtype=a.dtype)]), b])
     answers = torch.tensor([10, 20])
     kwargs = dict(n_steps=16)
-    together = head_attribution(fixture_model, padded, answers, position=torch.tensor([8, 11]), tasks=["x", "y"],
-                                internal_batch_size=8, **kwargs)
+    together = head_attribution(
+        fixture_model,
+        padded,
+        answers,
+        position=torch.tensor([8, 11]),
+        tasks=["x", "y"],
+        internal_batch_size=8,
+        **kwargs,
+    )
     alone_a = head_attribution(fixture_model, a[None], 10, **kwargs)
     alone_b = head_attribution(fixture_model, b[None], 20, **kwargs)
     torch.testing.assert_close(together.per_prompt[0], alone_a.per_prompt[0], atol=1e-5, rtol=1e-4)
@@ -118,7 +124,7 @@ def synthetic_prompts(model, n: int = 8) -> tuple[torch.Tensor, torch.Tensor, to
     with torch.no_grad():
         predicted = model(tokens)[torch.arange(n), lengths - 1].argmax(-1)
     ids = []
-    for answer, guess in zip(answers, predicted):
+    for answer, guess in zip(answers, predicted, strict=True):
         answer_ids = model.to_tokens(" " + answer)[0]
         ids.append(int(answer_ids[-1]) if len(answer_ids) == 1 else int(guess))
     return tokens, lengths - 1, torch.tensor(ids)
@@ -168,8 +174,9 @@ def test_per_layer_path_is_complete_per_layer_not_jointly():
     for layer in range(3):
         with torch.no_grad():
             off = model.run_with_hooks(tokens, fwd_hooks=[(f"blocks.{layer}.attn.hook_z", lambda z, hook: 0 * z)])
-        torch.testing.assert_close(result.f_layer_baseline[:, layer], off[:, -1].log_softmax(-1)[:, 5],
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            result.f_layer_baseline[:, layer], off[:, -1].log_softmax(-1)[:, 5], atol=1e-5, rtol=1e-5
+        )
         gap = result.f_input - result.f_layer_baseline[:, layer]
         torch.testing.assert_close(result.per_prompt[:, layer].sum(-1), gap, atol=0.02 * gap.abs().max(), rtol=0)
     # the joint completeness gap is what the per-layer path gives up

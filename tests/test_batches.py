@@ -6,8 +6,14 @@ import torch
 from dcinterp import HookedDCFormer
 from dcinterp.attribution import head_ablation, head_attribution, head_baseline
 from dcinterp.patching import (
-    Component, Site, activation_patching, attribution_patching, branch_ablation, branch_components,
-    mean_activations, sites,
+    Component,
+    Site,
+    activation_patching,
+    attribution_patching,
+    branch_ablation,
+    branch_components,
+    mean_activations,
+    sites,
 )
 from dcinterp.synth import contrast_pairs, tokenize_pairs
 from dcinterp.synth.contrast import PairTokens
@@ -28,8 +34,9 @@ def ragged(model):
 
 
 def empty_pairs(pairs: PairTokens) -> PairTokens:
-    return PairTokens(pairs.clean[:0], pairs.corrupt[:0], pairs.clean_answer[:0], pairs.corrupt_answer[:0],
-                      pairs.position[:0])
+    return PairTokens(
+        pairs.clean[:0], pairs.corrupt[:0], pairs.clean_answer[:0], pairs.corrupt_answer[:0], pairs.position[:0]
+    )
 
 
 def test_empty_batches_give_one_line(model, ragged):
@@ -65,7 +72,7 @@ def test_mean_ablation_never_counts_pads(model, ragged):
     name = "blocks.1.pre_compose.hook_kw1".replace("pre_compose", "attn.pre_compose")
     torch.testing.assert_close(means[name][0, p], cache[name][longer, p].mean(0))
     o_qp = "blocks.1.attn.pre_compose.hook_o_qp"
-    torch.testing.assert_close(means[o_qp][0, :, p, :p + 1], cache[o_qp][longer, :, p, :p + 1].mean(0))
+    torch.testing.assert_close(means[o_qp][0, :, p, : p + 1], cache[o_qp][longer, :, p, : p + 1].mean(0))
     # ... and the padded batch's plain mean differs there: the test can fail.
     assert (cache[name][:, p].mean(0) - means[name][0, p]).abs().max() > 1e-3
 
@@ -95,15 +102,18 @@ def test_branch_ablation_mean_rules_and_words(model, ragged):
     pairs, templates = ragged
     components = [c for c in branch_components(model) if (c.layer, c.stage) == (1, "pre")]
     args = dict(position=pairs.position, components=components, ablation="mean")
-    by_rule = {rule: branch_ablation(model, pairs.clean, pairs.clean_answer, mean_over=rule, **args).effect
-               for rule in ("position", "token")}
+    by_rule = {
+        rule: branch_ablation(model, pairs.clean, pairs.clean_answer, mean_over=rule, **args).effect
+        for rule in ("position", "token")
+    }
     by_template = branch_ablation(model, pairs.clean, pairs.clean_answer, templates=templates, **args).effect
     assert all(torch.isfinite(torch.tensor(e.values)).all() for e in (*by_rule.values(), by_template))
     assert (by_rule["position"] - by_rule["token"]).abs().max() > 1e-3
     word = model.tokenizer.convert_ids_to_tokens(int(pairs.clean_answer[0]))
     by_word = branch_ablation(model, pairs.clean[:1], word, components=components[:1], position=pairs.position[:1])
-    by_id = branch_ablation(model, pairs.clean[:1], pairs.clean_answer[:1], components=components[:1],
-                            position=pairs.position[:1])
+    by_id = branch_ablation(
+        model, pairs.clean[:1], pairs.clean_answer[:1], components=components[:1], position=pairs.position[:1]
+    )
     assert by_word.effect.tolist() == by_id.effect.tolist()
     with pytest.raises(ValueError, match="mean_over must be 'position' or 'token'"):
         branch_ablation(model, pairs.clean, pairs.clean_answer, mean_over="template", **args)
@@ -118,20 +128,25 @@ def test_the_issues_examples_give_one_line(model, ragged):
     assert set(attribution_patching(model, pairs, names="o_qp").site) == {"o_qp"}  # one name, as a string
     with pytest.raises(ValueError, match="^target='xyzzy' is not in the tokenizer's vocabulary"):
         branch_ablation(model, pairs.clean, "xyzzy", position=pairs.position)
-    for site, message in [(Site(9, "pre", "o_qp"), "components: layer 9 is not a layer"),
-                          (Site(1, "mid", "o_qp"), "components: stage 'mid' is not a compose stage"),
-                          (Site(1, "pre", "o_xx"), "components: site 'o_xx' is not one of"),
-                          (Site(1, "pre", "o_qp", 7), "components: head 7 is out of range")]:
+    for site, message in [
+        (Site(9, "pre", "o_qp"), "components: layer 9 is not a layer"),
+        (Site(1, "mid", "o_qp"), "components: stage 'mid' is not a compose stage"),
+        (Site(1, "pre", "o_xx"), "components: site 'o_xx' is not one of"),
+        (Site(1, "pre", "o_qp", 7), "components: head 7 is out of range"),
+    ]:
         with pytest.raises(ValueError, match=message):
             branch_ablation(model, pairs.clean, pairs.clean_answer, [Component((site,), 0, "pre", "qp")])
     with pytest.raises(ValueError, match=r"^position=.* is out of range: the prompt has positions 0\.\."):
         branch_ablation(model, pairs.clean, pairs.clean_answer, position=200)
     with pytest.raises(ValueError, match=r"^pairs.position=.* is out of range"):
-        activation_patching(model, PairTokens(pairs.clean, pairs.corrupt, pairs.clean_answer, pairs.corrupt_answer,
-                                              pairs.position + 100))
+        activation_patching(
+            model,
+            PairTokens(pairs.clean, pairs.corrupt, pairs.clean_answer, pairs.corrupt_answer, pairs.position + 100),
+        )
     with pytest.raises(ValueError, match=r"^pairs.clean_answer must hold one value per pair \(4\)"):
-        attribution_patching(model, PairTokens(pairs.clean, pairs.corrupt, pairs.clean_answer[:2],
-                                               pairs.corrupt_answer, pairs.position))
+        attribution_patching(
+            model, PairTokens(pairs.clean, pairs.corrupt, pairs.clean_answer[:2], pairs.corrupt_answer, pairs.position)
+        )
 
 
 def test_ig_mean_baseline_never_counts_pads(model, ragged):

@@ -180,8 +180,12 @@ def test_head_diversity_mha_half_and_frame():
 def two_heads() -> dict[str, torch.Tensor]:
     """2 heads, d_model 2, d_head 1: QK circuits 2 e1 e1^T and e2 e2^T; OV circuits 3 e1 e1^T and e2 e2^T."""
     e1, e2 = torch.tensor([[1.0], [0.0]]), torch.tensor([[0.0], [1.0]])
-    return dict(W_Q=torch.stack([2 * e1, e2]), W_K=torch.stack([e1, e2]),
-                W_V=torch.stack([3 * e1, e2]), W_O=torch.stack([e1.T, e2.T]))
+    return dict(
+        W_Q=torch.stack([2 * e1, e2]),
+        W_K=torch.stack([e1, e2]),
+        W_V=torch.stack([3 * e1, e2]),
+        W_O=torch.stack([e1.T, e2.T]),
+    )
 
 
 def test_diversity_options_by_hand():

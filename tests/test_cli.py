@@ -47,8 +47,10 @@ def files_under(path: Path) -> list[str]:
 @pytest.fixture
 def no_model_loading(monkeypatch):
     """Fail the test if `eval` gets as far as loading a checkpoint."""
+
     def forbidden(*args, **kwargs):
         raise AssertionError("a checkpoint was loaded before the arguments were checked")
+
     monkeypatch.setattr(evaluate, "load_checkpoint", forbidden)
 
 
@@ -82,10 +84,13 @@ def test_eval_on_a_missing_device_is_one_line_and_exit_2(device, tmp_path, capsy
 
 # --------------------------------------------------------------------------------------------------
 # synth eval --out: checked before the evaluation
-@pytest.mark.parametrize("where, message", [
-    ("file", "--out {out}: exists and is not a directory"),
-    ("under_file", "--out {out}: {file} is a file, not a directory"),
-])
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        ("file", "--out {out}: exists and is not a directory"),
+        ("under_file", "--out {out}: {file} is a file, not a directory"),
+    ],
+)
 def test_eval_out_that_cannot_be_written_fails_before_any_work(where, message, tmp_path, capsys, no_model_loading):
     file = tmp_path / "existing.csv"
     file.write_text("keep me\n")
@@ -96,8 +101,13 @@ def test_eval_out_that_cannot_be_written_fails_before_any_work(where, message, t
 
 
 def test_the_module_entry_point_gives_one_line_not_a_traceback(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "dcinterp.synth", "eval", "--device", "tpu", "--out",
-                             str(tmp_path / "results")], capture_output=True, text=True, cwd=REPO, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "dcinterp.synth", "eval", "--device", "tpu", "--out", str(tmp_path / "results")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert result.returncode == 2 and result.stdout == ""
     assert one_line(result.stderr).startswith("error: --device: device 'tpu' is not a torch device; available: cpu")
     assert files_under(tmp_path) == []
@@ -118,15 +128,20 @@ def test_eval_out_a_new_directory_is_not_created_when_the_input_is_bad(tmp_path,
 
 # --------------------------------------------------------------------------------------------------
 # synth generate: refuses what check or eval would reject
-@pytest.mark.parametrize("arguments, message", [
-    (["--samples-per-task", "0"], "argument --samples-per-task: expected a positive integer, not '0'"),
-    (["--samples-per-task", "-3"], "argument --samples-per-task: expected a positive integer, not '-3'"),
-    (["--seed", "-1"], "argument --seed: expected an integer >= 0, not '-1'"),
-    (["--seed", "one"], "argument --seed: expected an integer >= 0, not 'one'"),
-    (["--lines", "100"], "--lines 100: check and eval read samples of 8 lines"),
-    (["--qk-pattern", "same-person", "--ov-transformation", "prev"],
-     "no task is both same-person and prev; nothing written"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--samples-per-task", "0"], "argument --samples-per-task: expected a positive integer, not '0'"),
+        (["--samples-per-task", "-3"], "argument --samples-per-task: expected a positive integer, not '-3'"),
+        (["--seed", "-1"], "argument --seed: expected an integer >= 0, not '-1'"),
+        (["--seed", "one"], "argument --seed: expected an integer >= 0, not 'one'"),
+        (["--lines", "100"], "--lines 100: check and eval read samples of 8 lines"),
+        (
+            ["--qk-pattern", "same-person", "--ov-transformation", "prev"],
+            "no task is both same-person and prev; nothing written",
+        ),
+    ],
+)
 def test_generate_refuses_what_check_and_eval_reject(arguments, message, tmp_path, capsys):
     out = tmp_path / "fresh.jsonl"
     assert exit_code(synth_cli.main, ["generate", "--out", str(out), *arguments]) == 2
@@ -142,24 +157,28 @@ def test_generate_out_a_directory_is_one_line(tmp_path, capsys):
 
 def test_what_generate_writes_check_accepts(tmp_path, capsys):
     out = tmp_path / "fresh.jsonl"
-    assert synth_cli.main(["generate", "--seed", "3", "--tasks", "0-3", "--samples-per-task", "2",
-                           "--out", str(out)]) == 0
+    assert (
+        synth_cli.main(["generate", "--seed", "3", "--tasks", "0-3", "--samples-per-task", "2", "--out", str(out)]) == 0
+    )
     assert synth_cli.main(["check", str(out)]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == f"{out}: OK (8 records, 4 tasks)"
 
 
 def test_a_usage_error_is_one_line_without_the_usage_block(capsys):
     assert exit_code(synth_cli.main, ["eval", "--batch-size", "0"]) == 2
-    assert one_line(capsys.readouterr().err) == \
-        "python -m dcinterp.synth eval: error: argument --batch-size: expected a positive integer, not '0'"
+    assert (
+        one_line(capsys.readouterr().err)
+        == "python -m dcinterp.synth eval: error: argument --batch-size: expected a positive integer, not '0'"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
 # The notebook runner: parameters
 def test_p_values_are_strings_as_typed():
     prompt = "Michelle has a burger.\nHelen: has a papaya.\n  Michelle owns a kind of"
-    parameters = notebooks.parse_parameters(notebooks.resolve("case_study"),
-                                            [("prompt", prompt), ("checkpoint", "yes"), ("dtype", "null")])
+    parameters = notebooks.parse_parameters(
+        notebooks.resolve("case_study"), [("prompt", prompt), ("checkpoint", "yes"), ("dtype", "null")]
+    )
     assert parameters == {"prompt": prompt, "checkpoint": "yes", "dtype": "null"}
 
 
@@ -171,21 +190,33 @@ def test_p_values_are_numbers_where_the_default_is_a_number():
 
 
 def test_y_takes_a_yaml_mapping_and_p_wins_over_it():
-    parameters = notebooks.parse_parameters(notebooks.resolve("synthetic_eval"), [("dtype", "bfloat16")],
-                                            ["{limit: 74, checkpoints: [a, b], dtype: float16}"])
+    parameters = notebooks.parse_parameters(
+        notebooks.resolve("synthetic_eval"),
+        [("dtype", "bfloat16")],
+        ["{limit: 74, checkpoints: [a, b], dtype: float16}"],
+    )
     assert parameters == {"limit": 74, "checkpoints": ["a", "b"], "dtype": "bfloat16"}
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (["-p", "chekpoint", "x"], "error: case_study has no parameter 'chekpoint' (its parameters: checkpoint, device,"),
-    (["-y", "n_step: 3"], "error: case_study has no parameter 'n_step' (its parameters: checkpoint, device,"),
-    (["-y", "16"], "error: -y '16': expected a YAML mapping such as 'limit: 74'"),
-    (["-y", "a: ["], "error: -y 'a: [': not YAML"),
-    (["-p", "n_steps", "1.5"], "error: -p n_steps '1.5': expected an integer"),
-    (["-p", "device", "tpu"], "error: -p device: device 'tpu' is not a torch device; available: cpu"),
-    (["--out", "{file}/case_study.ipynb"], "error: --out {file}/case_study.ipynb: {file} is a file, not a directory"),
-    (["--figures", "{file}"], "error: --figures {file}: exists and is not a directory"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (
+            ["-p", "chekpoint", "x"],
+            "error: case_study has no parameter 'chekpoint' (its parameters: checkpoint, device,",
+        ),
+        (["-y", "n_step: 3"], "error: case_study has no parameter 'n_step' (its parameters: checkpoint, device,"),
+        (["-y", "16"], "error: -y '16': expected a YAML mapping such as 'limit: 74'"),
+        (["-y", "a: ["], "error: -y 'a: [': not YAML"),
+        (["-p", "n_steps", "1.5"], "error: -p n_steps '1.5': expected an integer"),
+        (["-p", "device", "tpu"], "error: -p device: device 'tpu' is not a torch device; available: cpu"),
+        (
+            ["--out", "{file}/case_study.ipynb"],
+            "error: --out {file}/case_study.ipynb: {file} is a file, not a directory",
+        ),
+        (["--figures", "{file}"], "error: --figures {file}: exists and is not a directory"),
+    ],
+)
 def test_runner_bad_input_is_one_line_exit_2_and_runs_nothing(arguments, message, tmp_path, capsys, monkeypatch):
     file = tmp_path / "a_file"
     file.write_text("keep me\n")
@@ -200,8 +231,12 @@ def test_runner_bad_input_is_one_line_exit_2_and_runs_nothing(arguments, message
 
 def test_runner_lists_a_notebooks_parameters(capsys):
     assert notebooks.main(["run", "head_diversity", "--help-parameters"]) == 0
-    assert [line.split(" = ")[0] for line in capsys.readouterr().out.splitlines()] == \
-        ["checkpoints", "device", "dtype", "figures_dir"]
+    assert [line.split(" = ")[0] for line in capsys.readouterr().out.splitlines()] == [
+        "checkpoints",
+        "device",
+        "dtype",
+        "figures_dir",
+    ]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -213,34 +248,61 @@ def test_figures_go_next_to_the_executed_notebook_unless_told(tmp_path, monkeypa
     notebooks.run_notebook("head_diversity", {}, out="runs/hd.ipynb")
     notebooks.run_notebook("head_diversity", {}, out="runs/hd.ipynb", figures="figs")
     notebooks.run_notebook("head_diversity", {"figures_dir": "mine"}, out="runs/hd.ipynb")
-    assert [call["parameters"]["figures_dir"] for call in calls] == \
-        [str(tmp_path / "runs"), str(tmp_path / "figs"), str(tmp_path / "mine")]
+    assert [call["parameters"]["figures_dir"] for call in calls] == [
+        str(tmp_path / "runs"),
+        str(tmp_path / "figs"),
+        str(tmp_path / "mine"),
+    ]
     assert all(call["cwd"] == str(tmp_path) for call in calls)
     assert calls[0]["kernel_manager_class"]().transport == "ipc"
 
 
-TINY_NOTEBOOK = nbformat.v4.new_notebook(cells=[
-    nbformat.v4.new_code_cell('message = "hello"\nrepeat = 2\nfigures_dir = "../figures"',
-                              metadata={"tags": ["parameters"]}),
-    nbformat.v4.new_code_cell(textwrap.dedent("""\
+TINY_NOTEBOOK = nbformat.v4.new_notebook(
+    cells=[
+        nbformat.v4.new_code_cell(
+            'message = "hello"\nrepeat = 2\nfigures_dir = "../figures"', metadata={"tags": ["parameters"]}
+        ),
+        nbformat.v4.new_code_cell(
+            textwrap.dedent("""\
         from pathlib import Path
         print(message * repeat)
-        Path(figures_dir, "tiny.txt").write_text(message)""")),
-], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+        Path(figures_dir, "tiny.txt").write_text(message)""")
+        ),
+    ],
+    metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+)
 
 
 def test_runner_streams_cells_keeps_kernel_warnings_out_and_writes_next_to_the_notebook(tmp_path):
     notebook = tmp_path / "tiny.ipynb"
     nbformat.write(TINY_NOTEBOOK, notebook)
     result = subprocess.run(
-        [sys.executable, "-m", "dcinterp.notebooks", "run", str(notebook), "-p", "message", "a: b\nc",
-         "-p", "repeat", "3", "--out", "out/tiny_run.ipynb"],
-        capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "dcinterp.notebooks",
+            "run",
+            str(notebook),
+            "-p",
+            "message",
+            "a: b\nc",
+            "-p",
+            "repeat",
+            "3",
+            "--out",
+            "out/tiny_run.ipynb",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=ENV,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert "Executing Cell 2" in result.stdout and "a: b\nca: b\nca: b\n" in result.stdout
     assert "without encryption" not in result.stdout + result.stderr
     assert (tmp_path / "out" / "tiny.txt").read_text() == "a: b\nc"
-    assert f"wrote out/tiny.txt" in result.stdout.replace(str(tmp_path) + "/", "")
+    assert "wrote out/tiny.txt" in result.stdout.replace(str(tmp_path) + "/", "")
     assert sorted(files_under(tmp_path)) == ["out", "out/tiny.txt", "out/tiny_run.ipynb", "tiny.ipynb"]
 
 
@@ -256,15 +318,18 @@ def test_a_failing_cell_is_one_line_and_exit_1(tmp_path, capsys, monkeypatch):
 
 # --------------------------------------------------------------------------------------------------
 # --help is fast: parsing the arguments imports neither torch nor transformer_lens
-@pytest.mark.parametrize("module, argv", [
-    ("dcinterp.synth", ["--help"]),
-    ("dcinterp.synth", ["eval", "--help"]),
-    ("dcinterp.synth", ["generate", "--help"]),
-    ("dcinterp.synth", ["check", "--help"]),
-    ("dcinterp.notebooks", ["--help"]),
-    ("dcinterp.notebooks", ["run", "--help"]),
-    ("dcinterp.train", ["--help"]),
-])
+@pytest.mark.parametrize(
+    "module, argv",
+    [
+        ("dcinterp.synth", ["--help"]),
+        ("dcinterp.synth", ["eval", "--help"]),
+        ("dcinterp.synth", ["generate", "--help"]),
+        ("dcinterp.synth", ["check", "--help"]),
+        ("dcinterp.notebooks", ["--help"]),
+        ("dcinterp.notebooks", ["run", "--help"]),
+        ("dcinterp.train", ["--help"]),
+    ],
+)
 def test_help_imports_neither_torch_nor_transformer_lens(module, argv):
     script = textwrap.dedent(f"""\
         import runpy, sys
@@ -281,9 +346,11 @@ def test_help_imports_neither_torch_nor_transformer_lens(module, argv):
 
 
 def test_the_package_still_exports_the_model():
-    script = ("import sys, dcinterp; assert 'torch' not in sys.modules; "
-              "from dcinterp import HookedDCFormer, DCFormerConfig, CheckpointError, embedded_models; "
-              "print(HookedDCFormer.__module__, sorted(embedded_models()))")
+    script = (
+        "import sys, dcinterp; assert 'torch' not in sys.modules; "
+        "from dcinterp import HookedDCFormer, DCFormerConfig, CheckpointError, embedded_models; "
+        "print(HookedDCFormer.__module__, sorted(embedded_models()))"
+    )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[0] == "dcinterp.model"

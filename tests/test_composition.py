@@ -11,7 +11,6 @@ FIXTURE = Path(__file__).resolve().parents[1] / "tests/fixtures/dcpythia-tiny"
 HOOKS = {"pre": ("hook_attn_scores", "hook_composed_scores"), "post": ("hook_pattern", "hook_composed_pattern")}
 
 
-
 def tiny(**overrides) -> HookedDCFormer:
     torch.manual_seed(0)
     cfg = dict(n_layers=2, d_model=32, n_heads=4, d_head=8, d_mlp=64, d_vocab=50)
@@ -25,8 +24,7 @@ def tiny(**overrides) -> HookedDCFormer:
 
 @pytest.fixture(scope="module")
 def models() -> dict[str, HookedDCFormer]:
-    return {"tiny": tiny(), "fixture": HookedDCFormer.from_pretrained(FIXTURE),
-            "query_wise": tiny(query_wise=True)}
+    return {"tiny": tiny(), "fixture": HookedDCFormer.from_pretrained(FIXTURE), "query_wise": tiny(query_wise=True)}
 
 
 @pytest.mark.parametrize("name", ["tiny", "fixture", "query_wise"])
@@ -51,8 +49,9 @@ def test_breakdown_sums_and_matches_the_model(models, name, stage):
             expected = cache[key][1, :, t, s] if key in cache.cache_dict else torch.zeros(4)
             torch.testing.assert_close(value, expected, atol=1e-5, rtol=1e-5)
         assert b.w_q1.shape == b.w_k2.shape == (4, 2) and b.w_qg.shape == (4,)
-        torch.testing.assert_close(b.w_k1, cache[f"{attn}.{stage}_compose.hook_kw1"][1, s].T
-                                   if name != "query_wise" else torch.zeros(4, 2))
+        torch.testing.assert_close(
+            b.w_k1, cache[f"{attn}.{stage}_compose.hook_kw1"][1, s].T if name != "query_wise" else torch.zeros(4, 2)
+        )
     if name == "query_wise":
         assert torch.all(b.o_kp == 0) and torch.all(b.o_kg == 0)
     else:
@@ -117,8 +116,9 @@ def test_errors_and_half_precision():
     with torch.no_grad():
         _, cache = half.run_with_cache(tokens, names_filter="blocks.1.attn.hook_composed_pattern")
     assert b.composed.dtype == torch.float32
-    torch.testing.assert_close(b.composed, cache["blocks.1.attn.hook_composed_pattern"][0, :, 7, 2].float(),
-                               atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        b.composed, cache["blocks.1.attn.hook_composed_pattern"][0, :, 7, 2].float(), atol=2e-2, rtol=2e-2
+    )
 
 
 @pytest.mark.parametrize("name", ["fixture", "query_wise"])
@@ -136,8 +136,8 @@ def test_composition_maps_along_keys_match_each_pair(models, name):
 
 # --------------------------------------------------------------------------------------------------
 # Donor heads, argument checks, frames
-def hand_breakdown() -> "ComposeBreakdown":
-    """3 heads, rank 1, only the key-wise projection: W = w_k1 @ w_k2.T."""
+def hand_breakdown():
+    """3 heads, rank 1, only the key-wise projection: W = w_k1 @ w_k2.T (a ComposeBreakdown)."""
     from dcinterp.composition import ComposeBreakdown
 
     z3, z31 = torch.zeros(3), torch.zeros(3, 1)

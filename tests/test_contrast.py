@@ -42,7 +42,7 @@ def test_pairs_of_every_task_have_equal_length_and_the_stated_answers(task_id, t
             assert sorted(f.item for f in clean.facts) == sorted(f.item for f in corrupt.facts)
         else:
             assert clean.query_person == corrupt.query_person and clean.query_value == corrupt.query_value
-            assert sum(a != b for a, b in zip(clean.facts, corrupt.facts)) == 1
+            assert sum(a != b for a, b in zip(clean.facts, corrupt.facts, strict=True)) == 1
 
 
 def test_pairs_are_seeded_and_reproducible(tokenizer):
@@ -56,8 +56,12 @@ def test_the_case_study_pair_swaps_the_queried_person(tokenizer):
     (pair,) = contrast_pairs(2, n=1, seed=0, tokenizer=tokenizer)
     # Sample 0 is skipped: its other persons hold a sheep and a horse, so neither animal would be a unique answer.
     assert pair.sample == 1
-    assert pair.clean.endswith("< Laura has a steak. Patricia has a banana. David has underwear. >. Laura possesses a kind of")
-    assert pair.corrupt.endswith("< Laura has a steak. Patricia has a banana. David has underwear. >. Patricia possesses a kind of")
+    assert pair.clean.endswith(
+        "< Laura has a steak. Patricia has a banana. David has underwear. >. Laura possesses a kind of"
+    )
+    assert pair.corrupt.endswith(
+        "< Laura has a steak. Patricia has a banana. David has underwear. >. Patricia possesses a kind of"
+    )
     assert (pair.clean_answer, pair.corrupt_answer) == ("food", "fruit")
 
 

@@ -21,16 +21,32 @@ from dcinterp.synth.contrast import PairTokens
 WEIGHTS = ("qw1", "qw2", "kw1", "kw2", "qg", "kg")
 SHAPES = {
     "parallel": dict(parallel_residual=True),  # DCPythia
-    "sequential": dict(parallel_residual=False, normalization_type="RMS", act_fn="swiglu", use_bias=False,
-                       mgate_dim=2, window_size=3, window_type="LG"),  # DCFormer++
+    "sequential": dict(
+        parallel_residual=False,
+        normalization_type="RMS",
+        act_fn="swiglu",
+        use_bias=False,
+        mgate_dim=2,
+        window_size=3,
+        window_type="LG",
+    ),  # DCFormer++
     "mha": dict(use_dcmha=False),  # Pythia
 }
 
 
 def tiny(shape: str) -> HookedDCFormer:
     torch.manual_seed(0)
-    cfg = DCFormerConfig(n_layers=2, d_model=16, n_heads=3, d_head=4, d_mlp=16, d_vocab=23, dcmha_rank=2,
-                         dyn_hidden_dim=6, **SHAPES[shape])
+    cfg = DCFormerConfig(
+        n_layers=2,
+        d_model=16,
+        n_heads=3,
+        d_head=4,
+        d_mlp=16,
+        d_vocab=23,
+        dcmha_rank=2,
+        dyn_hidden_dim=6,
+        **SHAPES[shape],
+    )
     model = HookedDCFormer(cfg)
     model.init_weights(std=0.3)
     with torch.no_grad():  # a compose strong enough that every edge matters
@@ -100,10 +116,12 @@ def brute_force_hooks(model, graph, edge, clean, corrupt):
         A, A_corrupt = stage_input(model, clean, layer, stage), stage_input(model, corrupt, layer, stage)
         attn = f"blocks.{layer}.attn"
         if edge.branch == "skip":
+
             def hook(x, hook):
                 x = x.clone()
                 x[:, m] += (A_corrupt - A)[:, n]
                 return x
+
             return [(f"{attn}.hook_{'composed_scores' if stage == 'pre' else 'composed_pattern'}", hook)]
         weights = {w: clean[f"{attn}.{stage}_compose.hook_{w}"] for w in WEIGHTS}
         A_mixed = A.clone()
@@ -114,12 +132,15 @@ def brute_force_hooks(model, graph, edge, clean, corrupt):
             x = x.clone()
             x[:, m] = patched
             return x
+
         return [(f"{attn}.{stage}_compose.hook_o_{edge.branch}", hook)]
 
     delta = sender_output(corrupt, edge.source) - sender_output(clean, edge.source)
     if edge.target == "logits":
+
         def hook(x, hook):
             return x + delta
+
         return [(f"blocks.{cfg.n_layers - 1}.hook_resid_post", hook)]
     layer, block = edge.layer, model.blocks[edge.layer]
     if edge.target.startswith("MLP"):
@@ -128,14 +149,18 @@ def brute_force_hooks(model, graph, edge, clean, corrupt):
         return [(f"blocks.{layer}.hook_mlp_out", lambda x, hook: out)]
     if edge.target.endswith(".compose"):
         dyn = block.attn.dynamic_weights(block.ln1(clean[f"blocks.{layer}.hook_resid_pre"] + delta))
-        return [(f"blocks.{layer}.attn.{stage}_compose.hook_{w}", lambda x, hook, v=value: v)
-                for stage in cfg.compose_stages for w, value in zip(WEIGHTS, dyn[stage])]
+        return [
+            (f"blocks.{layer}.attn.{stage}_compose.hook_{w}", lambda x, hook, v=value: v)
+            for stage in cfg.compose_stages
+            for w, value in zip(WEIGHTS, dyn[stage], strict=True)
+        ]
     part, head = edge.target[-1], edge.target_head
 
     def hook(x, hook):
         x = x.clone()
         x[:, :, head] += delta
         return x
+
     return [(f"blocks.{layer}.attn.hook_{part}_input", hook)]
 
 
@@ -187,7 +212,7 @@ def test_single_edge_patching_equals_a_brute_force_rerun(setup):
     model.set_use_split_qkv_input(True)
     try:
         effects = evaluator.single_edge_effects(chosen)
-        for i, effect in zip(chosen, effects):
+        for i, effect in zip(chosen, effects, strict=True):
             edge = graph.edges[i]
             with torch.no_grad():
                 expected = logit_diff(model, pairs, brute_force_hooks(model, graph, edge, clean, corrupt))
@@ -204,8 +229,9 @@ def test_cutting_a_branch_is_the_branch_recomputed_from_the_corrupted_input_and_
     evaluator = CircuitEvaluator(model, graph, pairs)
     clean, corrupt = caches(model, pairs)
     for layer, stage, branch in [(1, "pre", "qp"), (0, "post", "kp"), (1, "post", "qg"), (0, "pre", "kg")]:
-        circuit = torch.tensor([not (e.kind == "compose" and (e.layer, e.stage, e.branch) == (layer, stage, branch))
-                                for e in graph.edges])
+        circuit = torch.tensor(
+            [not (e.kind == "compose" and (e.layer, e.stage, e.branch) == (layer, stage, branch)) for e in graph.edges]
+        )
         attn = f"blocks.{layer}.attn"
         weights = {w: clean[f"{attn}.{stage}_compose.hook_{w}"] for w in WEIGHTS}
         by_hand = branch_outputs(stage_input(model, corrupt, layer, stage), **weights)[branch]
@@ -230,8 +256,14 @@ def test_eap_score_is_the_gradient_formula_by_hand():
         grads[hook.name] = offset
         return x + offset
 
-    names = [f"{attn}.hook_q_input", f"{attn}.hook_k_input", f"{attn}.hook_v_input", f"{attn}.hook_composed_scores", f"{attn}.hook_composed_pattern",
-             "blocks.1.hook_resid_post"]
+    names = [
+        f"{attn}.hook_q_input",
+        f"{attn}.hook_k_input",
+        f"{attn}.hook_v_input",
+        f"{attn}.hook_composed_scores",
+        f"{attn}.hook_composed_pattern",
+        "blocks.1.hook_resid_post",
+    ]
     model.set_use_split_qkv_input(True)
     try:
         with torch.enable_grad():
@@ -252,19 +284,23 @@ def test_eap_score_is_the_gradient_formula_by_hand():
         delta = sender_output(corrupt, source) - sender_output(clean, source)
         for part in ("q", "k", "v"):
             assert score_of(source=source, target=f"L{layer}H{head}.{part}") == pytest.approx(
-                (delta * g[f"{attn}.hook_{part}_input"][:, :, head]).sum().item(), rel=1e-4, abs=1e-6)
+                (delta * g[f"{attn}.hook_{part}_input"][:, :, head]).sum().item(), rel=1e-4, abs=1e-6
+            )
     delta = sender_output(corrupt, "MLP1") - sender_output(clean, "MLP1")
-    assert score_of(source="MLP1", target="logits") == pytest.approx((delta * g["blocks.1.hook_resid_post"]).sum().item(),
-                                                                     rel=1e-4, abs=1e-6)
+    assert score_of(source="MLP1", target="logits") == pytest.approx(
+        (delta * g["blocks.1.hook_resid_post"]).sum().item(), rel=1e-4, abs=1e-6
+    )
     for stage, hook in (("pre", "hook_composed_scores"), ("post", "hook_composed_pattern")):
         A, A_corrupt = stage_input(model, clean, layer, stage), stage_input(model, corrupt, layer, stage)
         w = {n: clean[f"{attn}.{stage}_compose.hook_{n}"] for n in WEIGHTS}
         n, m = 0, 2
         W_qp = torch.einsum("btr,btr->bt", w["qw1"][..., n], w["qw2"][..., m])  # [b, t]
         by_hand = ((A_corrupt - A)[:, n] * W_qp[:, :, None] * g[f"{attn}.{hook}"][:, m]).sum().item()
-        assert score_of(source=f"L{layer}H{n}.{'scores' if stage == 'pre' else 'pattern'}", branch="qp",
-                        target=f"L{layer}H{m}.composed_{'scores' if stage == 'pre' else 'pattern'}") == pytest.approx(
-            by_hand, rel=1e-4, abs=1e-6)
+        assert score_of(
+            source=f"L{layer}H{n}.{'scores' if stage == 'pre' else 'pattern'}",
+            branch="qp",
+            target=f"L{layer}H{m}.composed_{'scores' if stage == 'pre' else 'pattern'}",
+        ) == pytest.approx(by_hand, rel=1e-4, abs=1e-6)
         gate = ((A_corrupt - A)[:, m] * w["kg"][:, :, m][:, None, :] * g[f"{attn}.{hook}"][:, m]).sum().item()
         assert score_of(stage=stage, layer=layer, branch="kg", target_head=m) == pytest.approx(gate, rel=1e-4, abs=1e-6)
 
@@ -285,8 +321,12 @@ def test_eap_ig_with_one_step_is_eap_and_steps_can_be_batched():
     eap = edge_scores(model, pairs, "eap", graph=graph)
     torch.testing.assert_close(edge_scores(model, pairs, "eap-ig", n_steps=1, graph=graph), eap, rtol=1e-4, atol=1e-6)
     whole = edge_scores(model, pairs, "eap-ig", n_steps=4, graph=graph)
-    torch.testing.assert_close(edge_scores(model, pairs, "eap-ig", n_steps=4, graph=graph, ig_batch_size=3,
-                                           batch_size=2), whole, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(
+        edge_scores(model, pairs, "eap-ig", n_steps=4, graph=graph, ig_batch_size=3, batch_size=2),
+        whole,
+        rtol=1e-4,
+        atol=1e-6,
+    )
     assert (whole - eap).abs().max() > 1e-4
 
 
@@ -338,7 +378,9 @@ def test_logprob_metric_full_and_empty_graph_and_scores():
     with torch.no_grad():
         logprobs = model(pairs.clean).log_softmax(-1)
     rows = torch.arange(pairs.clean.shape[0])
-    assert evaluator.m_clean == pytest.approx(logprobs[rows, pairs.position, pairs.clean_answer].mean().item(), abs=1e-4)
+    assert evaluator.m_clean == pytest.approx(
+        logprobs[rows, pairs.position, pairs.clean_answer].mean().item(), abs=1e-4
+    )
     assert evaluator.faithfulness(torch.zeros(len(graph), dtype=torch.bool)) == pytest.approx(0.0, abs=1e-4)
     scores = edge_scores(model, pairs, "eap", metric="logprob", graph=graph)
     assert torch.isfinite(scores).all() and scores.abs().max() > 0

@@ -8,8 +8,19 @@ from pathlib import Path
 
 import pytest
 
-ARGS = ["-m", "dcinterp.synth", "eval", "--checkpoint", "dcpythia-synth", "--tasks", "8-11", "--limit", "30",
-        "--batch-size", "4"]
+ARGS = [
+    "-m",
+    "dcinterp.synth",
+    "eval",
+    "--checkpoint",
+    "dcpythia-synth",
+    "--tasks",
+    "8-11",
+    "--limit",
+    "30",
+    "--batch-size",
+    "4",
+]
 
 
 def test_two_processes_write_the_same_files_as_one(tmp_path):
@@ -19,11 +30,16 @@ def test_two_processes_write_the_same_files_as_one(tmp_path):
     if not torchrun:
         pytest.skip("torchrun is not installed next to this Python")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, *ARGS, "--out", str(tmp_path / "one")], capture_output=True, text=True,
-                         env=env)
+    one = subprocess.run(
+        [sys.executable, *ARGS, "--out", str(tmp_path / "one")], capture_output=True, text=True, env=env
+    )
     assert one.returncode == 0, one.stderr
-    two = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", *ARGS,
-                          "--out", str(tmp_path / "two")], capture_output=True, text=True, env=env)
+    two = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", *ARGS, "--out", str(tmp_path / "two")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert two.returncode == 0, two.stderr[-2000:]
     assert "(2 processes)" in two.stdout
     for name in ("results.csv", "summary.json"):

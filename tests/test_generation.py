@@ -15,8 +15,16 @@ from dcinterp import DCFormerConfig, HookedDCFormer
 from dcinterp.kv_cache import DCFormerKeyValueCache
 
 FIXTURES = Path(__file__).parent / "fixtures"
-SIZE = {"n_layers": 3, "d_model": 32, "n_heads": 4, "d_head": 8, "d_mlp": 64, "d_vocab": 50, "n_ctx": 64,
-        "window_size": 5}
+SIZE = {
+    "n_layers": 3,
+    "d_model": 32,
+    "n_heads": 4,
+    "d_head": 8,
+    "d_mlp": 64,
+    "d_vocab": 50,
+    "n_ctx": 64,
+    "window_size": 5,
+}
 RANDOM = {
     "gpt-neox": {"use_dcmha": False, "use_qk_norm": False, "rotary_pct": 0.25, "window_type": None},
     "query-wise": {"query_wise": True, "window_type": "LGLL"},
@@ -79,8 +87,13 @@ def test_hooks_see_the_new_tokens_row(models):
     forward), each per-position hook the new position; branch-output hooks switch the compose to per-branch tensors."""
     model = models["dcpythia-tiny"]
     tokens = prompt(model, length=14)
-    rows = ["blocks.0.attn.hook_attn_scores", "blocks.0.attn.hook_pattern", "blocks.2.attn.hook_composed_pattern",
-            "blocks.2.attn.pre_compose.hook_o_kp", "blocks.1.attn.post_compose.hook_o_kg"]  # [b, h, t, s]
+    rows = [
+        "blocks.0.attn.hook_attn_scores",
+        "blocks.0.attn.hook_pattern",
+        "blocks.2.attn.hook_composed_pattern",
+        "blocks.2.attn.pre_compose.hook_o_kp",
+        "blocks.1.attn.post_compose.hook_o_kg",
+    ]  # [b, h, t, s]
     positions = ["blocks.1.attn.pre_compose.hook_kw1", "blocks.3.attn.hook_rot_k", "blocks.3.hook_resid_post"]
     _, full = model.run_with_cache(tokens, names_filter=rows + positions)
     cache = DCFormerKeyValueCache.init_cache(model.cfg, "cpu", batch_size=2)
@@ -124,8 +137,14 @@ def test_left_padding_gives_each_prompt_alone(models, name):
         assert (logits[0] - model(long)[0]).abs().max() < 1e-4
         assert (logits[1, 4:] - model(short)[0]).abs().max() < 1e-4
     for use_cache in (True, False):
-        out = model.generate(padded, attention_mask=mask, max_new_tokens=10, do_sample=False, stop_at_eos=False,
-                             use_past_kv_cache=use_cache)
+        out = model.generate(
+            padded,
+            attention_mask=mask,
+            max_new_tokens=10,
+            do_sample=False,
+            stop_at_eos=False,
+            use_past_kv_cache=use_cache,
+        )
         alone = [model.generate(p, max_new_tokens=10, do_sample=False, stop_at_eos=False) for p in (long, short)]
         assert torch.equal(out[0], alone[0][0]) and torch.equal(out[1, 4:], alone[1][0])
 
@@ -144,12 +163,13 @@ def test_stop_at_eos_sampling_and_a_frozen_cache(models):
     greedy = model.generate(tokens, max_new_tokens=6, do_sample=False, stop_at_eos=False)
     third = int(greedy[0, 14])
     stopped = model.generate(tokens, max_new_tokens=6, do_sample=False, eos_token_id=[third, 10**6])
-    assert torch.equal(stopped, greedy[:, :13 + greedy[0, 12:].tolist().index(third)])
+    assert torch.equal(stopped, greedy[:, : 13 + greedy[0, 12:].tolist().index(third)])
     torch.manual_seed(0)
     sampled = model.generate(tokens.repeat(4, 1), max_new_tokens=4, temperature=3.0, top_p=0.9, stop_at_eos=False)
     torch.manual_seed(0)
-    again = model.generate(tokens.repeat(4, 1), max_new_tokens=4, temperature=3.0, top_p=0.9, stop_at_eos=False,
-                           use_past_kv_cache=False)
+    again = model.generate(
+        tokens.repeat(4, 1), max_new_tokens=4, temperature=3.0, top_p=0.9, stop_at_eos=False, use_past_kv_cache=False
+    )
     assert torch.equal(sampled, again)
     # a frozen cache: two continuations of one cached prefix, the cache unchanged
     cache = DCFormerKeyValueCache.init_cache(model.cfg, "cpu")
@@ -181,7 +201,8 @@ def test_generate_matches_transformer_lens_on_the_same_pythia(tmp_path):
     bridge = TransformerBridge.boot_transformers(str(directory), device="cpu")
     tokens = ours.to_tokens(PROMPT)
     options = {"do_sample": False, "stop_at_eos": False, "verbose": False}
-    assert torch.equal(ours.generate(tokens, max_new_tokens=8, **options),
-                       bridge.generate(tokens, max_new_tokens=8, **options))
+    assert torch.equal(
+        ours.generate(tokens, max_new_tokens=8, **options), bridge.generate(tokens, max_new_tokens=8, **options)
+    )
     texts = [PROMPT, "Ruth owns a cat ."]
     assert ours.generate(texts, max_new_tokens=6, **options) == bridge.generate(texts, max_new_tokens=6, **options)

@@ -40,9 +40,11 @@ def pairs(reference):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_patching_tables_are_finite_and_close_to_float32(reference, pairs, dtype):
     model = load(dtype)
-    for table in (lambda m: attribution_patching(m, pairs),
-                  lambda m: attribution_patching(m, pairs, softmax="exact"),
-                  lambda m: activation_patching(m, pairs, names=["o_qp", "o_kp", "kw2", "qg"])):
+    for table in (
+        lambda m: attribution_patching(m, pairs),
+        lambda m: attribution_patching(m, pairs, softmax="exact"),
+        lambda m: activation_patching(m, pairs, names=["o_qp", "o_kp", "kw2", "qg"]),
+    ):
         low, full = table(model), table(reference)
         assert low.effect.notna().all() and torch.isfinite(torch.tensor(low.effect.values)).all()
         assert (low.effect - full.effect).abs().max() < PATCHING_TOL[dtype]

@@ -33,8 +33,14 @@ def expected_shapes(cfg: DCFormerConfig) -> dict[str, tuple]:
     shapes = {"hook_embed": (B, T, D), "ln_final.hook_normalized": (B, T, D), "ln_final.hook_scale": (B, T, 1)}
     for l in range(cfg.n_layers):
         b = f"blocks.{l}."
-        for name in ("hook_resid_pre", "hook_resid_post", "hook_attn_out", "hook_mlp_out",
-                     "ln1.hook_normalized", "ln2.hook_normalized"):
+        for name in (
+            "hook_resid_pre",
+            "hook_resid_post",
+            "hook_attn_out",
+            "hook_mlp_out",
+            "ln1.hook_normalized",
+            "ln2.hook_normalized",
+        ):
             shapes[b + name] = (B, T, D)
         if not cfg.parallel_residual:
             shapes[b + "hook_resid_mid"] = (B, T, D)
@@ -77,10 +83,13 @@ def test_hook_result_is_opt_in_and_sums_to_attn_out(pythia, tokens):
     torch.testing.assert_close(result.sum(2) + pythia.blocks[1].attn.b_O, cache["blocks.1.hook_attn_out"])
 
 
-@pytest.mark.parametrize("stage, before, after", [
-    ("pre_compose", "hook_attn_scores", "hook_composed_scores"),
-    ("post_compose", "hook_pattern", "hook_composed_pattern"),
-])
+@pytest.mark.parametrize(
+    "stage, before, after",
+    [
+        ("pre_compose", "hook_attn_scores", "hook_composed_scores"),
+        ("post_compose", "hook_pattern", "hook_composed_pattern"),
+    ],
+)
 def test_branch_outputs_plus_input_equal_the_composed_tensor(pythia, tokens, stage, before, after):
     _, cache = pythia.run_with_cache(tokens)
     for l in range(pythia.cfg.n_layers):
@@ -121,8 +130,11 @@ def same_weights(model: HookedDCFormer, **change) -> HookedDCFormer:
 
 @pytest.mark.parametrize("branch", ["qp", "kp", "qg", "kg"])
 def test_zeroing_a_branch_by_hook_equals_a_model_built_without_it(pythia, tokens, branch):
-    hooks = [(f"blocks.{l}.attn.{stage}_compose.hook_o_{branch}", zero)
-             for l in range(pythia.cfg.n_layers) for stage in ("pre", "post")]
+    hooks = [
+        (f"blocks.{l}.attn.{stage}_compose.hook_o_{branch}", zero)
+        for l in range(pythia.cfg.n_layers)
+        for stage in ("pre", "post")
+    ]
     without = same_weights(pythia, compose_branches=tuple(b for b in ("qp", "kp", "qg", "kg") if b != branch))
     with torch.no_grad():
         ablated = pythia.run_with_hooks(tokens, fwd_hooks=hooks)
@@ -134,11 +146,16 @@ def test_zeroing_a_branch_by_hook_equals_a_model_built_without_it(pythia, tokens
 
 @pytest.mark.parametrize("stage", ["pre", "post"])
 def test_zeroing_a_stage_by_hook_equals_a_model_built_without_it(pythia, tokens, stage):
-    hooks = [(f"blocks.{l}.attn.{stage}_compose.hook_o_{branch}", zero)
-             for l in range(pythia.cfg.n_layers) for branch in ("qp", "kp", "qg", "kg")]
+    hooks = [
+        (f"blocks.{l}.attn.{stage}_compose.hook_o_{branch}", zero)
+        for l in range(pythia.cfg.n_layers)
+        for branch in ("qp", "kp", "qg", "kg")
+    ]
     without = same_weights(pythia, compose_stages=("post",) if stage == "pre" else ("pre",))
     with torch.no_grad():
-        torch.testing.assert_close(pythia.run_with_hooks(tokens, fwd_hooks=hooks), without(tokens), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            pythia.run_with_hooks(tokens, fwd_hooks=hooks), without(tokens), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_zeroing_a_branch_in_one_layer_changes_only_what_follows(pythia, tokens):
@@ -192,9 +209,7 @@ def test_editing_kw1_changes_o_kp_accordingly(pythia, tokens):
 def test_hooks_intervene_on_the_forward(pythia, tokens):
     with torch.no_grad():
         clean = pythia(tokens)
-        patched = pythia.run_with_hooks(
-            tokens, fwd_hooks=[("blocks.3.attn.hook_composed_pattern", zero)]
-        )
+        patched = pythia.run_with_hooks(tokens, fwd_hooks=[("blocks.3.attn.hook_composed_pattern", zero)])
         no_attn = pythia.run_with_hooks(tokens, fwd_hooks=[("blocks.3.attn.hook_z", zero)])
     assert (clean - patched).abs().max() > 1e-3
     torch.testing.assert_close(patched, no_attn)
@@ -217,14 +232,16 @@ def test_activation_cache_decompositions(pythia, tokens):
     assert heads.shape == (4 * 4, B, T, 32)
     per_layer = heads.reshape(4, 4, B, T, 32).sum(1)
     for l in range(4):
-        torch.testing.assert_close(per_layer[l] + pythia.blocks[l].attn.b_O, cache[f"blocks.{l}.hook_attn_out"],
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            per_layer[l] + pythia.blocks[l].attn.b_O, cache[f"blocks.{l}.hook_attn_out"], rtol=1e-5, atol=1e-5
+        )
     # Logit attribution of the residual components adds up to the logit (less the final norm's bias term).
     target = torch.roll(tokens, -1, dims=1)  # any token per position will do
     attrs = cache.logit_attrs(components, tokens=target)
     bias_term = (pythia.ln_final.b @ pythia.W_U)[target]
-    torch.testing.assert_close(attrs.sum(0) + bias_term, logits.gather(-1, target[..., None])[..., 0],
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        attrs.sum(0) + bias_term, logits.gather(-1, target[..., None])[..., 0], rtol=1e-4, atol=1e-4
+    )
 
 
 def test_weight_helpers_have_transformer_lens_shapes(pythia):

@@ -55,7 +55,7 @@ def test_split_wq_wk_wv_layout(tmp_path):
     state = official_state("dcpythia-tiny")
     for key in [k for k in state if "wqkv" in k]:
         q, k, v = state.pop(key).split(32)
-        for name, part in zip("qkv", (q, k, v)):
+        for name, part in zip("qkv", (q, k, v), strict=True):
             state[key.replace("wqkv", f"w{name}")] = part
     assert_matches_reference(copy_fixture("dcpythia-tiny", tmp_path, state), "dcpythia-tiny")
 
@@ -104,7 +104,7 @@ def test_save_pretrained_round_trips_exactly(tmp_path, name):
     assert json.loads((tmp_path / "saved" / "config.json").read_text())["model_type"] == "dcinterp"
     again = HookedDCFormer.from_pretrained(tmp_path / "saved")
     assert again.cfg == model.cfg
-    for (k1, v1), (k2, v2) in zip(model.state_dict().items(), again.state_dict().items()):
+    for (k1, v1), (k2, v2) in zip(model.state_dict().items(), again.state_dict().items(), strict=True):
         assert k1 == k2 and torch.equal(v1, v2)
     tokens = expected(name)["input_ids"]
     with torch.no_grad():
@@ -168,7 +168,9 @@ def test_missing_key(tmp_path):
 
 def test_unexpected_key(tmp_path):
     state = {**official_state("dcformer-tiny"), "layers.0.attention.extra.weight": torch.zeros(3)}
-    with pytest.raises(CheckpointError, match=r"model.safetensors: unexpected weight 'layers.0.attention.extra.weight'"):
+    with pytest.raises(
+        CheckpointError, match=r"model.safetensors: unexpected weight 'layers.0.attention.extra.weight'"
+    ):
         HookedDCFormer.from_pretrained(copy_fixture("dcformer-tiny", tmp_path, state))
 
 

@@ -23,7 +23,12 @@ def test_official_checkpoints_reproduce_reference_logits(name):
 
 def test_fixture_configs_are_read_as_documented():
     pythia = HookedDCFormer.from_pretrained(FIXTURES / "dcpythia-tiny").cfg
-    assert (pythia.normalization_type, pythia.parallel_residual, pythia.act_fn, pythia.use_bias) == ("LN", True, "gelu", True)
+    assert (pythia.normalization_type, pythia.parallel_residual, pythia.act_fn, pythia.use_bias) == (
+        "LN",
+        True,
+        "gelu",
+        True,
+    )
     assert pythia.rotary_dim == 2 and pythia.window_type == "LG"
     assert [pythia.layer_window(l) for l in range(4)] == [8, None, 8, None]
     dcformer = HookedDCFormer.from_pretrained(FIXTURES / "dcformer-tiny").cfg
@@ -61,9 +66,18 @@ def test_low_precision_loads_run_and_stay_close(name, dtype, tol):
 def tiny_gpt_neox(directory: Path, rotary_pct: float = 0.25):
     transformers = pytest.importorskip("transformers")
     config = transformers.GPTNeoXConfig(
-        vocab_size=61, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=64, rotary_pct=rotary_pct, rotary_emb_base=10000, use_parallel_residual=True,
-        hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False,
+        vocab_size=61,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        rotary_pct=rotary_pct,
+        rotary_emb_base=10000,
+        use_parallel_residual=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     hf = transformers.GPTNeoXForCausalLM(config).eval()

@@ -28,7 +28,9 @@ def test_nnsight_reads_every_hook_point(wrapped):
     model, nn_model, tokens = wrapped
     logits, cache = model.run_with_cache(tokens)
     names = list(cache.keys())
-    assert BRANCH in names and "blocks.2.attn.pre_compose.hook_kw1" in names and "blocks.0.attn.hook_attn_scores" in names
+    assert (
+        BRANCH in names and "blocks.2.attn.pre_compose.hook_kw1" in names and "blocks.0.attn.hook_attn_scores" in names
+    )
     saved = {}
     with nn_model.trace(tokens):
         for name in sorted(names, key=names.index):  # in the order the forward runs them
@@ -53,9 +55,16 @@ def test_nnsight_sets_a_branch_output_as_run_with_hooks(wrapped):
     torch.testing.assert_close(model(tokens), model.run_with_hooks(tokens), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["blocks.0.attn.hook_attn_scores", "blocks.1.attn.pre_compose.hook_qw1",
-                                  "blocks.2.attn.pre_compose.hook_o_qg", "blocks.1.attn.hook_composed_pattern",
-                                  "blocks.2.mlp.hook_post"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "blocks.0.attn.hook_attn_scores",
+        "blocks.1.attn.pre_compose.hook_qw1",
+        "blocks.2.attn.pre_compose.hook_o_qg",
+        "blocks.1.attn.hook_composed_pattern",
+        "blocks.2.mlp.hook_post",
+    ],
+)
 def test_nnsight_sets_other_hook_points_as_run_with_hooks(wrapped, name):
     model, nn_model, tokens = wrapped
     expected = model.run_with_hooks(tokens, fwd_hooks=[(name, lambda x, hook: x * 0.5)])

@@ -8,19 +8,48 @@ from dcinterp.notebooks import available, main, run_notebook
 
 NOTEBOOKS = {
     # notebook: (parameters that keep the run short, figures it must write)
-    "case_study": ({"n_steps": 16}, ["case_study_attribution.png", "case_study_breakdown.png", "case_study_attention.png",
-                                     "case_study_attention_heads.html"]),
+    "case_study": (
+        {"n_steps": 16},
+        [
+            "case_study_attribution.png",
+            "case_study_breakdown.png",
+            "case_study_attention.png",
+            "case_study_attention_heads.html",
+        ],
+    ),
     "synthetic_eval": ({"limit": 74}, ["synthetic_eval.png"]),
-    "composition_maps": ({}, ["composition_maps_pre.png", "composition_maps_post.png", "composition_maps_keys.png",
-                              "composition_map_interactive.html", "composition_along_sequence.png"]),
+    "composition_maps": (
+        {},
+        [
+            "composition_maps_pre.png",
+            "composition_maps_post.png",
+            "composition_maps_keys.png",
+            "composition_map_interactive.html",
+            "composition_along_sequence.png",
+        ],
+    ),
     "head_diversity": ({}, ["head_diversity.png"]),
-    "branch_analysis": ({"tasks": "2,10", "pairs_per_task": 2, "ablation_samples": 12},
-                        ["branch_ablation.png", "patching_layers.png", "patching_heads.png", "patching_attribution.png",
-                         "patching_agreement.png"]),
-    "circuit_discovery": ({"tasks": "2", "pairs_per_task": 2, "n_steps": 2, "exact_top": 6},
-                          ["circuit_dcpythia-synth.png", "circuit_faithfulness_dcpythia-synth.png",
-                           "circuit_pythia-synth.png", "circuit_faithfulness_pythia-synth.png"]),
+    "branch_analysis": (
+        {"tasks": "2,10", "pairs_per_task": 2, "ablation_samples": 12},
+        [
+            "branch_ablation.png",
+            "patching_layers.png",
+            "patching_heads.png",
+            "patching_attribution.png",
+            "patching_agreement.png",
+        ],
+    ),
+    "circuit_discovery": (
+        {"tasks": "2", "pairs_per_task": 2, "n_steps": 2, "exact_top": 6},
+        [
+            "circuit_dcpythia-synth.png",
+            "circuit_faithfulness_dcpythia-synth.png",
+            "circuit_pythia-synth.png",
+            "circuit_faithfulness_pythia-synth.png",
+        ],
+    ),
 }
+
 
 def test_the_embedded_models_are_shipped():
     assert {"dcpythia-synth", "pythia-synth"} <= set(embedded_models())
@@ -33,7 +62,9 @@ def test_every_notebook_is_tested_and_has_a_parameters_cell():
         tagged = [cell for cell in notebook.cells if "parameters" in cell.metadata.get("tags", [])]
         assert len(tagged) == 1, path
         assert "figures_dir" in tagged[0].source and "device" in tagged[0].source, path
-        assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), f"{path} has outputs"
+        assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), (
+            f"{path} has outputs"
+        )
 
 
 @pytest.mark.parametrize("name", sorted(NOTEBOOKS))

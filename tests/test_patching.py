@@ -9,9 +9,26 @@ from dcinterp import HookedDCFormer
 from dcinterp.attribution import target_value
 from dcinterp.config import DCFormerConfig
 from dcinterp.patching import (
-    BRANCH_OUTPUTS, DYNAMIC_WEIGHTS, SITE_NAMES, Component, LogitDiff, Site, ablation_hooks, activation_patching,
-    attribution_deltas, attribution_patching, branch_ablation, branch_components, cache_sites,
-    everywhere_components, layer_components, patch_hook, patching_deltas, site_gradients, sites, stage_components,
+    BRANCH_OUTPUTS,
+    DYNAMIC_WEIGHTS,
+    SITE_NAMES,
+    Component,
+    LogitDiff,
+    Site,
+    ablation_hooks,
+    activation_patching,
+    attribution_deltas,
+    attribution_patching,
+    branch_ablation,
+    branch_components,
+    cache_sites,
+    everywhere_components,
+    layer_components,
+    patch_hook,
+    patching_deltas,
+    site_gradients,
+    sites,
+    stage_components,
 )
 from dcinterp.synth import contrast_pairs, tokenize_pairs
 
@@ -42,15 +59,18 @@ def switched(model, **changes):
 @pytest.mark.parametrize("branch", ["qp", "kp", "qg", "kg"])
 def test_zeroing_a_branch_everywhere_is_the_model_built_without_it(model, pairs, branch):
     without = switched(model, compose_branches=tuple(b for b in ("qp", "kp", "qg", "kg") if b != branch))
-    component = Component(tuple(site for site in sites(model, BRANCH_OUTPUTS) if site.branch == branch), "all", "all", branch)
+    component = Component(
+        tuple(site for site in sites(model, BRANCH_OUTPUTS) if site.branch == branch), "all", "all", branch
+    )
     with torch.no_grad():
         hooked = model.run_with_hooks(pairs.clean, fwd_hooks=ablation_hooks(component))
         expected = without(pairs.clean)
     torch.testing.assert_close(hooked, expected, atol=1e-4, rtol=1e-4)
     assert (model(pairs.clean) - expected).abs().max() > 1e-2  # the branch matters, so the test can fail
 
-    (row,) = branch_ablation(model, pairs.clean, pairs.clean_answer, [component], position=pairs.position,
-                             target_type="logprob").itertuples()
+    (row,) = branch_ablation(
+        model, pairs.clean, pairs.clean_answer, [component], position=pairs.position, target_type="logprob"
+    ).itertuples()
     expected_value = target_value(without, pairs.clean, pairs.clean_answer, pairs.position, "logprob").mean()
     assert row.ablated == pytest.approx(expected_value.item(), abs=1e-4)
 
@@ -59,8 +79,11 @@ def test_zeroing_a_stage_or_all_compose_is_the_model_built_without_it(model, pai
     pre, post, everything = everywhere_components(model)[-3:]
     assert (pre.stage, post.stage, everything.stage) == ("pre", "post", "all")
     with torch.no_grad():
-        for component, changes in [(pre, {"compose_stages": ("post",)}), (post, {"compose_stages": ("pre",)}),
-                                   (everything, {"use_dcmha": False})]:
+        for component, changes in [
+            (pre, {"compose_stages": ("post",)}),
+            (post, {"compose_stages": ("pre",)}),
+            (everything, {"use_dcmha": False}),
+        ]:
             hooked = model.run_with_hooks(pairs.clean, fwd_hooks=ablation_hooks(component))
             torch.testing.assert_close(hooked, switched(model, **changes)(pairs.clean), atol=1e-4, rtol=1e-4)
 
@@ -82,12 +105,16 @@ def test_every_head_zeroed_is_the_whole_branch_zeroed(model, pairs):
     all_heads = Component(tuple(site for c in heads for site in c.sites), 2, "post", "kp")
     (whole,) = [c for c in branch_components(model) if (c.layer, c.stage, c.branch) == (2, "post", "kp")]
     with torch.no_grad():
-        torch.testing.assert_close(model.run_with_hooks(pairs.clean, fwd_hooks=ablation_hooks(all_heads)),
-                                   model.run_with_hooks(pairs.clean, fwd_hooks=ablation_hooks(whole)))
+        torch.testing.assert_close(
+            model.run_with_hooks(pairs.clean, fwd_hooks=ablation_hooks(all_heads)),
+            model.run_with_hooks(pairs.clean, fwd_hooks=ablation_hooks(whole)),
+        )
 
 
 def test_mean_ablation_over_one_prompt_changes_nothing(model, pairs):
-    table = branch_ablation(model, pairs.clean[:1], pairs.clean_answer[:1], ablation="mean", position=pairs.position[:1])
+    table = branch_ablation(
+        model, pairs.clean[:1], pairs.clean_answer[:1], ablation="mean", position=pairs.position[:1]
+    )
     assert len(table) == model.cfg.n_layers * 2 * 4
     assert table.effect.abs().max() < 1e-4
     zeroed = branch_ablation(model, pairs.clean[:1], pairs.clean_answer[:1], position=pairs.position[:1])
@@ -154,7 +181,9 @@ def test_patching_every_branch_from_the_corrupted_run_reproduces_it_where_the_co
         a, b = cache_sites(model, clean, names), cache_sites(model, corrupt, names)
         assert all(torch.allclose(a[n], b[n], atol=1e-6) for n in names)
         names = ["blocks.0.attn.post_compose.hook_o_kp"]
-        assert not torch.allclose(cache_sites(model, clean, names)[names[0]], cache_sites(model, corrupt, names)[names[0]])
+        assert not torch.allclose(
+            cache_sites(model, clean, names)[names[0]], cache_sites(model, corrupt, names)[names[0]]
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -208,8 +237,10 @@ def test_attribution_patching_equals_exact_patching_for_a_small_perturbation(mod
     assert scale > 1e-3
     torch.testing.assert_close(exact, estimate, atol=0.02 * scale, rtol=0.05)
     # at the full corruption the estimate is only first order: it may differ a lot
-    assert (patching_deltas(model, pairs.clean, corrupt, metric, site_list)
-            - attribution_deltas(model, pairs.clean, corrupt, metric, site_list, softmax)).abs().max() > 10 * eps * scale
+    assert (
+        patching_deltas(model, pairs.clean, corrupt, metric, site_list)
+        - attribution_deltas(model, pairs.clean, corrupt, metric, site_list, softmax)
+    ).abs().max() > 10 * eps * scale
 
 
 def test_carrying_pre_compose_sites_through_the_softmax_comes_closer_where_the_softmax_saturates(model, pairs):
@@ -221,15 +252,24 @@ def test_carrying_pre_compose_sites_through_the_softmax_comes_closer_where_the_s
     pre = (exact["stage"] == "pre").to_numpy()
     post = ~pre
     assert exact.effect[pre].iloc[0] < -0.5 and abs(linear.effect[pre].iloc[0]) < 0.1
-    assert abs(through_softmax.effect[pre].iloc[0] - exact.effect[pre].iloc[0]) < \
-        abs(linear.effect[pre].iloc[0] - exact.effect[pre].iloc[0]) - 0.1
+    assert (
+        abs(through_softmax.effect[pre].iloc[0] - exact.effect[pre].iloc[0])
+        < abs(linear.effect[pre].iloc[0] - exact.effect[pre].iloc[0]) - 0.1
+    )
     assert through_softmax.effect[post].tolist() == linear.effect[post].tolist()  # post-compose: unchanged
     with pytest.raises(ValueError, match="softmax must be 'linear' or 'exact'"):
         attribution_patching(model, pairs, softmax="approximately")
 
 
-@pytest.mark.parametrize("hook_name", ["blocks.0.attn.post_compose.hook_kw1", "blocks.1.attn.pre_compose.hook_qw1",
-                                       "blocks.1.attn.post_compose.hook_o_kp", "blocks.2.attn.post_compose.hook_kw2"])
+@pytest.mark.parametrize(
+    "hook_name",
+    [
+        "blocks.0.attn.post_compose.hook_kw1",
+        "blocks.1.attn.pre_compose.hook_qw1",
+        "blocks.1.attn.post_compose.hook_o_kp",
+        "blocks.2.attn.post_compose.hook_kw2",
+    ],
+)
 def test_the_metric_gradient_matches_finite_differences(model, pairs, hook_name):
     """With every site hooked at once, the gradient at an early site still counts its paths through later ones."""
     metric = LogitDiff(pairs.clean_answer, pairs.corrupt_answer, pairs.position)

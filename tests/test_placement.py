@@ -4,14 +4,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dcinterp import CacheTooLarge, HookedDCFormer, estimate_cache
-from dcinterp import memory
+from dcinterp import CacheTooLarge, HookedDCFormer, estimate_cache, memory
 from dcinterp.attribution import head_attribution
 from dcinterp.composition import compose_breakdown
 
 FIXTURE = "tests/fixtures/dcpythia-tiny"
-OFFLOADED = {"embed": "cpu", "blocks.0": "cpu", "blocks.1": "disk", "blocks.2": "cpu", "blocks.3": "disk",
-             "ln_final": "cpu", "unembed": "cpu"}
+OFFLOADED = {
+    "embed": "cpu",
+    "blocks.0": "cpu",
+    "blocks.1": "disk",
+    "blocks.2": "cpu",
+    "blocks.3": "disk",
+    "ln_final": "cpu",
+    "unembed": "cpu",
+}
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +27,9 @@ def reference():
 
 @pytest.fixture(scope="module")
 def offloaded(tmp_path_factory):
-    return HookedDCFormer.from_pretrained(FIXTURE, device_map=OFFLOADED,
-                                          offload_folder=tmp_path_factory.mktemp("offload"))
+    return HookedDCFormer.from_pretrained(
+        FIXTURE, device_map=OFFLOADED, offload_folder=tmp_path_factory.mktemp("offload")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +57,12 @@ def test_offloaded_model_gives_the_same_logits_and_cache(reference, offloaded, t
 
 def test_hooks_intervene_on_an_offloaded_model(reference, offloaded, tokens):
     hook = ("blocks.3.attn.post_compose.hook_o_kp", lambda x, hook: 0 * x)
-    torch.testing.assert_close(offloaded.run_with_hooks(tokens, fwd_hooks=[hook]),
-                               reference.run_with_hooks(tokens, fwd_hooks=[hook]), rtol=0, atol=0)
+    torch.testing.assert_close(
+        offloaded.run_with_hooks(tokens, fwd_hooks=[hook]),
+        reference.run_with_hooks(tokens, fwd_hooks=[hook]),
+        rtol=0,
+        atol=0,
+    )
 
 
 def test_analyses_run_on_an_offloaded_model(reference, offloaded, tokens):
@@ -81,8 +92,11 @@ def test_bad_device_and_device_map_are_one_line_errors():
     with pytest.raises(ValueError, match=r"^device 'gpu0' is not a torch device; available: cpu"):
         HookedDCFormer.from_pretrained(FIXTURE, device="gpu0")
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match=r"^device 'cuda' is not available on this machine \(torch .* has no "
-                                             r"CUDA support\); available: cpu$"):
+        with pytest.raises(
+            ValueError,
+            match=r"^device 'cuda' is not available on this machine \(torch .* has no "
+            r"CUDA support\); available: cpu$",
+        ):
             HookedDCFormer.from_pretrained(FIXTURE, device="cuda")
 
 
@@ -105,15 +119,17 @@ def test_estimate_cache_is_exact(name):
         assert estimate_cache(model, tokens).nbytes_by_hook == actual
         selected = lambda hook: hook.startswith("blocks.1.attn")  # noqa: E731
         _, cache = model.run_with_cache(tokens, names_filter=selected, incl_bwd=False)
-        assert estimate_cache(model, tokens, selected).nbytes == sum(v.numel() * v.element_size() for v in cache.values())
+        assert estimate_cache(model, tokens, selected).nbytes == sum(
+            v.numel() * v.element_size() for v in cache.values()
+        )
     finally:
         model.set_use_attn_result(False)
         model.set_use_split_qkv_input(False)
 
 
 def test_estimate_for_dcpythia_6_9b_at_2048_tokens():
-    from dcinterp.random_checkpoint import DCPYTHIA_6_9B
     from dcinterp.loading import config_from_official
+    from dcinterp.random_checkpoint import DCPYTHIA_6_9B
 
     with torch.device("meta"):
         model = HookedDCFormer(config_from_official(DCPYTHIA_6_9B, "config.json"), init=False)
@@ -147,8 +163,15 @@ def test_guard_refuses_an_oversized_cache_and_accepts_a_filtered_one(monkeypatch
 # --------------------------------------------------------------------------------------------------
 # On a GPU (run with the device tool; skipped on CPU-only machines such as CI's)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-SPLIT = {"embed": 0, "blocks.0": 0, "blocks.1": "cpu", "blocks.2": 0, "blocks.3": "cpu", "ln_final": 0,
-         "unembed": "cpu"}
+SPLIT = {
+    "embed": 0,
+    "blocks.0": 0,
+    "blocks.1": "cpu",
+    "blocks.2": 0,
+    "blocks.3": "cpu",
+    "ln_final": 0,
+    "unembed": "cpu",
+}
 
 
 @needs_cuda

@@ -11,12 +11,12 @@ import torch
 from matplotlib.figure import Figure
 
 from dcinterp import DCFormerConfig, HookedDCFormer, plotting
-from dcinterp.synth import load_catalog
-from dcinterp.synth.accuracy import accuracy_tables
-from dcinterp.synth.evaluate import RESULT_COLUMNS
 from dcinterp.attribution import head_attribution
 from dcinterp.circuits import head_diversity
 from dcinterp.composition import attention_distributions, compose_breakdown, composition_map
+from dcinterp.synth import load_catalog
+from dcinterp.synth.accuracy import accuracy_tables
+from dcinterp.synth.evaluate import RESULT_COLUMNS
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests/fixtures/dcpythia-tiny"
 OUT = Path("/tmp/dcinterp-figs")
@@ -70,8 +70,9 @@ def test_attribution_heatmap(which, random_model, fixture_model, prompt):
     model = random_model if which == "random" else fixture_model
     result = head_attribution(model, prompt, 7, n_steps=8)
     layer, head = result.top_heads(1)[0]
-    check(plotting.plot_head_attribution(result, top_k=3), f"attribution_{which}",
-          ["layer", "head", f"L{layer}H{head}"])
+    check(
+        plotting.plot_head_attribution(result, top_k=3), f"attribution_{which}", ["layer", "head", f"L{layer}H{head}"]
+    )
     interactive = plotting.plot_head_attribution_plotly(result)
     assert isinstance(interactive, go.Figure) and interactive.layout.title.text
     check(plotting.plot_head_attribution(torch.randn(32, 32), top_k=5), "attribution_32x32", ["layer", "head"])
@@ -82,19 +83,28 @@ def test_composition_figures(which, random_model, fixture_model, prompt):
     model = random_model if which == "random" else fixture_model
     layer = 1
     b = compose_breakdown(model, prompt, layer, QUERY, KEY, "post")
-    check(plotting.plot_compose_breakdown(b, WORDS[QUERY], WORDS[KEY]), f"breakdown_{which}",
-          ["'of' -> 'burger'", "w_k1 (head x rank)", "w_k2 (rank x head)", "= A'", f"L{layer}H0", "head"])
+    check(
+        plotting.plot_compose_breakdown(b, WORDS[QUERY], WORDS[KEY]),
+        f"breakdown_{which}",
+        ["'of' -> 'burger'", "w_k1 (head x rank)", "w_k2 (rank x head)", "= A'", f"L{layer}H0", "head"],
+    )
     check(plotting.plot_compose_breakdown(b, side="q"), f"breakdown_q_{which}", ["w_q1 (head x rank)", "pos 19"])
-    maps = {f"L{layer} post 'of'->'burger'": composition_map(model, prompt, layer, QUERY, KEY),
-            "same, without identity": composition_map(model, prompt, layer, QUERY, KEY, include_identity=False),
-            f"L{layer} pre 'of'->'Michelle'": composition_map(model, prompt, layer, QUERY, 0, "pre")}
-    check(plotting.plot_composition_maps(maps), f"composition_maps_{which}",
-          ["source head j", "composed head h", "'of'->'burger'"])
+    maps = {
+        f"L{layer} post 'of'->'burger'": composition_map(model, prompt, layer, QUERY, KEY),
+        "same, without identity": composition_map(model, prompt, layer, QUERY, KEY, include_identity=False),
+        f"L{layer} pre 'of'->'Michelle'": composition_map(model, prompt, layer, QUERY, 0, "pre"),
+    }
+    check(
+        plotting.plot_composition_maps(maps),
+        f"composition_maps_{which}",
+        ["source head j", "composed head h", "'of'->'burger'"],
+    )
     assert isinstance(plotting.plot_composition_map_plotly(maps["same, without identity"]), go.Figure)
     d = attention_distributions(model, prompt, layer, QUERY, heads=[0, 2])
     fig = plotting.plot_attention_distributions(d, WORDS, w_k1_heads=[0, 1, 2, 3], rank_index=1, highlight=[KEY])
-    check(fig, f"attention_{which}", ["burger", "Michelle", f"L{layer}H2", "key token", "'of'",
-                                      "after composition (A')"])
+    check(
+        fig, f"attention_{which}", ["burger", "Michelle", f"L{layer}H2", "key token", "'of'", "after composition (A')"]
+    )
     bars = [ax for ax in fig.axes if ax.patches]
     assert len({ax.get_ylim() for ax in bars}) == 1 and len(fig.legends) == 1  # one scale, one legend
     assert all(ax.get_legend() is None for ax in bars)
@@ -102,14 +112,28 @@ def test_composition_figures(which, random_model, fixture_model, prompt):
 
 def test_head_diversity_figure(random_model, fixture_model):
     torch.manual_seed(1)
-    mha = HookedDCFormer(DCFormerConfig(n_layers=2, d_model=32, n_heads=4, d_head=8, d_mlp=64, d_vocab=50,
-                                        use_dcmha=False))
-    results = {"random (DCMHA)": head_diversity(random_model), "random (MHA)": head_diversity(mha),
-               "fixture (DCMHA, 4 layers)": head_diversity(fixture_model)}
+    mha = HookedDCFormer(
+        DCFormerConfig(n_layers=2, d_model=32, n_heads=4, d_head=8, d_mlp=64, d_vocab=50, use_dcmha=False)
+    )
+    results = {
+        "random (DCMHA)": head_diversity(random_model),
+        "random (MHA)": head_diversity(mha),
+        "fixture (DCMHA, 4 layers)": head_diversity(fixture_model),
+    }
     fig = plotting.plot_head_diversity(results, per_layer=True)
-    check(fig, "head_diversity", ["number of principal components k", "cumulative captured variance",
-                                  "QK circuits (W_Q W_K^T)", "OV circuits (W_V W_O)", "minus random (MHA)",
-                                  "The paper (Fig. 5)", "lower in"])
+    check(
+        fig,
+        "head_diversity",
+        [
+            "number of principal components k",
+            "cumulative captured variance",
+            "QK circuits (W_Q W_K^T)",
+            "OV circuits (W_V W_O)",
+            "minus random (MHA)",
+            "The paper (Fig. 5)",
+            "lower in",
+        ],
+    )
     difference = fig.axes[2].lines  # QK, the first model minus the others: per layer (same depth), then the mean
     first, second = results["random (DCMHA)"], results["random (MHA)"]
     assert first.qk.shape == second.qk.shape
@@ -126,18 +150,40 @@ def synthetic_results() -> pd.DataFrame:
         for task in catalog.tasks.values():
             for sample in range(3):
                 for k in range(2, 8):
-                    rows.append({"checkpoint": checkpoint, "sample": sample, "task": task.id,
-                                 "qk_pattern": task.qk_pattern, "ov_transformation": task.ov_transformation,
-                                 "k_shot": k, "answer": "a", "predicted": "a", "correct": rng.random() < skill,
-                                 "nll": 0.5, "n_tokens": 1})
+                    rows.append(
+                        {
+                            "checkpoint": checkpoint,
+                            "sample": sample,
+                            "task": task.id,
+                            "qk_pattern": task.qk_pattern,
+                            "ov_transformation": task.ov_transformation,
+                            "k_shot": k,
+                            "answer": "a",
+                            "predicted": "a",
+                            "correct": rng.random() < skill,
+                            "nll": 0.5,
+                            "n_tokens": 1,
+                        }
+                    )
     return pd.DataFrame(rows, columns=RESULT_COLUMNS)
 
 
 def test_synthetic_eval_figure():
     tables = accuracy_tables(synthetic_results(), n_resamples=200)
     fig = plotting.plot_synthetic_eval(tables)
-    check(fig, "synthetic_eval", ["shots K", "same-person", "superclass", "chance (37%)", "no\nsample",
-                                  "dcpythia-synth minus pythia-synth", "bootstrap interval"])
+    check(
+        fig,
+        "synthetic_eval",
+        [
+            "shots K",
+            "same-person",
+            "superclass",
+            "chance (37%)",
+            "no\nsample",
+            "dcpythia-synth minus pythia-synth",
+            "bootstrap interval",
+        ],
+    )
     # the combination heatmaps share one 0-1 scale; the difference map is centred at zero
     images = [ax.images[0] for ax in fig.axes if ax.images]
     assert [image.get_clim() for image in images[:2]] == [(0, 1), (0, 1)]
@@ -148,8 +194,7 @@ def test_synthetic_eval_figure():
     assert len(qk_axis.patches) == 2 * 5
     chance = sorted({round(float(x), 3) for segment in qk_axis.collections[-1].get_segments() for x in segment[:, 0]})
     assert chance == [0.333, 0.5]
-    one = accuracy_tables(synthetic_results().query("checkpoint == 'pythia-synth'"), interval="wilson",
-                          n_resamples=10)
+    one = accuracy_tables(synthetic_results().query("checkpoint == 'pythia-synth'"), interval="wilson", n_resamples=10)
     check(plotting.plot_synthetic_eval(one), "synthetic_eval_one_checkpoint", ["Wilson interval", "pythia-synth"])
 
 
@@ -170,8 +215,10 @@ def test_composition_maps_share_one_centred_scale_and_wrap():
 
 
 def test_composition_along_sequence_leaves_keys_out_of_reach_blank():
-    values = {"layer 0 (4-token window)": torch.tensor([float("nan")] * 6 + [1.0, 2.0, 3.0, 4.0]),
-              "layer 1": torch.arange(10.0)}
+    values = {
+        "layer 0 (4-token window)": torch.tensor([float("nan")] * 6 + [1.0, 2.0, 3.0, 4.0]),
+        "layer 1": torch.arange(10.0),
+    }
     fig = plotting.plot_composition_along_sequence(values, WORDS[:10], query_pos=9)
     check(fig, "composition_along_sequence", ["Frobenius", "Michelle", "layer 0 (4-token window)"])
     local = fig.axes[0].lines[0].get_ydata()
@@ -215,9 +262,13 @@ def test_embedded_model_figures():
     b = compose_breakdown(model, tokens, layer, query, key, "post")
     check(plotting.plot_compose_breakdown(b, words[query], words[key]), "embedded_breakdown", ["w_k1 (head x rank)"])
     check(plotting.plot_attention_distributions(d, words), "embedded_attention", [f"L{layer}H{head}"])
-    check(plotting.plot_composition_maps({f"L{layer} post {words[query]!r}->{words[key]!r}":
-                                          composition_map(model, tokens, layer, query, key)}),
-          "embedded_composition_map", ["source head j"])
+    check(
+        plotting.plot_composition_maps(
+            {f"L{layer} post {words[query]!r}->{words[key]!r}": composition_map(model, tokens, layer, query, key)}
+        ),
+        "embedded_composition_map",
+        ["source head j"],
+    )
     results = {"dcpythia-synth": head_diversity(model)}
     results["pythia-synth"] = head_diversity(HookedDCFormer.from_pretrained("pythia-synth"))
     check(plotting.plot_head_diversity(results), "embedded_head_diversity", ["number of principal components"])

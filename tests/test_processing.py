@@ -24,9 +24,13 @@ PROMPTS = ["Michelle has a burger . Michelle owns a kind of", "Ruth has a cat . 
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory) -> dict[str, object]:
-    return {"dcpythia-synth": "dcpythia-synth", "pythia-synth": "pythia-synth",
-            "dcpythia-tiny": FIXTURES / "dcpythia-tiny", "dcformer-tiny": FIXTURES / "dcformer-tiny",
-            "gpt-neox": save_tiny_pythia(tmp_path_factory.mktemp("neox"))}
+    return {
+        "dcpythia-synth": "dcpythia-synth",
+        "pythia-synth": "pythia-synth",
+        "dcpythia-tiny": FIXTURES / "dcpythia-tiny",
+        "dcformer-tiny": FIXTURES / "dcformer-tiny",
+        "gpt-neox": save_tiny_pythia(tmp_path_factory.mktemp("neox")),
+    }
 
 
 def load_pair(path, **processing):
@@ -64,7 +68,10 @@ def test_attention_hooks_are_unchanged_by_folding(paths, name):
     """q, k, v, the scores, every compose branch and dynamic weight, the patterns and z: the same numbers."""
     raw, processed = load_pair(paths[name], fold_ln=True, center_writing_weights=True, center_unembed=True)
     tokens = some_tokens(raw)
-    attention = lambda hook: ".attn." in hook and not hook.endswith(("_input", "hook_result"))
+
+    def attention(hook):
+        return ".attn." in hook and not hook.endswith(("_input", "hook_result"))
+
     _, raw_cache = raw.run_with_cache(tokens, names_filter=attention)
     _, cache = processed.run_with_cache(tokens, names_filter=attention)
     names = list(raw_cache.keys())
@@ -87,9 +94,12 @@ def test_dcmha_specific_folding(paths):
     # ln1's bias went into q, k, v and into the dynamic-weight FFN's new biases
     attn = processed.blocks[1].attn
     assert attn.b_dyn_in.shape == (4, raw.cfg.dyn_hidden_dim) and attn.b_dyn_gate.shape == (4, raw.cfg.n_heads)
-    torch.testing.assert_close(attn.b_dyn_in, torch.einsum("d,dck->ck", raw.blocks[1].ln1.b, raw.blocks[1].attn.W_dyn_in))
-    assert torch.equal(attn.b_V, raw.blocks[1].attn.b_V + torch.einsum("d,hde->he", raw.blocks[1].ln1.b,
-                                                                        raw.blocks[1].attn.W_V))
+    torch.testing.assert_close(
+        attn.b_dyn_in, torch.einsum("d,dck->ck", raw.blocks[1].ln1.b, raw.blocks[1].attn.W_dyn_in)
+    )
+    assert torch.equal(
+        attn.b_V, raw.blocks[1].attn.b_V + torch.einsum("d,hde->he", raw.blocks[1].ln1.b, raw.blocks[1].attn.W_V)
+    )
     assert (processed.blocks[1].ln1.w == 1).all() and (processed.blocks[1].ln1.b == 0).all()
     # why b_V stays: the composed rows do not sum to 1
     _, cache = raw.run_with_cache(some_tokens(raw), names_filter="blocks.1.attn.hook_composed_pattern")
@@ -149,8 +159,9 @@ def test_one_residual_story_adds_up_to_the_logits(paths, name, processed):
     through_norm = cache.apply_ln_to_stack(components)
     torch.testing.assert_close(through_norm.sum(0) @ model.W_U + logit_offset(model), logits, rtol=0, atol=1e-4)
     attrs = cache.logit_attrs(components, tokens=target)
-    torch.testing.assert_close(attrs.sum(0) + logit_offset(model)[target], logits.gather(-1, target[..., None])[..., 0],
-                               rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        attrs.sum(0) + logit_offset(model)[target], logits.gather(-1, target[..., None])[..., 0], rtol=0, atol=1e-4
+    )
     heads = cache.apply_ln_to_stack(cache.get_full_resid_decomposition(expand_neurons=False))
     torch.testing.assert_close(heads.sum(0), through_norm.sum(0), rtol=0, atol=1e-4)
     # the accumulated stream through the real final norm: W_U and b_U give the logits; it differs from the
@@ -158,17 +169,20 @@ def test_one_residual_story_adds_up_to_the_logits(paths, name, processed):
     accumulated = cache.accumulated_resid(apply_ln=True)
     torch.testing.assert_close(accumulated[-1] @ model.W_U + model.b_U, logits, rtol=0, atol=1e-4)
     bias = model.ln_final.b if model.ln_final.b is not None else 0
-    torch.testing.assert_close(accumulated[-1] - through_norm.sum(0), bias + torch.zeros_like(accumulated[-1]),
-                               rtol=0, atol=1e-5)
-    torch.testing.assert_close(accumulated[-1] @ model.tokens_to_residual_directions(0) + model.b_U[0],
-                               logits[..., 0], rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        accumulated[-1] - through_norm.sum(0), bias + torch.zeros_like(accumulated[-1]), rtol=0, atol=1e-5
+    )
+    torch.testing.assert_close(
+        accumulated[-1] @ model.tokens_to_residual_directions(0) + model.b_U[0], logits[..., 0], rtol=0, atol=1e-4
+    )
     if hasattr(cache, "logit_lens"):  # TransformerLens 4
         torch.testing.assert_close(cache.logit_lens().values[-1], logits[:, -1], rtol=0, atol=1e-4)  # last position
     # neurons through the final norm, projected on a token's direction: the shortcut path equals the plain one
     direction = model.tokens_to_residual_directions(0)
     plain = cache.stack_neuron_results(-1, apply_ln=True) @ direction
-    torch.testing.assert_close(cache.stack_neuron_results(-1, apply_ln=True, project_output_onto=direction), plain,
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        cache.stack_neuron_results(-1, apply_ln=True, project_output_onto=direction), plain, rtol=0, atol=1e-5
+    )
     if processed:  # the final norm is folded away: only its centring and scaling are left
         assert model.ln_final.w.eq(1).all() and (model.ln_final.b is None or not model.ln_final.b.any())
 
@@ -209,7 +223,9 @@ def test_analyses_agree_or_refuse_on_a_processed_model(paths):
         if hasattr(parts[0], field):
             torch.testing.assert_close(getattr(parts[1], field), getattr(parts[0], field), rtol=1e-4, atol=1e-4)
     # Eq. 12 and Fig. 5 read the released norms: a processed model says so instead of giving other numbers
-    with pytest.raises(ValueError, match=r"ov_logits \(Eq. 12\): reads the released weights .*from_pretrained_no_processing"):
+    with pytest.raises(
+        ValueError, match=r"ov_logits \(Eq. 12\): reads the released weights .*from_pretrained_no_processing"
+    ):
         ov_logits(processed, 2, 0, [food])
     with pytest.raises(ValueError, match=r"head_diversity \(Fig. 5\): reads the released weights"):
         head_diversity(processed)
@@ -217,7 +233,13 @@ def test_analyses_agree_or_refuse_on_a_processed_model(paths):
 
 
 def test_processing_a_disk_offloaded_model_is_refused_in_one_line(tmp_path):
-    device_map = {"embed": "cpu", "blocks.0": "cpu", "blocks.1": "disk", "blocks.2": "cpu", "ln_final": "cpu",
-                  "unembed": "cpu"}
+    device_map = {
+        "embed": "cpu",
+        "blocks.0": "cpu",
+        "blocks.1": "disk",
+        "blocks.2": "cpu",
+        "ln_final": "cpu",
+        "unembed": "cpu",
+    }
     with pytest.raises(ValueError, match=r"process_weights_: 'blocks.1.\S+' is offloaded \(meta\)"):
         HookedDCFormer.from_pretrained("pythia-synth", device_map=device_map, offload_folder=tmp_path, fold_ln=True)

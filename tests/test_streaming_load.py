@@ -15,14 +15,35 @@ from dcinterp import HookedDCFormer
 from dcinterp.random_checkpoint import official_shapes, scaled, write_random_checkpoint
 
 SMALL_DCPYTHIA = {
-    "model_type": "dcpythia", "dim": 64, "n_layer": 2, "n_head": 4, "head_dim": 16, "intermediate_size": 256,
-    "vocab_size": 300, "block_size": 128, "rotary_pct": 0.25, "use_qk_norm": True, "use_dcmha": True,
-    "window_size": 8, "window_type": None,
+    "model_type": "dcpythia",
+    "dim": 64,
+    "n_layer": 2,
+    "n_head": 4,
+    "head_dim": 16,
+    "intermediate_size": 256,
+    "vocab_size": 300,
+    "block_size": 128,
+    "rotary_pct": 0.25,
+    "use_qk_norm": True,
+    "use_dcmha": True,
+    "window_size": 8,
+    "window_type": None,
 }
-SMALL_DCFORMER = {**{k: v for k, v in SMALL_DCPYTHIA.items() if k != "window_type"}, "model_type": "dcformer",
-                  "window_type": "LG", "rope_base": 500000}
-SMALL_NEOX = {"model_type": "gpt_neox", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "intermediate_size": 256, "vocab_size": 300, "rotary_pct": 0.25}
+SMALL_DCFORMER = {
+    **{k: v for k, v in SMALL_DCPYTHIA.items() if k != "window_type"},
+    "model_type": "dcformer",
+    "window_type": "LG",
+    "rope_base": 500000,
+}
+SMALL_NEOX = {
+    "model_type": "gpt_neox",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 256,
+    "vocab_size": 300,
+    "rotary_pct": 0.25,
+}
 
 
 def read_raw(directory: Path) -> dict[str, torch.Tensor]:
@@ -73,11 +94,17 @@ def test_nothing_stays_mapped_after_loading(tmp_path):
 @pytest.mark.parametrize("file_format,dtype", [("bin", "bfloat16"), ("safetensors", "float32"), ("bin", "float16")])
 def test_peak_memory_of_a_load_is_close_to_the_weights(tmp_path_factory, file_format, dtype):
     # ~85M parameters (170 MB of float16 shards): large next to the allocator's noise, small for a test.
-    config = scaled(SMALL_DCPYTHIA, dim=1024, n_head=8, head_dim=128, intermediate_size=4096, vocab_size=16384,
-                    n_layer=4)
-    directory = write_random_checkpoint(tmp_path_factory.mktemp(file_format), config, file_format,
-                                        shard_bytes=60 * 2**20)
-    out = subprocess.run([sys.executable, "-W", "ignore", "-m", "dcinterp.memory", str(directory), dtype],
-                         capture_output=True, text=True, check=True)
+    config = scaled(
+        SMALL_DCPYTHIA, dim=1024, n_head=8, head_dim=128, intermediate_size=4096, vocab_size=16384, n_layer=4
+    )
+    directory = write_random_checkpoint(
+        tmp_path_factory.mktemp(file_format), config, file_format, shard_bytes=60 * 2**20
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "dcinterp.memory", str(directory), dtype],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     measured = json.loads(out.stdout)
     assert measured["peak_over_weights"] <= 1.3, measured

@@ -32,8 +32,22 @@ def table(model, samples):
 
 def test_the_table_has_the_full_model_then_every_ablation(table):
     assert list(table["ablated"]) == [
-        "none", "pre.qp", "pre.kp", "pre.qg", "pre.kg", "post.qp", "post.kp", "post.qg", "post.kg",
-        "pre", "post", "all compose", "layer 0", "layer 1", "layer 2"]
+        "none",
+        "pre.qp",
+        "pre.kp",
+        "pre.qg",
+        "pre.kg",
+        "post.qp",
+        "post.kp",
+        "post.qg",
+        "post.kg",
+        "pre",
+        "post",
+        "all compose",
+        "layer 0",
+        "layer 1",
+        "layer 2",
+    ]
     assert {"accuracy", "ppl", "qk:other-person", "ov:superclass"} <= set(table.columns)
 
 
@@ -63,11 +77,14 @@ def test_cli_writes_csv_json_and_figure(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ablation.csv", "ablation.json", "ablation.png"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--checkpoint", "pythia-synth"], "has no DCMHA"),
-    (["--checkpoint", "/no/such/dir"], "/no/such/dir"),
-    (["--data", "/no/such/file.jsonl"], "/no/such/file.jsonl: no such data file"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--checkpoint", "pythia-synth"], "has no DCMHA"),
+        (["--checkpoint", "/no/such/dir"], "/no/such/dir"),
+        (["--data", "/no/such/file.jsonl"], "/no/such/file.jsonl: no such data file"),
+    ],
+)
 def test_cli_bad_input_is_one_line_and_exit_2_with_nothing_written(argv, message, tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["ablate", "--limit", "1", "--out", str(out), *argv]) == 2
@@ -88,7 +105,9 @@ def test_a_bad_out_or_device_is_refused_before_any_work(tmp_path, capsys, monkey
 
     import torch
 
-    monkeypatch.setattr(sys.modules["dcinterp.synth.evaluate"], "load_checkpoint", lambda *a: pytest.fail("loaded a checkpoint"))
+    monkeypatch.setattr(
+        sys.modules["dcinterp.synth.evaluate"], "load_checkpoint", lambda *a: pytest.fail("loaded a checkpoint")
+    )
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert main(["ablate", "--out", str(blocker), "--limit", "2"]) == 2

@@ -4,20 +4,38 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dcinterp.synth.accuracy import (CHANCE_BY_QK_PATTERN, accuracy_table, accuracy_tables, bootstrap_interval,
-                                     wilson_interval)
+from dcinterp.synth.accuracy import (
+    CHANCE_BY_QK_PATTERN,
+    accuracy_table,
+    accuracy_tables,
+    bootstrap_interval,
+    wilson_interval,
+)
 from dcinterp.synth.evaluate import RESULT_COLUMNS
 
 
-def results(correct_by_sample: dict[tuple[str, int], list[bool]], qk_pattern: dict[str, str],
-            checkpoint: str = "model") -> pd.DataFrame:
+def results(
+    correct_by_sample: dict[tuple[str, int], list[bool]], qk_pattern: dict[str, str], checkpoint: str = "model"
+) -> pd.DataFrame:
     """A results frame as `evaluate` returns it: one row per answer (k_shot 2..7)."""
     rows = []
     for (task, sample), correct in correct_by_sample.items():
         for k, ok in enumerate(correct, start=2):
-            rows.append({"checkpoint": checkpoint, "sample": sample, "task": task, "qk_pattern": qk_pattern[task],
-                         "ov_transformation": "copy", "k_shot": k, "answer": "x", "predicted": "x" if ok else "y",
-                         "correct": ok, "nll": 0.1, "n_tokens": 1})
+            rows.append(
+                {
+                    "checkpoint": checkpoint,
+                    "sample": sample,
+                    "task": task,
+                    "qk_pattern": qk_pattern[task],
+                    "ov_transformation": "copy",
+                    "k_shot": k,
+                    "answer": "x",
+                    "predicted": "x" if ok else "y",
+                    "correct": ok,
+                    "nll": 0.1,
+                    "n_tokens": 1,
+                }
+            )
     return pd.DataFrame(rows, columns=RESULT_COLUMNS)
 
 
@@ -30,8 +48,9 @@ def test_wilson_interval_matches_the_formula():
 
 def test_bootstrap_resamples_whole_samples():
     # every sample is all right or all wrong: a resample's accuracy is a share of whole samples, in steps of 1/4
-    frame = results({("t", 0): [True] * 6, ("t", 1): [True] * 6, ("t", 2): [False] * 6, ("t", 3): [True] * 6},
-                    {"t": "same-person"})
+    frame = results(
+        {("t", 0): [True] * 6, ("t", 1): [True] * 6, ("t", 2): [False] * 6, ("t", 3): [True] * 6}, {"t": "same-person"}
+    )
     low, high = bootstrap_interval(frame, n_resamples=500)
     assert {low * 4 % 1, high * 4 % 1} <= {0.0} and low < 0.75 < high
     same = results({("t", i): [True] * 6 for i in range(5)}, {"t": "same-person"})
@@ -39,10 +58,16 @@ def test_bootstrap_resamples_whole_samples():
 
 
 def test_accuracy_table_counts_chance_and_contains_the_accuracy():
-    frame = pd.concat([
-        results({("a", 0): [True, True, False, True, True, True], ("b", 0): [False] * 6},
-                {"a": "same-person", "b": "odd-one-out"}, checkpoint=name)
-        for name in ("dc", "mha")])
+    frame = pd.concat(
+        [
+            results(
+                {("a", 0): [True, True, False, True, True, True], ("b", 0): [False] * 6},
+                {"a": "same-person", "b": "odd-one-out"},
+                checkpoint=name,
+            )
+            for name in ("dc", "mha")
+        ]
+    )
     for interval in ("bootstrap", "wilson"):
         table = accuracy_table(frame, "qk_pattern", interval=interval).set_index(["checkpoint", "qk_pattern"])
         row = table.loc[("dc", "same-person")]

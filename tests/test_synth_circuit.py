@@ -18,7 +18,7 @@ def test_cli_writes_the_edges_curves_summary_and_figures(tmp_path, capsys, check
     assert "80% faithfulness" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(OUTPUTS)
     edges = pd.read_csv(tmp_path / "edges.csv")
-    assert list(edges.columns[:len(EDGE_COLUMNS) + 2]) == [*EDGE_COLUMNS, "score", "exact"]
+    assert list(edges.columns[: len(EDGE_COLUMNS) + 2]) == [*EDGE_COLUMNS, "score", "exact"]
     assert edges["exact"].notna().sum() >= 6
     top = edges["score"].abs().nlargest(6).index
     assert edges.loc[top, "exact"].notna().all()
@@ -34,11 +34,14 @@ def test_cli_writes_the_edges_curves_summary_and_figures(tmp_path, capsys, check
     assert curve[curve.edges == len(edges)]["faithfulness"].to_numpy() == pytest.approx(1.0, abs=1e-5)
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (["--kind", "person", "--tasks", "0"], "does not apply to task0"),
-    (["--checkpoint", "/nonexistent/checkpoint"], "/nonexistent/checkpoint"),
-    (["--device", "cuda:7"], "--device"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--kind", "person", "--tasks", "0"], "does not apply to task0"),
+        (["--checkpoint", "/nonexistent/checkpoint"], "/nonexistent/checkpoint"),
+        (["--device", "cuda:7"], "--device"),
+    ],
+)
 def test_bad_input_is_one_line_and_nothing_is_written(tmp_path, capsys, arguments, message):
     out = tmp_path / "out"
     assert main(["circuit", *FAST, *arguments, "--out", str(out)]) == 2

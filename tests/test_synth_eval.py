@@ -57,8 +57,9 @@ def byte_level_bpe_tokenizer(texts) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=500, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
 
@@ -86,8 +87,8 @@ def test_answers_are_located_through_the_tokenizer_offsets(model, eval_samples):
     leading_space_tokens = 0
     for encoded in encode_all(model, eval_samples, "tiny"):
         offsets = tokenizer(encoded.parsed.plain_text, return_offsets_mapping=True)["offset_mapping"]
-        for answer, (start, end) in zip(encoded.parsed.answers, encoded.answer_tokens):
-            covered = encoded.parsed.plain_text[offsets[start][0]:offsets[end - 1][1]]
+        for answer, (start, end) in zip(encoded.parsed.answers, encoded.answer_tokens, strict=True):
+            covered = encoded.parsed.plain_text[offsets[start][0] : offsets[end - 1][1]]
             assert covered.strip() == answer.text
             leading_space_tokens += tokenizer.convert_ids_to_tokens(encoded.token_ids[start]).startswith("Ġ")
     if isinstance(tokenizer.backend_tokenizer.pre_tokenizer, pre_tokenizers.ByteLevel):
@@ -133,12 +134,21 @@ def test_score_answer_needs_every_token_to_be_the_argmax():
 
 
 def test_summary_has_accuracy_and_token_level_perplexity():
-    rows = pd.DataFrame({
-        "checkpoint": ["m"] * 3, "sample": [0, 0, 1], "task": ["task0", "task0", "task1"],
-        "qk_pattern": ["other-person"] * 3, "ov_transformation": ["superclass"] * 3,
-        "k_shot": [2, 3, 2], "answer": ["x"] * 3, "predicted": ["x", "y", "x"],
-        "correct": [True, False, True], "nll": [1.0, 2.0, 3.0], "n_tokens": [1, 1, 2],
-    })
+    rows = pd.DataFrame(
+        {
+            "checkpoint": ["m"] * 3,
+            "sample": [0, 0, 1],
+            "task": ["task0", "task0", "task1"],
+            "qk_pattern": ["other-person"] * 3,
+            "ov_transformation": ["superclass"] * 3,
+            "k_shot": [2, 3, 2],
+            "answer": ["x"] * 3,
+            "predicted": ["x", "y", "x"],
+            "correct": [True, False, True],
+            "nll": [1.0, 2.0, 3.0],
+            "n_tokens": [1, 1, 2],
+        }
+    )
     summary = summarize(rows)["m"]
     assert summary["accuracy"] == pytest.approx(2 / 3)
     assert summary["ppl"] == pytest.approx(float(torch.tensor(6.0 / 4).exp()))
@@ -182,9 +192,26 @@ def checkpoints(tmp_path_factory, training_texts):
 
 def test_cli_writes_results_and_summary_for_each_checkpoint(checkpoints, tmp_path, capsys):
     out = tmp_path / "eval"
-    code = main_eval(["--checkpoint", str(checkpoints / "tiny-dc"), "--checkpoint", str(checkpoints / "tiny-mha"),
-                      "--data", "released", "--tasks", "5,task60", "--limit", "14", "--batch-size", "4",
-                      "--device", "cpu", "--out", str(out)])
+    code = main_eval(
+        [
+            "--checkpoint",
+            str(checkpoints / "tiny-dc"),
+            "--checkpoint",
+            str(checkpoints / "tiny-mha"),
+            "--data",
+            "released",
+            "--tasks",
+            "5,task60",
+            "--limit",
+            "14",
+            "--batch-size",
+            "4",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "tiny-dc" in printed and "tiny-mha" in printed and "accuracy" in printed
@@ -199,8 +226,16 @@ def test_cli_writes_results_and_summary_for_each_checkpoint(checkpoints, tmp_pat
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary) == ["tiny-dc", "tiny-mha"]
     for entry in summary.values():
-        assert list(entry) == ["accuracy", "ppl", "ppl_pooling", "ppl_by_pooling", "by_k", "by_task",
-                               "by_qk_pattern", "by_ov_transformation"]
+        assert list(entry) == [
+            "accuracy",
+            "ppl",
+            "ppl_pooling",
+            "ppl_by_pooling",
+            "by_k",
+            "by_task",
+            "by_qk_pattern",
+            "by_ov_transformation",
+        ]
         assert list(entry["by_k"]) == ["2", "3", "4", "5", "6", "7"]
         assert list(entry["by_task"]) == ["task5", "task60"]
     assert sorted(p.name for p in out.iterdir()) == ["results.csv", "summary.json"]
@@ -224,11 +259,14 @@ def drop_last_line(texts: str) -> str:
     return "\n".join(texts.split("\n")[:-2]) + "\n"
 
 
-@pytest.mark.parametrize("bad_line, expected", [
-    ('{"task_id": "task0", "texts": ', "invalid JSON"),
-    (lambda line: with_texts(line, drop_brackets), "no '[ answer ]'"),
-    (lambda line: with_texts(line, drop_last_line), "7 lines"),
-])
+@pytest.mark.parametrize(
+    "bad_line, expected",
+    [
+        ('{"task_id": "task0", "texts": ', "invalid JSON"),
+        (lambda line: with_texts(line, drop_brackets), "no '[ answer ]'"),
+        (lambda line: with_texts(line, drop_last_line), "7 lines"),
+    ],
+)
 def test_bad_data_lines_exit_2_naming_file_and_line(bad_line, expected, checkpoints, tmp_path, capsys):
     lines = released_lines()
     lines[1] = bad_line(lines[1]) if callable(bad_line) else bad_line
@@ -242,16 +280,20 @@ def test_bad_data_lines_exit_2_naming_file_and_line(bad_line, expected, checkpoi
     assert not out.exists()
 
 
-@pytest.mark.parametrize("checkpoint, expected", [
-    ("space-split", "line 1: answer 'vehicle' (line 3) cannot be located"),
-    ("short-context", "line 1: the sample is"),
-    ("no-tokenizer", "no tokenizer"),
-    ("missing", "not a checkpoint directory"),
-])
+@pytest.mark.parametrize(
+    "checkpoint, expected",
+    [
+        ("space-split", "line 1: answer 'vehicle' (line 3) cannot be located"),
+        ("short-context", "line 1: the sample is"),
+        ("no-tokenizer", "no tokenizer"),
+        ("missing", "not a checkpoint directory"),
+    ],
+)
 def test_checkpoints_that_cannot_score_the_data_exit_2(checkpoint, expected, checkpoints, tmp_path, capsys):
     out = tmp_path / "eval"
-    code = main_eval(["--checkpoint", str(checkpoints / checkpoint), "--data", "released", "--limit", "2",
-                      "--out", str(out)])
+    code = main_eval(
+        ["--checkpoint", str(checkpoints / checkpoint), "--data", "released", "--limit", "2", "--out", str(out)]
+    )
     error = capsys.readouterr().err.strip()
     assert code == 2
     assert "\n" not in error and expected in error

@@ -1,4 +1,5 @@
 """Tests of the synthetic task catalog, generator, checker and CLI (dcinterp.synth)."""
+
 import json
 import re
 import subprocess
@@ -46,6 +47,7 @@ def write_lines(path, lines):
 
 # --------------------------------------------------------------------------- catalog and lexicon
 
+
 def test_data_dir_holds_catalog_lexicon_and_released_file():
     assert data_dir() == REPO / "synthetic_tasks"
     for name in ("catalog.json", "lexicon.json", "synthetic_dataset.jsonl"):
@@ -55,21 +57,31 @@ def test_data_dir_holds_catalog_lexicon_and_released_file():
 def test_catalog_describes_the_74_released_tasks(catalog):
     assert list(catalog.tasks) == [f"task{number}" for number in range(74)]
     patterns = Counter(task.qk_pattern for task in catalog.tasks.values())
-    assert patterns == {"other-person": 14, "same-person": 14, "not-matching-person": 14,
-                        "matching-person": 14, "odd-one-out": 18}
+    assert patterns == {
+        "other-person": 14,
+        "same-person": 14,
+        "not-matching-person": 14,
+        "matching-person": 14,
+        "odd-one-out": 18,
+    }
     for number in range(0, 56, 2):
         even, odd = catalog.tasks[f"task{number}"], catalog.tasks[f"task{number + 1}"]
         assert odd.samples_of == even.id and even.samples_of is None
-        assert (odd.qk_pattern, odd.ov_transformation, odd.phrasings) == \
-               (even.qk_pattern, even.ov_transformation, even.phrasings)
+        assert (odd.qk_pattern, odd.ov_transformation, odd.phrasings) == (
+            even.qk_pattern,
+            even.ov_transformation,
+            even.phrasings,
+        )
     assert catalog.tasks["task72"].samples_of == "task70"
     assert catalog.tasks["task73"].samples_of == "task71"
     assert all(sum(p.weight for p in task.phrasings) == 12 for task in catalog.tasks.values())
 
 
 def test_catalog_examples_follow_their_templates(catalog):
-    records = [{"task_id": task.id, "texts": join_lines([plain(task.example)] * 2 + [task.example] * 6)}
-               for task in catalog.tasks.values()]
+    records = [
+        {"task_id": task.id, "texts": join_lines([plain(task.example)] * 2 + [task.example] * 6)}
+        for task in catalog.tasks.values()
+    ]
     assert check_records(records, catalog=catalog) == []
 
 
@@ -90,12 +102,15 @@ def test_lexicon_covers_every_word_of_the_released_file(catalog, released):
     for task in catalog.tasks.values():
         template_texts += [task.syntax.fact, task.syntax.shape.line, task.answer_prefix]
         template_texts += [phrasing.template for phrasing in task.phrasings]
-    template_words = {word for text in template_texts for literal, _, _ in template_parts(text)
-                      for word in words.findall(literal)}
+    template_words = {
+        word for text in template_texts for literal, _, _ in template_parts(text) for word in words.findall(literal)
+    }
     lexicon_texts = list(lexicon.people) + list(lexicon.country_of) + list(lexicon.country_of.values())
-    lexicon_texts += [text for entry in lexicon.objects.values()
-                      for text in (entry.name, entry.has_form, entry.possessive_form, entry.superclass or "",
-                                   entry.capability or "")]
+    lexicon_texts += [
+        text
+        for entry in lexicon.objects.values()
+        for text in (entry.name, entry.has_form, entry.possessive_form, entry.superclass or "", entry.capability or "")
+    ]
     lexicon_texts += [form for adjective in lexicon.opposites for form in (adjective, adjective.capitalize())]
     for domain in lexicon.ordinal_domains.values():
         lexicon_texts += [*domain.sequence, domain.unit, domain.preposition, domain.preposition.capitalize()]
@@ -105,6 +120,7 @@ def test_lexicon_covers_every_word_of_the_released_file(catalog, released):
 
 
 # --------------------------------------------------------------------------- generated data
+
 
 def test_released_file_passes_the_check(released):
     assert check_records(released) == []
@@ -120,8 +136,12 @@ def test_generated_samples_validate_against_the_catalog(generated, seed):
 def test_generated_file_passes_the_released_template_checker(tmp_path, generated):
     path = tmp_path / "generated.jsonl"
     write_jsonl(generated[0], path)
-    result = subprocess.run([sys.executable, str(TEMPLATE_CHECKER), str(path), "--strict",
-                             "--released", str(RELEASED)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(TEMPLATE_CHECKER), str(path), "--strict", "--released", str(RELEASED)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "tasks_matched=74/74 line_match=1.000 structure_ok=True"
 
@@ -133,7 +153,7 @@ def test_same_seed_gives_identical_bytes_and_other_seeds_differ(tmp_path, genera
     write_jsonl(generated[1], other)
     assert first.read_bytes() == second.read_bytes()
     assert first.read_bytes() != other.read_bytes()
-    assert all(a["texts"] != b["texts"] for a, b in zip(generated[0], generated[1]))
+    assert all(a["texts"] != b["texts"] for a, b in zip(generated[0], generated[1], strict=True))
 
 
 def test_task_subsets_and_more_samples_reproduce_the_full_run(generated):
@@ -151,12 +171,12 @@ def test_paired_tasks_render_the_same_samples(generated):
     for record in generated[0]:
         texts.setdefault(record["task_id"], []).append(sample_lines(record["texts"]))
     for number in range(0, 56, 2):
-        for even, odd in zip(texts[f"task{number}"], texts[f"task{number + 1}"]):
+        for even, odd in zip(texts[f"task{number}"], texts[f"task{number + 1}"], strict=True):
             assert [line.split(" >. ")[1] for line in even] == [line.split(" >. ")[1] for line in odd]
             assert even != odd
     list_pairs = [(56, 57), (58, 59), (60, 61), (62, 63), (64, 65), (66, 67), (68, 69), (70, 72), (71, 73)]
     for first, second in list_pairs:
-        for a, b in zip(texts[f"task{first}"], texts[f"task{second}"]):
+        for a, b in zip(texts[f"task{first}"], texts[f"task{second}"], strict=True):
             assert [line.split(" Which is")[0] for line in a] == [line.split(" Which is")[0] for line in b]
 
 
@@ -170,8 +190,9 @@ def test_generated_lines_keep_the_released_quirks():
     assert "likes Washington, D.C. " in text and "Which is not Washington, D.C?" in text and "Germany" not in text
     assert "the city in German" in text and "[ the United States ]" in text
     assert not re.search(r"\[ (?:a|an|the|The) (?!United)", text)
-    context_adjectives = re.findall(r"is (un(?:happy|healthy|interesting))\.|Un(?:happy|healthy|interesting) [A-Z]",
-                                    text)
+    context_adjectives = re.findall(
+        r"is (un(?:happy|healthy|interesting))\.|Un(?:happy|healthy|interesting) [A-Z]", text
+    )
     assert context_adjectives == []
     days = "\n".join(r["texts"] for r in generate(seed=5, samples_per_task=40, tasks=range(48, 56)))
     assert "Sunday" not in days and "On Monday arrived" in days and "At 3 o'clock arrived" in days
@@ -201,6 +222,7 @@ def test_more_lines_per_sample(catalog):
 
 # --------------------------------------------------------------------------- unbracket
 
+
 def test_unbracket_returns_the_answer_spans(released, generated):
     for record in released + generated[0]:
         texts = record["texts"]
@@ -222,6 +244,7 @@ def test_unbracket_rejects_stray_brackets():
 
 # --------------------------------------------------------------------------- check of corrupted files
 
+
 def corrupt(lines, number, old, new):
     lines = list(lines)
     record = json.loads(lines[number - 1])
@@ -234,16 +257,23 @@ def corrupt(lines, number, old, new):
 RELEASED_LINES = RELEASED.read_text(encoding="utf-8").splitlines()
 
 
-@pytest.mark.parametrize("lines, expected", [
-    (corrupt(RELEASED_LINES, 1, "[ vehicle ]", "[ fruit ]"),
-     "line 1: task0, text line 3: answer 'fruit' is wrong, expected 'vehicle'"),
-    (corrupt(RELEASED_LINES, 73, "[ Karen ]", "[ John ]"),
-     "line 73: task6, text line 3: answer 'John' is wrong, expected 'Karen'"),
-    (corrupt(RELEASED_LINES, 40, " ]", ""), "line 40: task3, text line 3: must end with ' [ answer ]'"),
-    (corrupt(RELEASED_LINES, 70, "\n<", "\n\n<"), "line 70: task5: has 9 text lines, expected 8"),
-    (corrupt(RELEASED_LINES, 300, "\n", ""),
-     "line 300: task24: texts must start and end with a newline"),
-], ids=["wrong-answer", "wrong-person", "missing-bracket", "extra-line", "framing"])
+@pytest.mark.parametrize(
+    "lines, expected",
+    [
+        (
+            corrupt(RELEASED_LINES, 1, "[ vehicle ]", "[ fruit ]"),
+            "line 1: task0, text line 3: answer 'fruit' is wrong, expected 'vehicle'",
+        ),
+        (
+            corrupt(RELEASED_LINES, 73, "[ Karen ]", "[ John ]"),
+            "line 73: task6, text line 3: answer 'John' is wrong, expected 'Karen'",
+        ),
+        (corrupt(RELEASED_LINES, 40, " ]", ""), "line 40: task3, text line 3: must end with ' [ answer ]'"),
+        (corrupt(RELEASED_LINES, 70, "\n<", "\n\n<"), "line 70: task5: has 9 text lines, expected 8"),
+        (corrupt(RELEASED_LINES, 300, "\n", ""), "line 300: task24: texts must start and end with a newline"),
+    ],
+    ids=["wrong-answer", "wrong-person", "missing-bracket", "extra-line", "framing"],
+)
 def test_check_names_the_corrupted_line(tmp_path, capsys, lines, expected):
     path = write_lines(tmp_path / "corrupted.jsonl", lines)
     assert main(["check", str(path)]) == 1
@@ -260,12 +290,16 @@ def test_check_reports_a_wrong_line_count(tmp_path, capsys, released):
 
 # --------------------------------------------------------------------------- bad input and CLI errors
 
-@pytest.mark.parametrize("bad_line, message", [
-    ('{"task_id": "task0", "texts": ', "line 3: invalid JSON"),
-    ("", "line 3: empty line"),
-    ('["task0", "texts"]', "line 3: expected an object with string fields 'task_id' and 'texts'"),
-    ('{"task_id": 0, "texts": "x"}', "line 3: expected an object"),
-])
+
+@pytest.mark.parametrize(
+    "bad_line, message",
+    [
+        ('{"task_id": "task0", "texts": ', "line 3: invalid JSON"),
+        ("", "line 3: empty line"),
+        ('["task0", "texts"]', "line 3: expected an object with string fields 'task_id' and 'texts'"),
+        ('{"task_id": 0, "texts": "x"}', "line 3: expected an object"),
+    ],
+)
 def test_malformed_input_exits_2_with_one_line(tmp_path, capsys, bad_line, message):
     path = write_lines(tmp_path / "bad.jsonl", RELEASED_LINES[:2] + [bad_line] + RELEASED_LINES[3:5])
     assert main(["check", str(path)]) == 2
@@ -276,19 +310,25 @@ def test_malformed_input_exits_2_with_one_line(tmp_path, capsys, bad_line, messa
         read_jsonl(path)
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (["check", "{missing}"], "{missing}: cannot read"),
-    (["generate", "--out", "{out}", "--tasks", "0,99"], "unknown task 'task99'"),
-    (["generate", "--out", "{out}", "--tasks", "x-3"], "bad task selection 'x-3'"),
-    (["generate", "--out", "{out}", "--qk-pattern", "same-obj"], "unknown QK pattern 'same-obj'"),
-    (["generate", "--out", "{out}", "--ov-transformation", "reverse"], "unknown OV transformation 'reverse'"),
-    (["generate", "--out", "{out}", "--lines", "2"], "--lines 2: check and eval read samples of 8 lines"),
-    (["generate", "--out", "{out}", "--lines", "100"], "--lines 100: check and eval read samples of 8 lines"),
-    (["generate", "--out", "{nodir}"], "{nodir}: cannot write"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["check", "{missing}"], "{missing}: cannot read"),
+        (["generate", "--out", "{out}", "--tasks", "0,99"], "unknown task 'task99'"),
+        (["generate", "--out", "{out}", "--tasks", "x-3"], "bad task selection 'x-3'"),
+        (["generate", "--out", "{out}", "--qk-pattern", "same-obj"], "unknown QK pattern 'same-obj'"),
+        (["generate", "--out", "{out}", "--ov-transformation", "reverse"], "unknown OV transformation 'reverse'"),
+        (["generate", "--out", "{out}", "--lines", "2"], "--lines 2: check and eval read samples of 8 lines"),
+        (["generate", "--out", "{out}", "--lines", "100"], "--lines 100: check and eval read samples of 8 lines"),
+        (["generate", "--out", "{nodir}"], "{nodir}: cannot write"),
+    ],
+)
 def test_cli_errors_exit_2_and_leave_no_output(tmp_path, capsys, arguments, message):
-    places = {"missing": tmp_path / "missing.jsonl", "out": tmp_path / "out.jsonl",
-              "nodir": tmp_path / "no" / "out.jsonl"}
+    places = {
+        "missing": tmp_path / "missing.jsonl",
+        "out": tmp_path / "out.jsonl",
+        "nodir": tmp_path / "no" / "out.jsonl",
+    }
     places["out"].write_text("previous\n")
     assert main([argument.format(**places) for argument in arguments]) == 2
     err = capsys.readouterr().err
@@ -299,8 +339,15 @@ def test_cli_errors_exit_2_and_leave_no_output(tmp_path, capsys, arguments, mess
 
 def test_module_entry_point(tmp_path):
     path = write_lines(tmp_path / "bad.jsonl", RELEASED_LINES[:1] + ["{oops"])
-    result = subprocess.run([sys.executable, "-m", "dcinterp.synth", "check", str(path)],
-                            capture_output=True, text=True, cwd=REPO, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "dcinterp.synth", "check", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert result.returncode == 2
-    assert result.stderr.strip() == f"error: {path}: line 2: invalid JSON " \
-                                    "(Expecting property name enclosed in double quotes at column 2)"
+    assert (
+        result.stderr.strip() == f"error: {path}: line 2: invalid JSON "
+        "(Expecting property name enclosed in double quotes at column 2)"
+    )

@@ -23,8 +23,9 @@ def test_loss_fn_is_transformer_lens_cross_entropy(model):
     torch.testing.assert_close(model.loss_fn(logits, tokens), lm_cross_entropy_loss(logits, tokens))
     torch.testing.assert_close(model.loss_fn(logits, tokens), model(tokens, return_type="loss"))
     mask = (tokens != model.tokenizer.pad_token_id).long()
-    torch.testing.assert_close(model.loss_fn(logits, tokens, attention_mask=mask),
-                               lm_cross_entropy_loss(logits, tokens, attention_mask=mask))
+    torch.testing.assert_close(
+        model.loss_fn(logits, tokens, attention_mask=mask), lm_cross_entropy_loss(logits, tokens, attention_mask=mask)
+    )
     per_token = model.loss_fn(logits, tokens, attention_mask=mask, per_token=True)
     assert per_token.shape == (2, tokens.shape[1] - 1) and not per_token[1, 5:].any()
 
@@ -55,9 +56,13 @@ def test_to_tokens_keywords(model):
 
 
 def test_unknown_words_are_named_never_silent(model):
-    with pytest.raises(ValueError, match=r"to_tokens: not in the tokenizer's vocabulary .*'Zorblax', 'quux'.*allow_unknown"):
+    with pytest.raises(
+        ValueError, match=r"to_tokens: not in the tokenizer's vocabulary .*'Zorblax', 'quux'.*allow_unknown"
+    ):
         model.to_tokens("Ruth owns a Zorblax . a quux")
-    with pytest.warns(UserWarning, match=r"to_tokens: not in the tokenizer's vocabulary \(they become \[UNK\]\): 'Zorblax'"):
+    with pytest.warns(
+        UserWarning, match=r"to_tokens: not in the tokenizer's vocabulary \(they become \[UNK\]\): 'Zorblax'"
+    ):
         tokens = model.to_tokens("Ruth owns a Zorblax", allow_unknown=True)
     assert tokens[0, -1] == model.tokenizer.unk_token_id
     model.allow_unknown_tokens = True  # for code that tokenizes for you (SAELens, test_prompt)
@@ -91,8 +96,15 @@ def test_activation_gradients_with_frozen_weights(model):
     tokens = model.to_tokens([PROMPT, "Ruth has a cat . Ruth owns a kind of"])
     assert not any(p.requires_grad for p in model.parameters())
     assert not model(tokens).requires_grad  # a plain forward keeps no graph
-    names = ["hook_embed", "blocks.1.hook_resid_pre", "blocks.2.attn.hook_z", "blocks.1.attn.hook_composed_pattern",
-             "blocks.1.attn.post_compose.hook_o_kp", "blocks.0.attn.pre_compose.hook_qw1", "ln_final.hook_scale"]
+    names = [
+        "hook_embed",
+        "blocks.1.hook_resid_pre",
+        "blocks.2.attn.hook_z",
+        "blocks.1.attn.hook_composed_pattern",
+        "blocks.1.attn.post_compose.hook_o_kp",
+        "blocks.0.attn.pre_compose.hook_qw1",
+        "ln_final.hook_scale",
+    ]
     frozen = grads_through_hooks(model, tokens, names)
     assert set(frozen) == set(names) and not any(p.grad is not None for p in model.parameters())
     unfrozen_model = HookedDCFormer.from_pretrained("dcpythia-synth").requires_grad_(True)
@@ -101,8 +113,9 @@ def test_activation_gradients_with_frozen_weights(model):
         torch.testing.assert_close(frozen[name], unfrozen[name], rtol=1e-5, atol=1e-6, msg=name)
         assert frozen[name].abs().sum() > 0, name
     # run_with_cache(incl_bwd=True) as TransformerLens: the gradients of the loss land in the cache
-    _, cache = model.run_with_cache(tokens, return_type="loss", incl_bwd=True,
-                                    names_filter=lambda name: name.endswith("hook_z"))
+    _, cache = model.run_with_cache(
+        tokens, return_type="loss", incl_bwd=True, names_filter=lambda name: name.endswith("hook_z")
+    )
     assert cache["blocks.2.attn.hook_z_grad"].abs().sum() > 0
     assert not model(tokens).requires_grad  # the hooks are gone: no graph again
     # one documented call, for a backward with no hook attached

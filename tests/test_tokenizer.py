@@ -12,8 +12,11 @@ def model():
 
 def test_out_of_lexicon_words_are_an_error_not_unk(model):
     check_vocabulary(model.tokenizer, "Michelle has a burger. Michelle owns a kind of")
-    with pytest.raises(ValueError, match=r"prompt: not in the tokenizer's vocabulary \(would become \[UNK\]\): "
-                                         r"'quokka', 'zorblax'"):
+    with pytest.raises(
+        ValueError,
+        match=r"prompt: not in the tokenizer's vocabulary \(would become \[UNK\]\): "
+        r"'quokka', 'zorblax'",
+    ):
         check_vocabulary(model.tokenizer, ["Michelle has a quokka.", "zorblax"], name="prompt")
 
 

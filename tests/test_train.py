@@ -75,8 +75,8 @@ def test_compact_facts_rewrite_only_the_facts():
     tasks = ["task0", "task1", "task17", "task41", "task49", "task57"]
     released = generate(7, 2, tasks)
     short = generate(7, 2, tasks, catalog=compact)
-    for r, s in zip(released, short):
-        for line, compact_line in zip(r["texts"].strip().split("\n"), s["texts"].strip().split("\n")):
+    for r, s in zip(released, short, strict=True):
+        for line, compact_line in zip(r["texts"].strip().split("\n"), s["texts"].strip().split("\n"), strict=True):
             if not line.startswith("<"):  # list lines have no persons: unchanged
                 assert compact_line == line
                 continue
@@ -100,7 +100,7 @@ def test_compact_share_falls_to_zero_and_the_stream_follows_it():
     assert compact_share_at(50, cfg) == 0.0 and compact_share_at(99, cfg) == 0.0
     assert compact_share_at(0, TrainConfig(compact_until=0.0)) == 0.0
     for share in (1.0, 0.0):
-        stream = sample_stream(cfg, ["task10"], random.Random(0), lambda: share)
+        stream = sample_stream(cfg, ["task10"], random.Random(0), lambda: share)  # noqa: B023 (read in this loop)
         first_facts = [next(stream)[0].split("< ")[1].split(".")[0] for _ in range(3)]  # "Ruth has a cat"
         assert all((" has " in fact) == (share == 0.0) for fact in first_facts), first_facts
 
@@ -108,12 +108,15 @@ def test_compact_share_falls_to_zero_and_the_stream_follows_it():
 def test_focus_tasks_alone_while_focused_then_all_tasks():
     cfg = TrainConfig(samples_per_task=1, focus_tasks=("task56",))
     for focused in (True, False):
-        stream = sample_stream(cfg, ["task10", "task56"], random.Random(0), focus=lambda: focused)
-        shapes = {"list" if text.lstrip().startswith("There are") else "context" for text, _ in
-                  (next(stream) for _ in range(8))}
+        stream = sample_stream(cfg, ["task10", "task56"], random.Random(0), focus=lambda: focused)  # noqa: B023
+        shapes = {
+            "list" if text.lstrip().startswith("There are") else "context"
+            for text, _ in (next(stream) for _ in range(8))
+        }
         assert shapes == ({"list"} if focused else {"list", "context"})
-    no_focus = sample_stream(dataclasses.replace(cfg, focus_tasks=()), ["task10", "task56"], random.Random(0),
-                             focus=lambda: True)
+    no_focus = sample_stream(
+        dataclasses.replace(cfg, focus_tasks=()), ["task10", "task56"], random.Random(0), focus=lambda: True
+    )
     assert {next(no_focus)[0].lstrip().startswith("There are") for _ in range(8)} == {True, False}
 
 
@@ -125,9 +128,24 @@ def test_excluded_combos_keep_every_pattern_and_transformation():
         split_tasks("same-person:no-such-transformation")
 
 
-TINY = dict(n_layers=2, d_model=32, n_heads=2, d_head=16, d_mlp=64, batch_size=4, lr=3e-3, threads=1,
-            samples_per_task=1, log_every=5, window_size=32, window_type="LG", rotary_pct=0.25, tied_init=False,
-            compact_until=0.0, focus_tasks=())
+TINY = dict(
+    n_layers=2,
+    d_model=32,
+    n_heads=2,
+    d_head=16,
+    d_mlp=64,
+    batch_size=4,
+    lr=3e-3,
+    threads=1,
+    samples_per_task=1,
+    log_every=5,
+    window_size=32,
+    window_type="LG",
+    rotary_pct=0.25,
+    tied_init=False,
+    compact_until=0.0,
+    focus_tasks=(),
+)
 
 
 def test_trainer_loss_falls_and_is_deterministic():
@@ -139,7 +157,7 @@ def test_trainer_loss_falls_and_is_deterministic():
     assert recipe["final_loss"] < recipe["first_loss"] - 1.5
     again, _ = train(TrainConfig(arch="dcmha", steps=3, seed=1, **TINY), progress=False, evaluate_after=False)
     twice, _ = train(TrainConfig(arch="dcmha", steps=3, seed=1, **TINY), progress=False, evaluate_after=False)
-    for (name, a), (_, b) in zip(again.state_dict().items(), twice.state_dict().items()):
+    for (name, a), (_, b) in zip(again.state_dict().items(), twice.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
 
 
@@ -154,7 +172,10 @@ def test_tied_init_starts_the_unembedding_at_the_embedding_transpose():
 def test_trainer_mha_twin_has_the_same_size_but_no_dcmha():
     configs = {arch: TrainConfig(arch=arch, **TINY).model_config(d_vocab=100).to_dict() for arch in ("dcmha", "mha")}
     assert configs["dcmha"]["use_dcmha"] is True and configs["mha"]["use_dcmha"] is False
-    same = lambda cfg: {k: v for k, v in cfg.items() if k not in ("use_dcmha", "model_name")}
+
+    def same(cfg):
+        return {k: v for k, v in cfg.items() if k not in ("use_dcmha", "model_name")}
+
     assert same(configs["dcmha"]) == same(configs["mha"])
     assert configs["mha"]["use_qk_norm"] and configs["mha"]["parallel_residual"]
     model, _ = train(TrainConfig(arch="mha", steps=2, **TINY), progress=False, evaluate_after=False)
@@ -164,6 +185,7 @@ def test_trainer_mha_twin_has_the_same_size_but_no_dcmha():
 def test_dcmha_learns_as_its_mha_twin_until_compose_from():
     """The twins start from the same shared weights; with the compose held at the identity the DCMHA model
     computes and learns exactly what the MHA model does, and from `compose_from` on its compose trains."""
+
     def run(arch, compose_from):
         cfg = TrainConfig(arch=arch, steps=6, seed=0, **{**TINY, "compose_from": compose_from})
         return train(cfg, progress=False, evaluate_after=False)[0]
@@ -208,8 +230,11 @@ def test_shipped_model_was_trained_with_the_default_recipe(name):
     recipe = json.loads((EMBEDDED_DIR / name / "recipe.json").read_text())
     default = dataclasses.asdict(TrainConfig(arch=recipe["train_config"]["arch"]))
     run_settings = {"threads", "max_minutes", "log_every", "eval_every"}  # how it ran, not what it learned
-    differs = {k: (v, default[k]) for k, v in recipe["train_config"].items()
-               if k not in run_settings and json.loads(json.dumps(default[k])) != v}
+    differs = {
+        k: (v, default[k])
+        for k, v in recipe["train_config"].items()
+        if k not in run_settings and json.loads(json.dumps(default[k])) != v
+    }
     assert not differs and not recipe["stopped_early"]
 
 
@@ -251,12 +276,15 @@ def test_train_cli_rejects_bad_excluded_combos(capsys, tmp_path, combos):
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("args, named", [
-    (["--window-type", "LXG"], "'LXG'"),
-    (["--window-size", "0"], "window_size"),
-    (["--focus-tasks", "2,3", "--exclude-combos", "same-person:superclass"], "task2, task3"),
-    (["--focus-tasks", "10", "--tasks", "11"], "task10"),
-])
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--window-type", "LXG"], "'LXG'"),
+        (["--window-size", "0"], "window_size"),
+        (["--focus-tasks", "2,3", "--exclude-combos", "same-person:superclass"], "task2, task3"),
+        (["--focus-tasks", "10", "--tasks", "11"], "task10"),
+    ],
+)
 def test_train_cli_rejects_bad_settings_before_writing(capsys, tmp_path, args, named):
     from dcinterp.train import main
 
@@ -275,8 +303,29 @@ def test_train_cli_defaults_are_the_train_config_defaults(capsys, tmp_path):
     assert config_from_args(args, "dcmha", [], list(TrainConfig().focus_tasks)) == TrainConfig()
     assert parse_args(["--no-tied-init"]).tied_init is False
     # the recipe's task curriculum is for the whole catalog: a --tasks subset trains without it
-    main(["--tasks", "20", "--arch", "mha", "--steps", "1", "--no-eval", "--no-progress",
-          "--n-layers", "1", "--d-model", "16", "--n-heads", "2", "--d-head", "8", "--d-mlp", "32",
-          "--out", str(tmp_path)])
+    main(
+        [
+            "--tasks",
+            "20",
+            "--arch",
+            "mha",
+            "--steps",
+            "1",
+            "--no-eval",
+            "--no-progress",
+            "--n-layers",
+            "1",
+            "--d-model",
+            "16",
+            "--n-heads",
+            "2",
+            "--d-head",
+            "8",
+            "--d-mlp",
+            "32",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     recipe = json.loads((tmp_path / "pythia-synth" / "recipe.json").read_text())
     assert recipe["train_config"]["focus_tasks"] == [] and recipe["data"]["tasks"] == ["task20"]

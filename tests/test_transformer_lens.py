@@ -38,11 +38,24 @@ def save_tiny_pythia(directory: Path) -> Path:
     """A 2-layer GPT-NeoX (Pythia layout: parallel residual, rotary on a quarter of each head) with random weights."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, PreTrainedTokenizerFast
 
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(EMBEDDED_TOKENIZER), bos_token="[BOS]",
-                                        eos_token="[EOS]", pad_token="[PAD]", unk_token="[UNK]")
-    config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                           intermediate_size=64, rotary_pct=0.25, max_position_embeddings=64,
-                           use_parallel_residual=True, tie_word_embeddings=False)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=str(EMBEDDED_TOKENIZER),
+        bos_token="[BOS]",
+        eos_token="[EOS]",
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+    )
+    config = GPTNeoXConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        rotary_pct=0.25,
+        max_position_embeddings=64,
+        use_parallel_residual=True,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     GPTNeoXForCausalLM(config).eval().save_pretrained(directory)
     tokenizer.save_pretrained(directory)
@@ -57,7 +70,8 @@ def pythia_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def models(pythia_dir) -> dict[str, HookedDCFormer]:
     return {name: HookedDCFormer.from_pretrained(name) for name in ("dcpythia-synth", "pythia-synth")} | {
-        "hf-pythia": HookedDCFormer.from_pretrained(pythia_dir)}
+        "hf-pythia": HookedDCFormer.from_pretrained(pythia_dir)
+    }
 
 
 MODEL_NAMES = ["dcpythia-synth", "pythia-synth", "hf-pythia"]
@@ -89,16 +103,27 @@ def test_config_has_what_transformer_lens_reads(models, name):
 def test_stacked_weights_and_biases(models):
     model = models["dcpythia-synth"]
     L, H, D, E, M = (model.cfg.n_layers, model.cfg.n_heads, model.cfg.d_model, model.cfg.d_head, model.cfg.d_mlp)
-    shapes = {"b_Q": (L, H, E), "b_K": (L, H, E), "b_V": (L, H, E), "b_O": (L, D), "W_in": (L, D, M),
-              "W_out": (L, M, D), "b_in": (L, M), "b_out": (L, D)}
+    shapes = {
+        "b_Q": (L, H, E),
+        "b_K": (L, H, E),
+        "b_V": (L, H, E),
+        "b_O": (L, D),
+        "W_in": (L, D, M),
+        "W_out": (L, M, D),
+        "b_in": (L, M),
+        "b_out": (L, D),
+    }
     for name, shape in shapes.items():
         stacked = getattr(model, name)
         assert stacked.shape == shape, name
         part = "mlp" if name in ("W_in", "W_out", "b_in", "b_out") else "attn"
         assert torch.equal(stacked[1], getattr(getattr(model.blocks[1], part), name)), name
     assert torch.equal(model.b_U, torch.zeros(model.cfg.d_vocab))
-    no_bias = HookedDCFormer(DCFormerConfig(n_layers=2, d_model=8, n_heads=2, d_head=4, d_mlp=16, d_vocab=10,
-                                            use_bias=False, act_fn="swiglu"))
+    no_bias = HookedDCFormer(
+        DCFormerConfig(
+            n_layers=2, d_model=8, n_heads=2, d_head=4, d_mlp=16, d_vocab=10, use_bias=False, act_fn="swiglu"
+        )
+    )
     assert torch.equal(no_bias.b_Q, torch.zeros(2, 2, 4)) and torch.equal(no_bias.b_out, torch.zeros(2, 8))
     assert no_bias.W_gate.shape == (2, 8, 16)
     # accumulated_bias: what the attention and MLP biases add to the stream before a layer, as TransformerLens
@@ -119,7 +144,9 @@ def test_score_hooks_are_masked_as_in_transformer_lens(models, name):
     for layer in range(model.cfg.n_layers):
         scores = cache["attn_scores", layer]
         hidden = ~visible_keys(tokens.shape[1], model.blocks[layer].attn.window, "cpu")  # future, or out of window
-        assert (hidden >= future).all() and (hidden.sum() > future.sum()) == (model.blocks[layer].attn.window is not None)
+        assert (hidden >= future).all() and (hidden.sum() > future.sum()) == (
+            model.blocks[layer].attn.window is not None
+        )
         assert (scores[..., hidden] == torch.finfo(scores.dtype).min).all()
         assert (scores[..., ~hidden] > -1e4).all()
         if not model.cfg.use_dcmha:  # plain MHA: the pattern is the softmax of the scores hook, as in TransformerLens
@@ -134,7 +161,9 @@ def test_masked_scores_hooks_give_no_nan_forward_or_backward(models):
     model = models["dcpythia-synth"]
     tokens = model.to_tokens(PROMPT)
     reference = model(tokens)
-    names = [f"blocks.{layer}.attn.{hook}" for layer in range(3) for hook in ("hook_attn_scores", "hook_composed_scores")]
+    names = [
+        f"blocks.{layer}.attn.{hook}" for layer in range(3) for hook in ("hook_attn_scores", "hook_composed_scores")
+    ]
     embed = model.embed.W_E.detach().clone().requires_grad_(True)
 
     def use_leaf(x, hook):
@@ -178,9 +207,14 @@ def test_every_act_patch_function_runs(models, name):
     L, P, H = model.cfg.n_layers, clean.shape[1], model.cfg.n_heads
     results = {fn: getattr(patching, fn)(model, corrupted, clean_cache, metric) for fn in act_patch_functions(model)}
     assert len(results) == 17  # all of TransformerLens' sweeps but resid_mid (a parallel block has no resid_mid)
-    shapes = {"get_act_patch_resid_pre": (L, P), "get_act_patch_attn_head_out_by_pos": (L, P, H),
-              "get_act_patch_attn_head_pattern_dest_src_pos": (L, H, P, P), "get_act_patch_block_every": (3, L, P),
-              "get_act_patch_attn_head_all_pos_every": (5, L, H), "get_act_patch_attn_head_v_all_pos": (L, H)}
+    shapes = {
+        "get_act_patch_resid_pre": (L, P),
+        "get_act_patch_attn_head_out_by_pos": (L, P, H),
+        "get_act_patch_attn_head_pattern_dest_src_pos": (L, H, P, P),
+        "get_act_patch_block_every": (3, L, P),
+        "get_act_patch_attn_head_all_pos_every": (5, L, H),
+        "get_act_patch_attn_head_v_all_pos": (L, H),
+    }
     for fn, shape in shapes.items():
         assert results[fn].shape == shape, fn
     for fn, result in results.items():
@@ -191,6 +225,7 @@ def test_every_act_patch_function_runs(models, name):
     torch.testing.assert_close(results["get_act_patch_resid_pre"][0, 3], clean_metric)
     others = [p for p in range(P) if p != 3]
     torch.testing.assert_close(results["get_act_patch_resid_pre"][0, others], corrupted_metric.expand(P - 1))
+
     # One entry of a head sweep, by hand: layer 1, position 3 (the object), head 2's hook_z from the clean run.
     def patch_z(z, hook):
         z[:, 3, 2] = clean_cache["z", 1][:, 3, 2]
@@ -198,6 +233,7 @@ def test_every_act_patch_function_runs(models, name):
 
     by_hand = metric(model.run_with_hooks(corrupted, fwd_hooks=[(get_act_name("z", 1), patch_z)]))
     torch.testing.assert_close(results["get_act_patch_attn_head_out_by_pos"][1, 3, 2], by_hand)
+
     # And of a pattern sweep: layer 0, head 1, every position.
     def patch_pattern(pattern, hook):
         pattern[:, 1] = clean_cache["pattern", 0][:, 1]
@@ -219,8 +255,9 @@ def test_direct_path_patching(models, name):
     model.set_use_split_qkv_input(False)
     delta = (clean_cache["z", 0][:, :, 1] - corrupted_cache["z", 0][:, :, 1]) @ model.W_O[0, 1]
     for component in "qkv":
-        result = patching.get_act_patch_direct_path(model, corrupted, clean_cache, corrupted_cache, metric, 0, 1,
-                                                    component=component, verbose=False)
+        result = patching.get_act_patch_direct_path(
+            model, corrupted, clean_cache, corrupted_cache, metric, 0, 1, component=component, verbose=False
+        )
         assert result.shape == (model.cfg.n_layers, model.cfg.n_heads) and not result[0].any()
 
         def add_delta(copies, hook):
@@ -228,12 +265,15 @@ def test_direct_path_patching(models, name):
             return copies
 
         model.set_use_split_qkv_input(True)
-        by_hand = metric(model.run_with_hooks(corrupted, fwd_hooks=[(f"blocks.1.attn.hook_{component}_input", add_delta)]))
+        by_hand = metric(
+            model.run_with_hooks(corrupted, fwd_hooks=[(f"blocks.1.attn.hook_{component}_input", add_delta)])
+        )
         model.set_use_split_qkv_input(False)
         torch.testing.assert_close(result[1, 2], by_hand)
         assert not model.cfg.use_split_qkv_input  # restored by TransformerLens
-    every = patching.get_act_patch_direct_path_all_sources(model, corrupted, clean_cache, corrupted_cache, metric,
-                                                           verbose=False)
+    every = patching.get_act_patch_direct_path_all_sources(
+        model, corrupted, clean_cache, corrupted_cache, metric, verbose=False
+    )
     L, H = model.cfg.n_layers, model.cfg.n_heads
     assert every.shape == (L, H, L, H) and torch.isfinite(every).all()
 
@@ -243,7 +283,10 @@ def test_resid_mid_patching_on_a_sequential_model():
     torch.manual_seed(0)
     clean, corrupted = torch.randint(0, model.cfg.d_vocab, (2, 1, 6))
     _, clean_cache = model.run_with_cache(clean)
-    metric = lambda logits: logits[0, -1, 7]
+
+    def metric(logits):
+        return logits[0, -1, 7]
+
     result = patching.get_act_patch_resid_mid(model, corrupted, clean_cache, metric)
     assert result.shape == (model.cfg.n_layers, 6)
 
@@ -299,7 +342,10 @@ def test_svd_interpreter(models, name):
     sign = torch.sign(by_hand @ vectors[:, 0, 0])
     torch.testing.assert_close(vectors[:, 0, 0], sign * by_hand, rtol=1e-4, atol=1e-4)
     assert SVDInterpreter(model).get_singular_vectors("w_in", layer_index=0, num_vectors=3).shape == (
-        model.cfg.d_vocab, 1, 3)
+        model.cfg.d_vocab,
+        1,
+        3,
+    )
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
@@ -354,8 +400,13 @@ def test_to_str_tokens_on_batches_and_lists(models):
 
 def test_get_act_name_knows_dcmha_hooks(models):
     model = models["dcpythia-synth"]
-    for name in [get_act_name("composed_pattern", 2), get_act_name("composed_scores", 0),
-                 get_act_name("o_kp", 2, "post"), get_act_name("qw1", 1, "pre_compose"), get_act_name("pattern", 1)]:
+    for name in [
+        get_act_name("composed_pattern", 2),
+        get_act_name("composed_scores", 0),
+        get_act_name("o_kp", 2, "post"),
+        get_act_name("qw1", 1, "pre_compose"),
+        get_act_name("pattern", 1),
+    ]:
         assert name in model.hook_dict, name
     assert get_act_name("o_kp", 2, "post") == "blocks.2.attn.post_compose.hook_o_kp"
     with pytest.raises(ValueError, match="pass layer_type 'pre' or 'post'"):
@@ -406,13 +457,28 @@ def test_every_shared_hook_matches_the_bridge(models, bridge):
     only_ours = {name.split(".")[-1] for name in set(ours.keys()) - shared}
     only_bridge = {name for name in set(theirs.keys()) - shared if not BRIDGE_ONLY.search(name)}
     assert only_ours == ONLY_OURS_BY_DESIGN and not only_bridge  # the only differences, listed above
-    per_layer = ["hook_resid_pre", "hook_resid_post", "hook_attn_out", "hook_mlp_out", "ln1.hook_scale",
-                 "ln1.hook_normalized", "ln2.hook_normalized", "attn.hook_q", "attn.hook_k", "attn.hook_v",
-                 "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "mlp.hook_pre", "mlp.hook_post"]
+    per_layer = [
+        "hook_resid_pre",
+        "hook_resid_post",
+        "hook_attn_out",
+        "hook_mlp_out",
+        "ln1.hook_scale",
+        "ln1.hook_normalized",
+        "ln2.hook_normalized",
+        "attn.hook_q",
+        "attn.hook_k",
+        "attn.hook_v",
+        "attn.hook_attn_scores",
+        "attn.hook_pattern",
+        "attn.hook_z",
+        "mlp.hook_pre",
+        "mlp.hook_post",
+    ]
     expected = {f"blocks.{l}.{hook}" for l in range(2) for hook in per_layer} | {"hook_embed", "ln_final.hook_scale"}
     assert expected <= shared
     for name in sorted(shared):
-        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        message = f"{name}: {{}}"
+        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-5, msg=message.format)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -438,9 +504,19 @@ def test_attention_page_is_self_contained(models, tmp_path):
 
 def render(page: Path, *mode: str) -> subprocess.CompletedProcess:
     """Chromium, headless, with every network request sent to a closed port: the page must need none."""
-    command = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
-               "--proxy-server=127.0.0.1:9", "--virtual-time-budget=10000", "--window-size=1200,1400", *mode,
-               page.as_uri()]
+    command = [
+        chromium(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        "--disable-extensions",
+        "--proxy-server=127.0.0.1:9",
+        "--virtual-time-budget=10000",
+        "--window-size=1200,1400",
+        *mode,
+        page.as_uri(),
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=180, check=True, cwd=page.parent)
 
 

@@ -10,15 +10,48 @@ catalog, and ``unbracket()`` locates the scored answers.  Command line:
 Note: ``dcinterp.synth.generate`` is the function; import the module's other names with
 ``from dcinterp.synth.generate import ...``.
 """
-from .catalog import Catalog, CatalogError, ItemPool, Lexicon, ObjectEntry, OrdinalDomain, Phrasing, Syntax, Task, \
-    data_dir, load_catalog, load_lexicon
+
+from .catalog import (
+    Catalog,
+    CatalogError,
+    ItemPool,
+    Lexicon,
+    ObjectEntry,
+    OrdinalDomain,
+    Phrasing,
+    Syntax,
+    Task,
+    data_dir,
+    load_catalog,
+    load_lexicon,
+)
 from .check import check_records
 from .contrast import ContrastPair, PairTokens, contrast_pairs, tokenize_pairs
 from .generate import generate
 from .records import DatasetError, read_jsonl, sample_lines, unbracket, write_jsonl
 
 __all__ = [
-    "Catalog", "CatalogError", "ContrastPair", "DatasetError", "ItemPool", "Lexicon", "ObjectEntry", "OrdinalDomain", "PairTokens", "Phrasing",
-    "Syntax", "Task", "check_records", "contrast_pairs", "data_dir", "generate", "load_catalog", "load_lexicon", "read_jsonl",
-    "sample_lines", "tokenize_pairs", "unbracket", "write_jsonl",
+    "Catalog",
+    "CatalogError",
+    "ContrastPair",
+    "DatasetError",
+    "ItemPool",
+    "Lexicon",
+    "ObjectEntry",
+    "OrdinalDomain",
+    "PairTokens",
+    "Phrasing",
+    "Syntax",
+    "Task",
+    "check_records",
+    "contrast_pairs",
+    "data_dir",
+    "generate",
+    "load_catalog",
+    "load_lexicon",
+    "read_jsonl",
+    "sample_lines",
+    "tokenize_pairs",
+    "unbracket",
+    "write_jsonl",
 ]

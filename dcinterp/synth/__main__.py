@@ -13,6 +13,7 @@ checked before any work, nothing written).
 
 Parsing the arguments imports neither torch nor transformer_lens (`--help` is fast): `eval` imports them when it runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,13 +47,21 @@ def run_generate(args: argparse.Namespace) -> int:
         return check_file(args.check, args.lines)
     check_generate_arguments(args)
     catalog = load_catalog()
-    records = generate(seed=args.seed, samples_per_task=args.samples_per_task,
-                       tasks=parse_task_ids(args.tasks, catalog) if args.tasks else None,
-                       qk_patterns=_names(args.qk_pattern), ov_transformations=_names(args.ov_transformation),
-                       lines=args.lines, catalog=catalog)
+    records = generate(
+        seed=args.seed,
+        samples_per_task=args.samples_per_task,
+        tasks=parse_task_ids(args.tasks, catalog) if args.tasks else None,
+        qk_patterns=_names(args.qk_pattern),
+        ov_transformations=_names(args.ov_transformation),
+        lines=args.lines,
+        catalog=catalog,
+    )
     if not records:
-        raise ValueError(f"no task is both {args.qk_pattern} and {args.ov_transformation}"
-                         + (f" among --tasks {args.tasks}" if args.tasks else "") + "; nothing written")
+        raise ValueError(
+            f"no task is both {args.qk_pattern} and {args.ov_transformation}"
+            + (f" among --tasks {args.tasks}" if args.tasks else "")
+            + "; nothing written"
+        )
     write_jsonl(records, args.out)
     task_count = len({record["task_id"] for record in records})
     print(f"{args.out}: wrote {len(records)} records ({task_count} tasks x {args.samples_per_task} samples)")
@@ -62,8 +71,10 @@ def run_generate(args: argparse.Namespace) -> int:
 def check_generate_arguments(args: argparse.Namespace) -> None:
     """Refuse, before generating anything, what `check` or `eval` would reject or what cannot be written."""
     if args.lines != LINES_PER_SAMPLE:
-        raise ValueError(f"--lines {args.lines}: check and eval read samples of {LINES_PER_SAMPLE} lines (K = 2..7 "
-                         "shots), so generate writes those; other lengths: dcinterp.synth.generate(lines=...)")
+        raise ValueError(
+            f"--lines {args.lines}: check and eval read samples of {LINES_PER_SAMPLE} lines (K = 2..7 "
+            "shots), so generate writes those; other lengths: dcinterp.synth.generate(lines=...)"
+        )
     if not args.out.parent.is_dir():
         raise ValueError(f"--out {args.out}: cannot write: the directory {args.out.parent} does not exist")
     check_writable_file(args.out, "--out")
@@ -87,8 +98,9 @@ def check_file(path: Path, lines: int) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="python -m dcinterp.synth",
-                                     description="Generate, check and evaluate the DCFormer synthetic ICL tasks.")
+    parser = Parser(
+        prog="python -m dcinterp.synth", description="Generate, check and evaluate the DCFormer synthetic ICL tasks."
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     generate_parser = commands.add_parser("generate", help="write fresh samples of the tasks as JSONL")
@@ -99,17 +111,27 @@ def build_parser() -> argparse.ArgumentParser:
     generate_parser.add_argument("--samples-per-task", type=positive_int, default=SAMPLES_PER_TASK, metavar="N")
     generate_parser.add_argument("--tasks", metavar="IDS", help="e.g. task0,task5 or 0-7 (default: all 74)")
     generate_parser.add_argument("--qk-pattern", metavar="P", help="comma separated: " + ", ".join(QK_PATTERNS))
-    generate_parser.add_argument("--ov-transformation", metavar="T",
-                                 help="comma separated: " + ", ".join(OV_TRANSFORMATIONS))
-    generate_parser.add_argument("--lines", type=int, default=LINES_PER_SAMPLE, metavar="L",
-                                 help="with --check: expected lines per sample; samples are written with "
-                                      "%(default)s (what eval scores)")
+    generate_parser.add_argument(
+        "--ov-transformation", metavar="T", help="comma separated: " + ", ".join(OV_TRANSFORMATIONS)
+    )
+    generate_parser.add_argument(
+        "--lines",
+        type=int,
+        default=LINES_PER_SAMPLE,
+        metavar="L",
+        help="with --check: expected lines per sample; samples are written with %(default)s (what eval scores)",
+    )
     generate_parser.set_defaults(run=run_generate)
 
     check_parser = commands.add_parser("check", help="validate a dataset file against the task catalog")
     check_parser.add_argument("file", type=Path, metavar="FILE.jsonl")
-    check_parser.add_argument("--lines", type=int, default=LINES_PER_SAMPLE, metavar="L",
-                              help="expected lines per sample (default: %(default)s)")
+    check_parser.add_argument(
+        "--lines",
+        type=int,
+        default=LINES_PER_SAMPLE,
+        metavar="L",
+        help="expected lines per sample (default: %(default)s)",
+    )
     check_parser.set_defaults(run=run_check)
 
     eval_parser = commands.add_parser("eval", help="score checkpoints on the tasks (accuracy, perplexity)")

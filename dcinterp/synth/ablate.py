@@ -69,11 +69,14 @@ def ablation_table(model, samples, batch_size: int = 8, progress: bool = True) -
         with model.hooks(fwd_hooks=hooks):
             results = evaluate(model, samples, batch_size=batch_size, name=label(component), progress=False)
         (summary,) = summarize(results).values()
-        row = {"ablated": label(component),
-               "layer": "-" if component is None else component.layer,
-               "stage": "-" if component is None else component.stage,
-               "branch": "-" if component is None else component.branch,
-               "accuracy": summary["accuracy"], "ppl": summary["ppl"]}
+        row = {
+            "ablated": label(component),
+            "layer": "-" if component is None else component.layer,
+            "stage": "-" if component is None else component.stage,
+            "branch": "-" if component is None else component.branch,
+            "accuracy": summary["accuracy"],
+            "ppl": summary["ppl"],
+        }
         row.update({f"qk:{key}": value for key, value in summary["by_qk_pattern"].items()})
         row.update({f"ov:{key}": value for key, value in summary["by_ov_transformation"].items()})
         rows.append(row)
@@ -83,11 +86,13 @@ def ablation_table(model, samples, batch_size: int = 8, progress: bool = True) -
 def table_json(table: pd.DataFrame, checkpoint: str, data: Path) -> dict:
     rows = []
     for record in table.to_dict("records"):
-        rows.append({
-            **{key: record[key] for key in ("ablated", "layer", "stage", "branch", "accuracy", "ppl")},
-            "by_qk_pattern": {k[3:]: v for k, v in record.items() if k.startswith("qk:")},
-            "by_ov_transformation": {k[3:]: v for k, v in record.items() if k.startswith("ov:")},
-        })
+        rows.append(
+            {
+                **{key: record[key] for key in ("ablated", "layer", "stage", "branch", "accuracy", "ppl")},
+                "by_qk_pattern": {k[3:]: v for k, v in record.items() if k.startswith("qk:")},
+                "by_ov_transformation": {k[3:]: v for k, v in record.items() if k.startswith("ov:")},
+            }
+        )
     return {"checkpoint": checkpoint, "data": str(data), "ablations": rows}
 
 
@@ -95,11 +100,14 @@ def write_outputs(table: pd.DataFrame, summary: dict, figure, out_dir: Path) -> 
     """Write the CSV, the JSON and the figure, all or none (`evaluate.write_files`)."""
     from .evaluate import write_files
 
-    write_files(out_dir, {
-        "ablation.csv": lambda path: table.to_csv(path, index=False),
-        "ablation.json": lambda path: path.write_text(json.dumps(summary, indent=2) + "\n"),
-        "ablation.png": lambda path: figure.savefig(path, dpi=130, format="png"),
-    })
+    write_files(
+        out_dir,
+        {
+            "ablation.csv": lambda path: table.to_csv(path, index=False),
+            "ablation.json": lambda path: path.write_text(json.dumps(summary, indent=2) + "\n"),
+            "ablation.png": lambda path: figure.savefig(path, dpi=130, format="png"),
+        },
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -115,17 +123,30 @@ def _task_selection(text: str) -> set[str]:
 
 
 def add_ablate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, metavar="PATH",
-                        help="checkpoint directory or embedded model name (default: %(default)s)")
-    parser.add_argument("--data", default="released", metavar="released|FILE",
-                        help="'released' (the shipped synthetic_dataset.jsonl) or a JSON-lines file")
-    parser.add_argument("--out", type=Path, metavar="DIR",
-                        help="write " + ", ".join(OUTPUTS) + " here (default: only print the table)")
+    parser.add_argument(
+        "--checkpoint",
+        default=DEFAULT_CHECKPOINT,
+        metavar="PATH",
+        help="checkpoint directory or embedded model name (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--data",
+        default="released",
+        metavar="released|FILE",
+        help="'released' (the shipped synthetic_dataset.jsonl) or a JSON-lines file",
+    )
+    parser.add_argument(
+        "--out", type=Path, metavar="DIR", help="write " + ", ".join(OUTPUTS) + " here (default: only print the table)"
+    )
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--batch-size", type=_positive_int, default=8, metavar="N")
-    parser.add_argument("--tasks", type=_task_selection, metavar="SEL",
-                        help="tasks to evaluate: ids and ranges, e.g. task0,task5 or 0-7")
+    parser.add_argument(
+        "--tasks",
+        type=_task_selection,
+        metavar="SEL",
+        help="tasks to evaluate: ids and ranges, e.g. task0,task5 or 0-7",
+    )
     parser.add_argument("--limit", type=_positive_int, metavar="N", help="only the first N samples (after --tasks)")
     return parser
 
@@ -134,8 +155,16 @@ def run_ablate(args: argparse.Namespace) -> int:
     """The `ablate` command: 0 on success, 2 (and one line on stderr) for bad input."""
     from ..plotting import plot_ablation_table
     from .catalog import CatalogError
-    from .evaluate import (EvalError, check_out_dir, eval_device, load_checkpoint, load_samples, parse_sample,
-                           resolve_data_path, select_samples)
+    from .evaluate import (
+        EvalError,
+        check_out_dir,
+        eval_device,
+        load_checkpoint,
+        load_samples,
+        parse_sample,
+        resolve_data_path,
+        select_samples,
+    )
 
     try:
         if args.out is not None:
@@ -148,7 +177,9 @@ def run_ablate(args: argparse.Namespace) -> int:
         model = load_checkpoint(args.checkpoint, args.dtype, device)
         table = ablation_table(model, samples, batch_size=args.batch_size)
         if args.out is not None:
-            figure = plot_ablation_table(table, title=f"{args.checkpoint}: compose switched off, {len(samples)} samples")
+            figure = plot_ablation_table(
+                table, title=f"{args.checkpoint}: compose switched off, {len(samples)} samples"
+            )
             write_outputs(table, table_json(table, args.checkpoint, data_path), figure, args.out)
     except (EvalError, CatalogError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -33,8 +33,14 @@ def chance_per_answer(results: pd.DataFrame) -> pd.Series:
     return results["qk_pattern"].map(CHANCE_BY_QK_PATTERN).astype(float)
 
 
-def accuracy_table(results: pd.DataFrame, by: str | list[str] | None = None, interval: str = "bootstrap",
-                   level: float = 0.95, n_resamples: int = 2000, seed: int = 0) -> pd.DataFrame:
+def accuracy_table(
+    results: pd.DataFrame,
+    by: str | list[str] | None = None,
+    interval: str = "bootstrap",
+    level: float = 0.95,
+    n_resamples: int = 2000,
+    seed: int = 0,
+) -> pd.DataFrame:
     """Accuracy per checkpoint (and per value of `by`) with its interval [low, high], chance, answers, samples."""
     if interval not in INTERVALS:
         raise ValueError(f"interval={interval!r}: expected one of {', '.join(INTERVALS)}")
@@ -44,22 +50,37 @@ def accuracy_table(results: pd.DataFrame, by: str | list[str] | None = None, int
     rows = []
     for values, group in results.assign(chance=chance_per_answer(results)).groupby(keys, sort=False):
         correct = group["correct"].to_numpy(dtype=float)
-        low, high = (bootstrap_interval(group, level, n_resamples, seed) if interval == "bootstrap"
-                     else wilson_interval(int(correct.sum()), len(correct), level))
-        rows.append([*values, correct.mean(), low, high, group["chance"].mean(), len(group),
-                     group[["task", "sample"]].drop_duplicates().shape[0]])
+        low, high = (
+            bootstrap_interval(group, level, n_resamples, seed)
+            if interval == "bootstrap"
+            else wilson_interval(int(correct.sum()), len(correct), level)
+        )
+        rows.append(
+            [
+                *values,
+                correct.mean(),
+                low,
+                high,
+                group["chance"].mean(),
+                len(group),
+                group[["task", "sample"]].drop_duplicates().shape[0],
+            ]
+        )
     table = pd.DataFrame(rows, columns=[*keys, *TABLE_COLUMNS])
-    table.attrs["interval"] = (f"{level:.0%} bootstrap interval over samples" if interval == "bootstrap"
-                               else f"{level:.0%} Wilson interval over answers")
+    table.attrs["interval"] = (
+        f"{level:.0%} bootstrap interval over samples"
+        if interval == "bootstrap"
+        else f"{level:.0%} Wilson interval over answers"
+    )
     return table
 
 
-def accuracy_tables(results: pd.DataFrame, interval: str = "bootstrap", level: float = 0.95,
-                    n_resamples: int = 2000, seed: int = 0) -> dict[str, pd.DataFrame]:
+def accuracy_tables(
+    results: pd.DataFrame, interval: str = "bootstrap", level: float = 0.95, n_resamples: int = 2000, seed: int = 0
+) -> dict[str, pd.DataFrame]:
     """`accuracy_table` for each of GROUPINGS ("combination": per QK pattern and OV transformation)."""
     by = {"overall": None, "combination": ["qk_pattern", "ov_transformation"]}
-    return {name: accuracy_table(results, by.get(name, name), interval, level, n_resamples, seed)
-            for name in GROUPINGS}
+    return {name: accuracy_table(results, by.get(name, name), interval, level, n_resamples, seed) for name in GROUPINGS}
 
 
 def wilson_interval(successes: int, trials: int, level: float = 0.95) -> tuple[float, float]:
@@ -70,8 +91,9 @@ def wilson_interval(successes: int, trials: int, level: float = 0.95) -> tuple[f
     return float(interval.low), float(interval.high)
 
 
-def bootstrap_interval(group: pd.DataFrame, level: float = 0.95, n_resamples: int = 2000,
-                       seed: int = 0) -> tuple[float, float]:
+def bootstrap_interval(
+    group: pd.DataFrame, level: float = 0.95, n_resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
     """Percentile bootstrap of the accuracy over samples: each resample draws samples with replacement, and an
     accuracy is the correct answers over the answers of the samples drawn."""
     per_sample = group.groupby(["task", "sample"], sort=False)["correct"].agg(["sum", "count"]).to_numpy(float)

@@ -4,14 +4,15 @@ The data lives in two JSON files, ``catalog.json`` (tasks, templates, item pools
 ``lexicon.json`` (people, objects, cities, adjectives, ordinal domains); see their
 ``about`` entries for the meaning of every field.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from string import Formatter
-from typing import Callable
 
 QK_PATTERNS = ("other-person", "same-person", "not-matching-person", "matching-person", "odd-one-out")
 OV_TRANSFORMATIONS = ("copy", "superclass", "country", "capability", "opposite", "next", "prev")
@@ -49,8 +50,10 @@ def template_parts(template: str) -> list[tuple[str, str | None, str]]:
 
 def fill_template(template: str, value_of: Callable[[str, str], str]) -> str:
     """Fills a template; value_of(field, form) gives the text of a field."""
-    return "".join(literal + (value_of(field, form) if field is not None else "")
-                   for literal, field, form in template_parts(template))
+    return "".join(
+        literal + (value_of(field, form) if field is not None else "")
+        for literal, field, form in template_parts(template)
+    )
 
 
 def template_fields(template: str) -> set[str]:
@@ -58,6 +61,7 @@ def template_fields(template: str) -> set[str]:
 
 
 # --------------------------------------------------------------------------- lexicon
+
 
 @dataclass(frozen=True)
 class ObjectEntry:
@@ -159,22 +163,28 @@ def load_lexicon(path: Path | None = None) -> Lexicon:
     path = path or data_dir() / "lexicon.json"
     raw = _read_json(path)
     try:
-        objects = {name: ObjectEntry(name, entry["has_form"], entry["possessive_form"],
-                                     entry.get("superclass"), entry.get("capability"))
-                   for name, entry in raw["objects"].items()}
+        objects = {
+            name: ObjectEntry(
+                name, entry["has_form"], entry["possessive_form"], entry.get("superclass"), entry.get("capability")
+            )
+            for name, entry in raw["objects"].items()
+        }
         country_of = {city: country for country, cities in raw["countries"].items() for city in cities}
         opposites: dict[str, tuple[str, ...]] = {}
         for first, second in raw["adjective_opposites"]:
             opposites[first] = opposites.get(first, ()) + (second,)
             opposites[second] = opposites.get(second, ()) + (first,)
-        domains = {domain["unit"]: OrdinalDomain(domain["unit"], domain["preposition"], tuple(domain["sequence"]))
-                   for domain in raw["ordinal_domains"]}
+        domains = {
+            domain["unit"]: OrdinalDomain(domain["unit"], domain["preposition"], tuple(domain["sequence"]))
+            for domain in raw["ordinal_domains"]
+        }
         return Lexicon(tuple(raw["people"]), objects, country_of, dict(sorted(opposites.items())), domains)
     except (KeyError, TypeError, ValueError) as error:
         raise CatalogError(f"{path}: {_describe(error)}") from error
 
 
 # --------------------------------------------------------------------------- catalog
+
 
 @dataclass(frozen=True)
 class LineShape:
@@ -237,16 +247,20 @@ class Catalog:
         if first == second:
             return False
         if task.pool.class_name:
-            return self.lexicon.class_of(first, task.pool.class_name) != \
-                self.lexicon.class_of(second, task.pool.class_name)
+            return self.lexicon.class_of(first, task.pool.class_name) != self.lexicon.class_of(
+                second, task.pool.class_name
+            )
         return second not in self.lexicon.opposites.get(first, ())
 
 
 def _pool_items(lexicon: Lexicon, pool: ItemPool, ov_transformations: set[str]) -> tuple[str, ...]:
-    return tuple(item for item in lexicon.items(pool.kind)
-                 if item not in pool.exclude
-                 and (pool.class_name is None or lexicon.class_of(item, pool.class_name))
-                 and all(lexicon.transform(ov, pool.kind, item) for ov in ov_transformations))
+    return tuple(
+        item
+        for item in lexicon.items(pool.kind)
+        if item not in pool.exclude
+        and (pool.class_name is None or lexicon.class_of(item, pool.class_name))
+        and all(lexicon.transform(ov, pool.kind, item) for ov in ov_transformations)
+    )
 
 
 def _check_task(task: Task, lexicon: Lexicon, tasks: dict[str, Task]) -> None:
@@ -296,12 +310,14 @@ def _transformations_of_shared_samples(raw_tasks: list[dict]) -> dict[str, set[s
 
 
 def _build_catalog(raw: dict, lexicon: Lexicon) -> Catalog:
-    shapes = {name: LineShape(name, shape["line"], shape["fact_separator"])
-              for name, shape in raw["line_shapes"].items()}
-    syntaxes = {name: Syntax(name, shapes[syntax["shape"]], syntax["fact"])
-                for name, syntax in raw["syntaxes"].items()}
-    pools = {name: ItemPool(name, pool["kind"], pool.get("class"), tuple(pool.get("exclude", ())))
-             for name, pool in raw["item_pools"].items()}
+    shapes = {
+        name: LineShape(name, shape["line"], shape["fact_separator"]) for name, shape in raw["line_shapes"].items()
+    }
+    syntaxes = {name: Syntax(name, shapes[syntax["shape"]], syntax["fact"]) for name, syntax in raw["syntaxes"].items()}
+    pools = {
+        name: ItemPool(name, pool["kind"], pool.get("class"), tuple(pool.get("exclude", ())))
+        for name, pool in raw["item_pools"].items()
+    }
     transformations_in_use = _transformations_of_shared_samples(raw["tasks"])
     tasks: dict[str, Task] = {}
     for number, entry in enumerate(raw["tasks"]):
@@ -336,8 +352,9 @@ def _describe(error: Exception) -> str:
 
 def load_catalog(path: Path | None = None, lexicon_path: Path | None = None) -> Catalog:
     """Loads the task catalog (default: catalog.json and lexicon.json in data_dir())."""
-    return _load_catalog_cached(Path(path or data_dir() / "catalog.json").resolve(),
-                                Path(lexicon_path or data_dir() / "lexicon.json").resolve())
+    return _load_catalog_cached(
+        Path(path or data_dir() / "catalog.json").resolve(), Path(lexicon_path or data_dir() / "lexicon.json").resolve()
+    )
 
 
 @lru_cache(maxsize=4)

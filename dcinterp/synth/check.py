@@ -4,14 +4,23 @@ Every line is parsed with its task's templates (facts, phrasings, answer prefix)
 structure is checked, its answer is recomputed from the facts (it must be right and the
 only one the facts allow), and the line must read exactly as the templates render it.
 """
+
 from __future__ import annotations
 
 import re
 from collections import Counter
 from collections.abc import Iterable
 
-from .catalog import CLASS_TRANSFORMATIONS, PATTERNS_NAMING_A_VALUE, SHARED_FORMS, Catalog, Phrasing, Task, \
-    load_catalog, template_parts
+from .catalog import (
+    CLASS_TRANSFORMATIONS,
+    PATTERNS_NAMING_A_VALUE,
+    SHARED_FORMS,
+    Catalog,
+    Phrasing,
+    Task,
+    load_catalog,
+    template_parts,
+)
 from .generate import Fact, Line, render_line
 from .records import LINES_PER_SAMPLE, PLAIN_LINES, RECORD_KEYS, sample_lines
 
@@ -35,14 +44,19 @@ class LineParser:
         self.people = _alternatives(lexicon.people)
         self.units = _alternatives(lexicon.ordinal_domains)
         # A fact names its item once in a form that tells the item (besides e.g. its preposition).
-        (self.item_form,) = [form for _, field, form in template_parts(task.syntax.fact)
-                             if field == "item" and form not in SHARED_FORMS]
+        (self.item_form,) = [
+            form for _, field, form in template_parts(task.syntax.fact) if field == "item" and form not in SHARED_FORMS
+        ]
         self.item_by_surface = {lexicon.form(kind, item, self.item_form): item for item in lexicon.items(kind)}
-        values = lexicon.items(kind) if task.qk_pattern == "odd-one-out" else \
-            lexicon.values(task.ov_transformation, kind)
+        values = (
+            lexicon.items(kind) if task.qk_pattern == "odd-one-out" else lexicon.values(task.ov_transformation, kind)
+        )
         # Questions that name a value ask for a person.
-        answers = lexicon.people if task.qk_pattern in PATTERNS_NAMING_A_VALUE else \
-            lexicon.values(task.ov_transformation, kind)
+        answers = (
+            lexicon.people
+            if task.qk_pattern in PATTERNS_NAMING_A_VALUE
+            else lexicon.values(task.ov_transformation, kind)
+        )
         self.values = _alternatives(values)
         shape = task.syntax.shape
         line_parts = {
@@ -54,8 +68,10 @@ class LineParser:
 
     @staticmethod
     def _pattern(template: str, pattern_of) -> str:
-        return "".join(re.escape(literal) + (pattern_of(field, form) if field is not None else "")
-                       for literal, field, form in template_parts(template))
+        return "".join(
+            re.escape(literal) + (pattern_of(field, form) if field is not None else "")
+            for literal, field, form in template_parts(template)
+        )
 
     def _fact_pattern(self, index: int) -> str:
         def pattern_of(field: str, form: str) -> str:
@@ -63,19 +79,25 @@ class LineParser:
                 return f"(?P<person{index}>{self.people})"
             if form == self.item_form:
                 return f"(?P<item{index}>{_alternatives(self.item_by_surface)})"
-            return _alternatives(self.catalog.lexicon.form(self.task.pool.kind, item, form)
-                                 for item in self.catalog.lexicon.items(self.task.pool.kind))
+            return _alternatives(
+                self.catalog.lexicon.form(self.task.pool.kind, item, form)
+                for item in self.catalog.lexicon.items(self.task.pool.kind)
+            )
+
         return self._pattern(self.task.syntax.fact, pattern_of)
 
     def _question_pattern(self) -> str:
         def phrasing_pattern(number: int, template: str) -> str:
-            slots = {"person": f"(?P<person_q{number}>{self.people})",
-                     "value": f"(?P<value_q{number}>{self.values})",
-                     "unit": self.units}
+            slots = {
+                "person": f"(?P<person_q{number}>{self.people})",
+                "value": f"(?P<value_q{number}>{self.values})",
+                "unit": self.units,
+            }
             return f"(?P<phrasing{number}>{self._pattern(template, lambda field, form: slots[field])})"
 
-        phrasings = "|".join(phrasing_pattern(number, phrasing.template)
-                             for number, phrasing in enumerate(self.task.phrasings))
+        phrasings = "|".join(
+            phrasing_pattern(number, phrasing.template) for number, phrasing in enumerate(self.task.phrasings)
+        )
         prefix = self._pattern(self.task.answer_prefix, lambda field, form: self.units)
         return f"(?:{phrasings})" + (" " + prefix if prefix else "")
 
@@ -85,14 +107,21 @@ class LineParser:
             return None
         groups = match.groupdict()
         number = next(number for number in range(len(self.task.phrasings)) if groups[f"phrasing{number}"])
-        facts = tuple(Fact(groups.get(f"person{index}"), self.item_by_surface[groups[f"item{index}"]])
-                      for index in range(FACTS_PER_LINE))
-        line = Line(facts, groups["answer"], query_person=groups.get(f"person_q{number}"),
-                    query_value=groups.get(f"value_q{number}"))
+        facts = tuple(
+            Fact(groups.get(f"person{index}"), self.item_by_surface[groups[f"item{index}"]])
+            for index in range(FACTS_PER_LINE)
+        )
+        line = Line(
+            facts,
+            groups["answer"],
+            query_person=groups.get(f"person_q{number}"),
+            query_value=groups.get(f"value_q{number}"),
+        )
         return line, self.task.phrasings[number]
 
 
 # --------------------------------------------------------------------------- line semantics
+
 
 def _wrong_answer(answer: str, expected: Iterable[str]) -> str:
     return f"answer {answer!r} is wrong, expected {' or '.join(map(repr, expected))}"
@@ -129,8 +158,9 @@ def _check_other_person(catalog: Catalog, task: Task, line: Line) -> list[str]:
     expected = catalog.transform(task, other_item)
     if line.answer not in expected:
         return [_wrong_answer(line.answer, expected)]
-    own_items_giving_it = [fact.item for fact in line.facts
-                           if fact.person == person and line.answer in catalog.transform(task, fact.item)]
+    own_items_giving_it = [
+        fact.item for fact in line.facts if fact.person == person and line.answer in catalog.transform(task, fact.item)
+    ]
     if own_items_giving_it:
         return [f"answer {line.answer!r} also fits {person}'s own item {own_items_giving_it[0]!r}"]
     return []
@@ -146,8 +176,9 @@ def _check_same_person(catalog: Catalog, task: Task, line: Line) -> list[str]:
     expected = catalog.transform(task, own[0])
     if line.answer not in expected:
         return [_wrong_answer(line.answer, expected)]
-    others_giving_it = [fact.item for fact in line.facts
-                        if fact.item != own[0] and line.answer in catalog.transform(task, fact.item)]
+    others_giving_it = [
+        fact.item for fact in line.facts if fact.item != own[0] and line.answer in catalog.transform(task, fact.item)
+    ]
     if others_giving_it:
         return [f"answer {line.answer!r} is not unique: {others_giving_it[0]!r} gives it too"]
     return []
@@ -208,8 +239,11 @@ PATTERN_CHECKS = {
 
 def line_problems(catalog: Catalog, task: Task, line: Line) -> list[str]:
     """What is wrong with a parsed line: items outside the task's pool, QK structure, answer."""
-    problems = [f"item {fact.item!r} is not in the item pool {task.pool.name!r}"
-                for fact in line.facts if fact.item not in task.items]
+    problems = [
+        f"item {fact.item!r} is not in the item pool {task.pool.name!r}"
+        for fact in line.facts
+        if fact.item not in task.items
+    ]
     if problems:
         return problems
     if task.pool.kind == "ordinal" and len({catalog.lexicon.domain_of(fact.item).unit for fact in line.facts}) > 1:
@@ -219,8 +253,10 @@ def line_problems(catalog: Catalog, task: Task, line: Line) -> list[str]:
 
 # --------------------------------------------------------------------------- records
 
-def _check_text_line(catalog: Catalog, parser: LineParser, text: str,
-                     bracketed: bool) -> tuple[Phrasing | None, list[str]]:
+
+def _check_text_line(
+    catalog: Catalog, parser: LineParser, text: str, bracketed: bool
+) -> tuple[Phrasing | None, list[str]]:
     if bracketed:
         match = _BRACKETED_LINE.fullmatch(text)
         if match is None or text.count("[") != 1 or text.count("]") != 1:
@@ -265,8 +301,10 @@ def _check_record(catalog: Catalog, parsers: dict[str, LineParser], record, line
             phrasings_used.setdefault(phrasing, number)
     if len(phrasings_used) > 1:
         (first, first_line), (other, other_line) = list(phrasings_used.items())[:2]
-        problems.append(f"{task.id}, text line {other_line}: phrasing {other.template!r} differs from "
-                        f"{first.template!r} of text line {first_line} (one phrasing per sample)")
+        problems.append(
+            f"{task.id}, text line {other_line}: phrasing {other.template!r} differs from "
+            f"{first.template!r} of text line {first_line} (one phrasing per sample)"
+        )
     return problems
 
 
@@ -275,6 +313,8 @@ def check_records(records: Iterable[dict], lines: int = LINES_PER_SAMPLE, catalo
     (N counts records from 1, i.e. the line of a JSONL file).  Empty if all is well."""
     catalog = catalog or load_catalog()
     parsers: dict[str, LineParser] = {}
-    return [f"line {number}: {problem}"
-            for number, record in enumerate(records, 1)
-            for problem in _check_record(catalog, parsers, record, lines)]
+    return [
+        f"line {number}: {problem}"
+        for number, record in enumerate(records, 1)
+        for problem in _check_record(catalog, parsers, record, lines)
+    ]

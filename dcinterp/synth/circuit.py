@@ -32,19 +32,36 @@ def add_circuit_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         selected = parse_task_selection(text)
         return sorted(selected, key=lambda t: int(t.removeprefix("task")))
 
-    parser.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, metavar="PATH",
-                        help="checkpoint directory or embedded model name (default: %(default)s)")
-    parser.add_argument("--tasks", type=tasks, default=DEFAULT_TASKS, metavar="IDS",
-                        help="tasks whose contrast pairs are used, e.g. 2,3 or 0-7 (default: %(default)s, "
-                             "same-person : superclass)")
+    parser.add_argument(
+        "--checkpoint",
+        default=DEFAULT_CHECKPOINT,
+        metavar="PATH",
+        help="checkpoint directory or embedded model name (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--tasks",
+        type=tasks,
+        default=DEFAULT_TASKS,
+        metavar="IDS",
+        help="tasks whose contrast pairs are used, e.g. 2,3 or 0-7 (default: %(default)s, same-person : superclass)",
+    )
     parser.add_argument("--pairs", type=positive_int, default=8, metavar="N", help="contrast pairs per task")
-    parser.add_argument("--method", choices=["eap", "eap-ig"], default="eap-ig",
-                        help="the scores the circuit figure and the score column use (both are computed)")
+    parser.add_argument(
+        "--method",
+        choices=["eap", "eap-ig"],
+        default="eap-ig",
+        help="the scores the circuit figure and the score column use (both are computed)",
+    )
     parser.add_argument("--n-steps", type=positive_int, default=5, metavar="K", help="EAP-IG steps (default 5)")
     parser.add_argument("--metric", choices=["logit-diff", "logprob"], default="logit-diff")
     parser.add_argument("--kind", choices=["person", "object"], help="the corruption (default: the task's own)")
-    parser.add_argument("--exact-top", type=positive_int, default=50, metavar="N",
-                        help="patch exactly the N top edges of each method (default 50)")
+    parser.add_argument(
+        "--exact-top",
+        type=positive_int,
+        default=50,
+        metavar="N",
+        help="patch exactly the N top edges of each method (default 50)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="write " + ", ".join(OUTPUTS) + " here")
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
@@ -65,12 +82,22 @@ def check_kind(tasks: list[str], kind: str | None) -> None:
     for task in tasks:
         pattern = catalog.tasks[task].qk_pattern
         if pattern not in KIND_PATTERNS[kind]:
-            raise EvalError(f"--kind {kind} does not apply to {task} ({pattern}); it applies to "
-                            + ", ".join(KIND_PATTERNS[kind]))
+            raise EvalError(
+                f"--kind {kind} does not apply to {task} ({pattern}); it applies to " + ", ".join(KIND_PATTERNS[kind])
+            )
 
 
-def discover(model, pairs, method: str = "eap-ig", n_steps: int = 5, metric: str = "logit_diff", exact_top: int = 50,
-             batch_size: int | None = 8, seed: int = 0, progress: bool = True) -> dict:
+def discover(
+    model,
+    pairs,
+    method: str = "eap-ig",
+    n_steps: int = 5,
+    metric: str = "logit_diff",
+    exact_top: int = 50,
+    batch_size: int | None = 8,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
     """Scores (both methods), exact single-edge effects of the top edges, faithfulness curves and the summary."""
     import torch
 
@@ -92,11 +119,12 @@ def discover(model, pairs, method: str = "eap-ig", n_steps: int = 5, metric: str
     evaluator = CircuitEvaluator(model, graph, pairs, metric, batch_size)
     scores = {"eap": edge_scores(model, pairs, "eap", metric=metric, batch_size=batch_size, graph=graph)}
     say("EAP scores done")
-    scores["eap-ig"] = edge_scores(model, pairs, "eap-ig", n_steps=n_steps, metric=metric, batch_size=batch_size,
-                                   graph=graph)
+    scores["eap-ig"] = edge_scores(
+        model, pairs, "eap-ig", n_steps=n_steps, metric=metric, batch_size=batch_size, graph=graph
+    )
     say("EAP-IG scores done")
     top = sorted({int(i) for s in scores.values() for i in s.abs().argsort(descending=True)[:exact_top]})
-    exact = dict(zip(top, evaluator.single_edge_effects(top)))
+    exact = dict(zip(top, evaluator.single_edge_effects(top), strict=True))
     say(f"{len(top)} edges patched exactly")
     edges = graph.frame()
     edges["score"] = scores[method].numpy()
@@ -113,13 +141,20 @@ def discover(model, pairs, method: str = "eap-ig", n_steps: int = 5, metric: str
     filled = edges[edges["exact"].notna()]
     full, empty = torch.ones(len(graph), dtype=torch.bool), torch.zeros(len(graph), dtype=torch.bool)
     summary = {
-        "checkpoint": model.cfg.model_name, "method": method, "n_steps": n_steps, "metric": metric,
-        "pairs": int(pairs.clean.shape[0]), "graph": graph.counts(),
-        "metric_clean": evaluator.m_clean, "metric_corrupted": evaluator.m_corrupt,
-        "faithfulness_full_graph": evaluator.faithfulness(full), "faithfulness_empty_graph": evaluator.faithfulness(empty),
+        "checkpoint": model.cfg.model_name,
+        "method": method,
+        "n_steps": n_steps,
+        "metric": metric,
+        "pairs": int(pairs.clean.shape[0]),
+        "graph": graph.counts(),
+        "metric_clean": evaluator.m_clean,
+        "metric_corrupted": evaluator.m_corrupt,
+        "faithfulness_full_graph": evaluator.faithfulness(full),
+        "faithfulness_empty_graph": evaluator.faithfulness(empty),
         "smallest_circuit_80": smallest,
-        "spearman_score_vs_exact": {name: spearman(filled[f"score_{name.replace('-', '_')}"], filled["exact"])
-                                    for name in scores},
+        "spearman_score_vs_exact": {
+            name: spearman(filled[f"score_{name.replace('-', '_')}"], filled["exact"]) for name in scores
+        },
         "exact_rows": len(filled),
     }
     return {"graph": graph, "scores": scores, "edges": edges, "curve": curve, "summary": summary}
@@ -133,8 +168,12 @@ def figures(result: dict, method: str, label: str):
     n = min(summary["smallest_circuit_80"][f"{method}/greedy"]["edges"], MAX_DRAWN_EDGES)
     circuit = greedy_circuit(result["graph"], result["scores"][method], n)
     reached = summary["smallest_circuit_80"][f"{method}/greedy"]["faithfulness"]
-    circuit_figure = plot_circuit(result["graph"], result["scores"][method], circuit,
-                                  title=f"{label}: {method} circuit, {n} edges (greedy, faithfulness {reached:.2f})")
+    circuit_figure = plot_circuit(
+        result["graph"],
+        result["scores"][method],
+        circuit,
+        title=f"{label}: {method} circuit, {n} edges (greedy, faithfulness {reached:.2f})",
+    )
     curve_figure = plot_faithfulness(result["curve"], title=f"{label}: faithfulness, {summary['pairs']} pairs")
     return curve_figure, circuit_figure
 
@@ -142,13 +181,16 @@ def figures(result: dict, method: str, label: str):
 def write_outputs(result: dict, curve_figure, circuit_figure, out_dir: Path) -> None:
     from .evaluate import write_files
 
-    write_files(out_dir, {
-        "edges.csv": lambda path: result["edges"].to_csv(path, index=False),
-        "faithfulness.csv": lambda path: result["curve"].to_csv(path, index=False),
-        "summary.json": lambda path: path.write_text(json.dumps(result["summary"], indent=2) + "\n"),
-        "faithfulness.png": lambda path: curve_figure.savefig(path, dpi=130, format="png"),
-        "circuit.png": lambda path: circuit_figure.savefig(path, dpi=130, format="png"),
-    })
+    write_files(
+        out_dir,
+        {
+            "edges.csv": lambda path: result["edges"].to_csv(path, index=False),
+            "faithfulness.csv": lambda path: result["curve"].to_csv(path, index=False),
+            "summary.json": lambda path: path.write_text(json.dumps(result["summary"], indent=2) + "\n"),
+            "faithfulness.png": lambda path: curve_figure.savefig(path, dpi=130, format="png"),
+            "circuit.png": lambda path: circuit_figure.savefig(path, dpi=130, format="png"),
+        },
+    )
 
 
 def run_circuit(args: argparse.Namespace) -> int:
@@ -167,8 +209,13 @@ def run_circuit(args: argparse.Namespace) -> int:
         model.eval()
         model.requires_grad_(False)
         try:
-            pairs = [pair for task in args.tasks for pair in contrast_pairs(
-                task, n=args.pairs, seed=args.seed, kind=args.kind, tokenizer=model.tokenizer)]
+            pairs = [
+                pair
+                for task in args.tasks
+                for pair in contrast_pairs(
+                    task, n=args.pairs, seed=args.seed, kind=args.kind, tokenizer=model.tokenizer
+                )
+            ]
             tokens = tokenize_pairs(pairs, model.tokenizer)
         except ValueError as error:
             raise EvalError(f"--tasks: {error}") from None
@@ -181,8 +228,11 @@ def run_circuit(args: argparse.Namespace) -> int:
         return 2
     summary = result["summary"]
     print(f"{args.checkpoint}: {summary['pairs']} pairs of {', '.join(args.tasks)}; graph {summary['graph']}")
-    print(f"metric clean {summary['metric_clean']:.3f}, corrupted {summary['metric_corrupted']:.3f}; "
-          f"faithfulness full graph {summary['faithfulness_full_graph']:.3f}, empty {summary['faithfulness_empty_graph']:.3f}")
+    print(
+        f"metric clean {summary['metric_clean']:.3f}, corrupted {summary['metric_corrupted']:.3f}; "
+        f"faithfulness full graph {summary['faithfulness_full_graph']:.3f}, "
+        f"empty {summary['faithfulness_empty_graph']:.3f}"
+    )
     for key, value in summary["smallest_circuit_80"].items():
         print(f"  80% faithfulness, {key}: {value['edges']} edges ({value['faithfulness']:.3f})")
     for key, value in summary["spearman_score_vs_exact"].items():

@@ -17,6 +17,7 @@ arguments give the same pairs. With a tokenizer, only corruptions that keep the 
 one, the word count; `tokenize_pairs` then gives the token ids, the answers' first tokens and the positions
 where they are predicted.
 """
+
 from __future__ import annotations
 
 import random
@@ -35,8 +36,13 @@ KIND_PATTERNS = {
     "person": ("same-person", "matching-person", "not-matching-person"),
     "object": ("same-person", "other-person", "odd-one-out"),
 }
-DEFAULT_KIND = {"same-person": "person", "matching-person": "person", "not-matching-person": "person",
-                "other-person": "object", "odd-one-out": "object"}
+DEFAULT_KIND = {
+    "same-person": "person",
+    "matching-person": "person",
+    "not-matching-person": "person",
+    "other-person": "object",
+    "odd-one-out": "object",
+}
 SHOTS = 2
 MAX_DRAWS_PER_PAIR = 50
 
@@ -52,8 +58,15 @@ class ContrastPair:
     sample: int  # the generator's sample index the pair was drawn from
 
 
-def contrast_pairs(task: str | int, n: int = 16, seed: int = 0, kind: str | None = None, shots: int = SHOTS,
-                   tokenizer=None, catalog: Catalog | None = None) -> list[ContrastPair]:
+def contrast_pairs(
+    task: str | int,
+    n: int = 16,
+    seed: int = 0,
+    kind: str | None = None,
+    shots: int = SHOTS,
+    tokenizer=None,
+    catalog: Catalog | None = None,
+) -> list[ContrastPair]:
     """`n` clean/corrupted pairs of one task; each prompt has `shots` answered lines, then the query line.
 
     tokenizer: a Hugging Face tokenizer (or `model.tokenizer`); the two prompts of a pair then have the same
@@ -68,19 +81,30 @@ def contrast_pairs(task: str | int, n: int = 16, seed: int = 0, kind: str | None
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
     if task.qk_pattern not in KIND_PATTERNS[kind]:
-        raise ValueError(f"kind {kind!r} does not apply to {task_id} ({task.qk_pattern}); it applies to "
-                         + ", ".join(KIND_PATTERNS[kind]))
-    for name, value, least, what in (("n", n, 1, "positive"), ("shots", shots, 0, "not negative"),
-                                     ("seed", seed, None, "an integer")):
+        raise ValueError(
+            f"kind {kind!r} does not apply to {task_id} ({task.qk_pattern}); it applies to "
+            + ", ".join(KIND_PATTERNS[kind])
+        )
+    for name, value, least, what in (
+        ("n", n, 1, "positive"),
+        ("shots", shots, 0, "not negative"),
+        ("seed", seed, None, "an integer"),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or least is not None and value < least:
-            raise ValueError(f"{name} must be {what}" + (" (an integer)" if least is not None else "") + f", not {value!r}")
+            raise ValueError(
+                f"{name} must be {what}" + (" (an integer)" if least is not None else "") + f", not {value!r}"
+            )
     if tokenizer is not None:
+
         def same_shape(clean: str, corrupt: str, clean_answer: str, corrupt_answer: str) -> bool:
-            return (len(tokenizer(clean)["input_ids"]) == len(tokenizer(corrupt)["input_ids"])
-                    and answer_token(tokenizer, clean, clean_answer) != answer_token(tokenizer, corrupt, corrupt_answer))
+            return len(tokenizer(clean)["input_ids"]) == len(tokenizer(corrupt)["input_ids"]) and answer_token(
+                tokenizer, clean, clean_answer
+            ) != answer_token(tokenizer, corrupt, corrupt_answer)
     else:
+
         def same_shape(clean: str, corrupt: str, clean_answer: str, corrupt_answer: str) -> bool:
             return len(clean.split()) == len(corrupt.split())
+
     sampler = TaskSampler(catalog, catalog.sample_source(task))
     pairs = []
     for index in range(n * MAX_DRAWS_PER_PAIR):
@@ -100,6 +124,7 @@ def answer_token(tokenizer, prompt: str, answer: str) -> int:
 @dataclass
 class PairTokens:
     """A batch of pairs as token ids, right-padded; the clean and corrupted prompts of a pair have one length."""
+
     clean: Tensor  # [batch, pos]
     corrupt: Tensor  # [batch, pos]
     clean_answer: Tensor  # [batch]: the clean answer's first token
@@ -117,13 +142,17 @@ def tokenize_pairs(pairs: list[ContrastPair], tokenizer) -> PairTokens:
         raise TypeError("pairs must be ContrastPair objects (from contrast_pairs)")
     clean = [tokenizer(pair.clean)["input_ids"] for pair in pairs]
     corrupt = [tokenizer(pair.corrupt)["input_ids"] for pair in pairs]
-    answers = [(answer_token(tokenizer, p.clean, p.clean_answer), answer_token(tokenizer, p.corrupt, p.corrupt_answer))
-               for p in pairs]
-    for i, (pair, a, b, (x, y)) in enumerate(zip(pairs, clean, corrupt, answers)):
+    answers = [
+        (answer_token(tokenizer, p.clean, p.clean_answer), answer_token(tokenizer, p.corrupt, p.corrupt_answer))
+        for p in pairs
+    ]
+    for i, (pair, a, b, (x, y)) in enumerate(zip(pairs, clean, corrupt, answers, strict=True)):
         if len(a) != len(b) or x == y:
-            raise ValueError(f"pair {i} ({pair.task_id}, sample {pair.sample}): the prompts are {len(a)} and "
-                             f"{len(b)} tokens and the answers' first tokens are {x} and {y}; pass the tokenizer "
-                             "to contrast_pairs")
+            raise ValueError(
+                f"pair {i} ({pair.task_id}, sample {pair.sample}): the prompts are {len(a)} and "
+                f"{len(b)} tokens and the answers' first tokens are {x} and {y}; pass the tokenizer "
+                "to contrast_pairs"
+            )
     pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else 0
     width = max(len(ids) for ids in clean)
     return PairTokens(
@@ -135,13 +164,22 @@ def tokenize_pairs(pairs: list[ContrastPair], tokenizer) -> PairTokens:
     )
 
 
-def _pair_of_sample(catalog: Catalog, task: Task, sampler: TaskSampler, seed: int, index: int, kind: str,
-                    shots: int, same_shape: Callable[[str, str, str, str], bool]) -> ContrastPair | None:
+def _pair_of_sample(
+    catalog: Catalog,
+    task: Task,
+    sampler: TaskSampler,
+    seed: int,
+    index: int,
+    kind: str,
+    shots: int,
+    same_shape: Callable[[str, str, str, str], bool],
+) -> ContrastPair | None:
     sample = sampler.sample(seed, index, lines=shots + 1)
     phrasing = choose_phrasing(task.phrasings, sample.phrasing_draw)
     *shot_lines, query = sample.lines
-    context = "".join("\n" + render_line(catalog, task, phrasing, line, answer_for(catalog, task, line), False)
-                      for line in shot_lines)
+    context = "".join(
+        "\n" + render_line(catalog, task, phrasing, line, answer_for(catalog, task, line), False) for line in shot_lines
+    )
 
     def prompt(line: Line) -> str:
         return context + "\n" + render_line(catalog, task, phrasing, line, "", False).rstrip()
@@ -174,7 +212,9 @@ def _corruptions(catalog: Catalog, task: Task, sampler: TaskSampler, line: Line,
         for fact in rng.sample(others, len(others)):
             candidate = replace(line, query_person=fact.person, source_item=fact.item)
             answer = _answer(catalog, task, candidate)
-            given = {value for other in facts if other.item != fact.item for value in catalog.transform(task, other.item)}
+            given = {
+                value for other in facts if other.item != fact.item for value in catalog.transform(task, other.item)
+            }
             if answer is not None and answer not in given:  # the new answer is the only one the facts allow
                 yield candidate, answer
     elif kind == "person":  # the answer is a person: swap that person's name with another's

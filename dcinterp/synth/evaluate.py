@@ -49,8 +49,17 @@ K_SHOTS = tuple(range(2, 8))  # answers on lines 3..8 see 2..7 earlier lines
 DEFAULT_CHECKPOINTS = ("dcpythia-synth", "pythia-synth")
 RELEASED_DATA = "synthetic_dataset.jsonl"
 RESULT_COLUMNS = [
-    "checkpoint", "sample", "task", "qk_pattern", "ov_transformation",
-    "k_shot", "answer", "predicted", "correct", "nll", "n_tokens",
+    "checkpoint",
+    "sample",
+    "task",
+    "qk_pattern",
+    "ov_transformation",
+    "k_shot",
+    "answer",
+    "predicted",
+    "correct",
+    "nll",
+    "n_tokens",
 ]
 
 
@@ -142,18 +151,24 @@ def encode_sample(parsed: ParsedSample, model: HookedDCFormer, checkpoint: str) 
     token_ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
     where = parsed.sample.where
     if len(token_ids) > model.cfg.n_ctx:
-        raise EvalError(f"{where}: the sample is {len(token_ids)} tokens, longer than the context of "
-                        f"{checkpoint} ({model.cfg.n_ctx} tokens)")
+        raise EvalError(
+            f"{where}: the sample is {len(token_ids)} tokens, longer than the context of "
+            f"{checkpoint} ({model.cfg.n_ctx} tokens)"
+        )
     if max(token_ids) >= model.cfg.d_vocab:
-        raise EvalError(f"{checkpoint}: its tokenizer gives token id {max(token_ids)}, outside the model's "
-                        f"vocabulary of {model.cfg.d_vocab}")
+        raise EvalError(
+            f"{checkpoint}: its tokenizer gives token id {max(token_ids)}, outside the model's "
+            f"vocabulary of {model.cfg.d_vocab}"
+        )
     answer_tokens = []
     for answer in parsed.answers:
         try:
             answer_tokens.append(locate_answer_tokens(parsed.plain_text, offsets, answer))
         except ValueError as error:
-            raise EvalError(f"{where}: answer {answer.text!r} (line {answer.k_shot + 1}) cannot be located with "
-                            f"the tokenizer of {checkpoint}: {error}") from None
+            raise EvalError(
+                f"{where}: answer {answer.text!r} (line {answer.k_shot + 1}) cannot be located with "
+                f"the tokenizer of {checkpoint}: {error}"
+            ) from None
     return EncodedSample(parsed, token_ids, tuple(answer_tokens))
 
 
@@ -168,9 +183,9 @@ def locate_answer_tokens(plain_text: str, offsets: list[tuple[int, int]], answer
     first, last = overlapping[0], overlapping[-1]
     if overlapping != list(range(first, last + 1)):
         raise ValueError("its tokens are not contiguous")
-    outside = plain_text[offsets[first][0]:answer.start] + plain_text[answer.end:offsets[last][1]]
+    outside = plain_text[offsets[first][0] : answer.start] + plain_text[answer.end : offsets[last][1]]
     if outside.strip():
-        token_text = plain_text[offsets[first][0]:offsets[last][1]]
+        token_text = plain_text[offsets[first][0] : offsets[last][1]]
         raise ValueError(f"its tokens {token_text!r} include text outside the answer")
     if first == 0:
         raise ValueError("it is the first token, so nothing predicts it")
@@ -193,7 +208,7 @@ def score_answer(logits: torch.Tensor, token_ids: list[int], positions: tuple[in
 
     start, end = positions
     targets = torch.tensor(token_ids[start:end], device=logits.device)
-    logprobs = logits[start - 1:end - 1].float().log_softmax(-1)
+    logprobs = logits[start - 1 : end - 1].float().log_softmax(-1)
     nll = -logprobs.gather(-1, targets[:, None]).sum()
     predicted_ids = logprobs.argmax(-1)
     return AnswerScore(
@@ -204,8 +219,9 @@ def score_answer(logits: torch.Tensor, token_ids: list[int], positions: tuple[in
     )
 
 
-def evaluate(model: HookedDCFormer, records, batch_size: int = 8, name: str | None = None,
-             progress: bool = True) -> pd.DataFrame:
+def evaluate(
+    model: HookedDCFormer, records, batch_size: int = 8, name: str | None = None, progress: bool = True
+) -> pd.DataFrame:
     """One forward pass per sample, in right-padded batches of similar length; one row per answer.
 
     Under `torchrun` / `accelerate launch` (an initialised torch.distributed group), each process scores every
@@ -219,18 +235,19 @@ def evaluate(model: HookedDCFormer, records, batch_size: int = 8, name: str | No
     pad_id = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
     # Longest first, so that each batch pads little and a too-large batch fails at once.
     by_length = sorted(range(len(encoded)), key=lambda i: -len(encoded[i].token_ids))
-    batches = [by_length[start:start + batch_size] for start in range(0, len(by_length), batch_size)]
+    batches = [by_length[start : start + batch_size] for start in range(0, len(by_length), batch_size)]
     rank, world_size = distributed_rank_and_size()
     mine = batches[rank::world_size]
     scores: dict[int, list[AnswerScore]] = {}
-    with torch.inference_mode(), tqdm(total=sum(map(len, mine)), desc=name, unit="sample",
-                                      disable=not progress) as bar:
+    with torch.inference_mode(), tqdm(total=sum(map(len, mine)), desc=name, unit="sample", disable=not progress) as bar:
         for batch in mine:
             logits = model(padded_tokens([encoded[i].token_ids for i in batch], pad_id))
             for row, i in enumerate(batch):
                 sample = encoded[i]
-                scores[i] = [score_answer(logits[row], sample.token_ids, positions, model.tokenizer)
-                             for positions in sample.answer_tokens]
+                scores[i] = [
+                    score_answer(logits[row], sample.token_ids, positions, model.tokenizer)
+                    for positions in sample.answer_tokens
+                ]
             bar.update(len(batch))
     if world_size > 1:
         import torch.distributed as dist
@@ -281,7 +298,7 @@ def evaluate_naive(model: HookedDCFormer, records, name: str | None = None) -> p
         for sample in encoded:
             sample_scores = []
             for positions in sample.answer_tokens:
-                prefix = torch.tensor([sample.token_ids[:positions[1]]])
+                prefix = torch.tensor([sample.token_ids[: positions[1]]])
                 logits = model(prefix)[0]
                 sample_scores.append(score_answer(logits, sample.token_ids, positions, model.tokenizer))
             scores.append(sample_scores)
@@ -305,22 +322,24 @@ def padded_tokens(sequences: list[list[int]], pad_id: int) -> torch.Tensor:
 def results_frame(checkpoint: str, encoded: list[EncodedSample], scores: list[list[AnswerScore]]) -> pd.DataFrame:
     catalog = load_catalog()
     rows = []
-    for sample, sample_scores in zip(encoded, scores):
+    for sample, sample_scores in zip(encoded, scores, strict=True):
         qk_pattern, ov_transformation = task_labels(catalog, sample.parsed.sample.task_id)
-        for answer, score in zip(sample.parsed.answers, sample_scores):
-            rows.append({
-                "checkpoint": checkpoint,
-                "sample": sample.parsed.sample.index,
-                "task": sample.parsed.sample.task_id,
-                "qk_pattern": qk_pattern,
-                "ov_transformation": ov_transformation,
-                "k_shot": answer.k_shot,
-                "answer": answer.text,
-                "predicted": score.predicted,
-                "correct": score.correct,
-                "nll": score.nll,
-                "n_tokens": score.n_tokens,
-            })
+        for answer, score in zip(sample.parsed.answers, sample_scores, strict=True):
+            rows.append(
+                {
+                    "checkpoint": checkpoint,
+                    "sample": sample.parsed.sample.index,
+                    "task": sample.parsed.sample.task_id,
+                    "qk_pattern": qk_pattern,
+                    "ov_transformation": ov_transformation,
+                    "k_shot": answer.k_shot,
+                    "answer": answer.text,
+                    "predicted": score.predicted,
+                    "correct": score.correct,
+                    "nll": score.nll,
+                    "n_tokens": score.n_tokens,
+                }
+            )
     return pd.DataFrame(rows, columns=RESULT_COLUMNS)
 
 
@@ -399,22 +418,42 @@ def fmt_accuracy(value: float | None) -> str:
 # --------------------------------------------------------------------------------------------------
 # Command line
 def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--checkpoint", action="append", metavar="PATH",
-                        help="checkpoint directory or embedded model name; repeat to compare "
-                             f"(default: the embedded {' and '.join(DEFAULT_CHECKPOINTS)})")
-    parser.add_argument("--data", default="released", metavar="released|FILE",
-                        help="'released' (the shipped synthetic_dataset.jsonl) or a JSON-lines file")
-    parser.add_argument("--out", type=Path, metavar="DIR",
-                        help="write results.csv and summary.json here (default: only print the table)")
+    parser.add_argument(
+        "--checkpoint",
+        action="append",
+        metavar="PATH",
+        help="checkpoint directory or embedded model name; repeat to compare "
+        f"(default: the embedded {' and '.join(DEFAULT_CHECKPOINTS)})",
+    )
+    parser.add_argument(
+        "--data",
+        default="released",
+        metavar="released|FILE",
+        help="'released' (the shipped synthetic_dataset.jsonl) or a JSON-lines file",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="write results.csv and summary.json here (default: only print the table)",
+    )
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--batch-size", type=positive_int, default=8, metavar="N")
-    parser.add_argument("--tasks", type=parse_task_selection, metavar="SEL",
-                        help="tasks to evaluate: ids and ranges, e.g. task0,task5 or 0-7")
+    parser.add_argument(
+        "--tasks",
+        type=parse_task_selection,
+        metavar="SEL",
+        help="tasks to evaluate: ids and ranges, e.g. task0,task5 or 0-7",
+    )
     parser.add_argument("--limit", type=positive_int, metavar="N", help="only the first N samples (after --tasks)")
-    parser.add_argument("--ppl-pooling", default="token", choices=PPL_POOLINGS,
-                        help="perplexity over all answer tokens (token, default), mean of per-answer perplexities "
-                             "(answer), or exp of the mean per-answer NLL (answer-nll); docs/conventions.md")
+    parser.add_argument(
+        "--ppl-pooling",
+        default="token",
+        choices=PPL_POOLINGS,
+        help="perplexity over all answer tokens (token, default), mean of per-answer perplexities "
+        "(answer), or exp of the mean per-answer NLL (answer-nll); docs/conventions.md",
+    )
     return parser
 
 
@@ -429,7 +468,7 @@ def positive_int(text: str) -> int:
 
 
 def parse_task_selection(text: str) -> set[str]:
-    """"task0,task5" or "0-7,12" -> {"task0", ...}, as `generate --tasks` reads them."""
+    """ "task0,task5" or "0-7,12" -> {"task0", ...}, as `generate --tasks` reads them."""
     try:
         return set(parse_task_ids(text, load_catalog()))
     except ValueError as error:
@@ -454,7 +493,7 @@ def run_eval(args: argparse.Namespace) -> int:
         if rank_device is not None and device.startswith(rank_device.split(":")[0]):
             device = rank_device  # one device per process
         results = []
-        for checkpoint, name in zip(checkpoints, checkpoint_names(checkpoints)):
+        for checkpoint, name in zip(checkpoints, checkpoint_names(checkpoints), strict=True):
             model = load_checkpoint(checkpoint, args.dtype, device)
             results.append(evaluate(model, samples, batch_size=args.batch_size, name=name, progress=rank == 0))
             del model
@@ -472,8 +511,10 @@ def run_eval(args: argparse.Namespace) -> int:
 
             dist.destroy_process_group()
     if rank == 0:
-        print(f"{data_path}: {len(samples)} samples, {len(results) // len(checkpoints)} answers"
-              + (f" ({world_size} processes)" if world_size > 1 else ""))
+        print(
+            f"{data_path}: {len(samples)} samples, {len(results) // len(checkpoints)} answers"
+            + (f" ({world_size} processes)" if world_size > 1 else "")
+        )
         print_table(summary)
         if args.out is not None:
             print(f"wrote {args.out / 'results.csv'} and {args.out / 'summary.json'}")
@@ -499,7 +540,7 @@ def checkpoints_to_evaluate(given: list[str] | None) -> list[str]:
 def checkpoint_names(checkpoints: list[str]) -> list[str]:
     """Each checkpoint's directory name (or embedded name); the path as given where two names clash."""
     names = [Path(c).expanduser().resolve().name if Path(c).expanduser().is_dir() else str(c) for c in checkpoints]
-    return [name if names.count(name) == 1 else str(c) for name, c in zip(names, checkpoints)]
+    return [name if names.count(name) == 1 else str(c) for name, c in zip(names, checkpoints, strict=True)]
 
 
 def load_checkpoint(checkpoint: str, dtype: str, device: str) -> HookedDCFormer:
@@ -549,10 +590,13 @@ def eval_device(name: str | None) -> str:
 
 def write_outputs(results: pd.DataFrame, summary: dict, out_dir: Path) -> None:
     """Write results.csv and summary.json, both or neither (see `write_files`)."""
-    write_files(out_dir, {
-        "results.csv": lambda path: results.to_csv(path, index=False),
-        "summary.json": lambda path: path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8"),
-    })
+    write_files(
+        out_dir,
+        {
+            "results.csv": lambda path: results.to_csv(path, index=False),
+            "summary.json": lambda path: path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8"),
+        },
+    )
 
 
 def write_files(out_dir: Path, writers: dict) -> None:

@@ -5,14 +5,23 @@ sample does not depend on which other tasks or how many samples are generated.  
 with ``samples_of`` re-render the samples drawn for that task (task 2k+1 shows the
 samples of task 2k in its other context syntax; list tasks share their lists in pairs).
 """
+
 from __future__ import annotations
 
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .catalog import CLASS_TRANSFORMATIONS, OV_TRANSFORMATIONS, QK_PATTERNS, Catalog, Phrasing, Task, \
-    fill_template, load_catalog
+from .catalog import (
+    CLASS_TRANSFORMATIONS,
+    OV_TRANSFORMATIONS,
+    QK_PATTERNS,
+    Catalog,
+    Phrasing,
+    Task,
+    fill_template,
+    load_catalog,
+)
 from .records import LINES_PER_SAMPLE, PLAIN_LINES, bracket, join_lines
 
 SAMPLES_PER_TASK = 12
@@ -27,6 +36,7 @@ class Fact:
 @dataclass(frozen=True)
 class Line:
     """What one line says, independent of how its task writes it."""
+
     facts: tuple[Fact, ...]
     answer: str
     query_person: str | None = None
@@ -41,6 +51,7 @@ class Sample:
 
 
 # --------------------------------------------------------------------------- drawing
+
 
 class TaskSampler:
     """Draws the samples of one task that does not re-render another task's samples."""
@@ -69,8 +80,10 @@ class TaskSampler:
         """The item pools a line is drawn from: the task's items, or one per ordinal domain."""
         if self.task.pool.kind != "ordinal":
             return [self.task.items]
-        pools = (tuple(item for item in self.task.items if item in domain.sequence)
-                 for domain in self.catalog.lexicon.ordinal_domains.values())
+        pools = (
+            tuple(item for item in self.task.items if item in domain.sequence)
+            for domain in self.catalog.lexicon.ordinal_domains.values()
+        )
         return [pool for pool in pools if pool]
 
     def _items_by_class(self) -> dict[str, list[str]]:
@@ -98,8 +111,9 @@ class TaskSampler:
         answer = rng.choice(self.values_of[source])
         own_items = rng.sample(self._items_not_giving(pool, answer, besides=source), 2)
         person, other_person = rng.sample(self.people, 2)
-        facts, _ = self._insert_at_random_position(rng, [Fact(person, item) for item in own_items],
-                                                   Fact(other_person, source))
+        facts, _ = self._insert_at_random_position(
+            rng, [Fact(person, item) for item in own_items], Fact(other_person, source)
+        )
         return Line(tuple(facts), answer, query_person=person, source_item=source)
 
     def _same_person(self, rng: random.Random, pool: tuple[str, ...]) -> Line:
@@ -112,16 +126,19 @@ class TaskSampler:
 
     def _not_matching_person(self, rng: random.Random, pool: tuple[str, ...]) -> Line:
         if self.items_by_class:
-            value, members = rng.choice([(value, members) for value, members in self.items_by_class.items()
-                                         if len(members) >= 2])
+            value, members = rng.choice(
+                [(value, members) for value, members in self.items_by_class.items() if len(members) >= 2]
+            )
             matching = rng.sample(members, 2)
         else:
             item = rng.choice(pool)
             value = rng.choice(self.values_of[item])
             matching = [item, item]
-        odd_candidates = [candidate for candidate in self._items_not_giving(pool, value, besides=matching[0])
-                          if self.task.ov_transformation != "copy"
-                          or self.catalog.contrasting(self.task, candidate, matching[0])]
+        odd_candidates = [
+            candidate
+            for candidate in self._items_not_giving(pool, value, besides=matching[0])
+            if self.task.ov_transformation != "copy" or self.catalog.contrasting(self.task, candidate, matching[0])
+        ]
         items, position = self._insert_at_random_position(rng, matching, rng.choice(odd_candidates))
         persons = rng.sample(self.people, 3)
         return Line(_facts(persons, items), persons[position], query_value=value)
@@ -143,10 +160,11 @@ class TaskSampler:
 
 
 def _facts(persons: list, items: list[str]) -> tuple[Fact, ...]:
-    return tuple(Fact(person, item) for person, item in zip(persons, items))
+    return tuple(Fact(person, item) for person, item in zip(persons, items, strict=True))
 
 
 # --------------------------------------------------------------------------- rendering
+
 
 def choose_phrasing(phrasings: tuple[Phrasing, ...], draw: float) -> Phrasing:
     threshold = draw * sum(phrasing.weight for phrasing in phrasings)
@@ -170,15 +188,17 @@ def answer_for(catalog: Catalog, task: Task, line: Line) -> str:
 def render_fact(catalog: Catalog, task: Task, fact: Fact) -> str:
     def value_of(field: str, form: str) -> str:
         return fact.person if field == "person" else catalog.lexicon.form(task.pool.kind, fact.item, form)
+
     return fill_template(task.syntax.fact, value_of)
 
 
-def render_line(catalog: Catalog, task: Task, phrasing: Phrasing, line: Line, answer: str,
-                bracketed: bool) -> str:
+def render_line(catalog: Catalog, task: Task, phrasing: Phrasing, line: Line, answer: str, bracketed: bool) -> str:
     unit = catalog.lexicon.domain_of(line.facts[0].item).unit if task.pool.kind == "ordinal" else None
     question_fields = {"person": line.query_person, "value": line.query_value, "unit": unit}
-    question_parts = (fill_template(template, lambda field, form: question_fields[field])
-                      for template in (phrasing.template, task.answer_prefix))
+    question_parts = (
+        fill_template(template, lambda field, form: question_fields[field])
+        for template in (phrasing.template, task.answer_prefix)
+    )
     line_fields = {
         "facts": task.syntax.shape.fact_separator.join(render_fact(catalog, task, fact) for fact in line.facts),
         "question": " ".join(part for part in question_parts if part),
@@ -189,12 +209,16 @@ def render_line(catalog: Catalog, task: Task, phrasing: Phrasing, line: Line, an
 
 def render_sample(catalog: Catalog, task: Task, sample: Sample) -> str:
     phrasing = choose_phrasing(task.phrasings, sample.phrasing_draw)
-    return join_lines([render_line(catalog, task, phrasing, line, answer_for(catalog, task, line),
-                                   bracketed=number >= PLAIN_LINES)
-                       for number, line in enumerate(sample.lines)])
+    return join_lines(
+        [
+            render_line(catalog, task, phrasing, line, answer_for(catalog, task, line), bracketed=number >= PLAIN_LINES)
+            for number, line in enumerate(sample.lines)
+        ]
+    )
 
 
 # --------------------------------------------------------------------------- selection
+
 
 def parse_task_ids(spec: str, catalog: Catalog) -> list[str]:
     """'task0,task5', '0-7' or '3,10-12' -> task ids; ValueError names a bad part."""
@@ -216,17 +240,23 @@ def _known_task_ids(task_ids: Iterable, catalog: Catalog) -> list[str]:
     return normalized
 
 
-def select_tasks(catalog: Catalog, tasks: Iterable[str | int] | None = None,
-                 qk_patterns: Iterable[str] | None = None,
-                 ov_transformations: Iterable[str] | None = None) -> list[Task]:
+def select_tasks(
+    catalog: Catalog,
+    tasks: Iterable[str | int] | None = None,
+    qk_patterns: Iterable[str] | None = None,
+    ov_transformations: Iterable[str] | None = None,
+) -> list[Task]:
     """The catalog's tasks, in task order, restricted by ids, QK patterns and OV transformations."""
     task_ids = set(_known_task_ids(tasks, catalog)) if tasks is not None else None
     patterns = _known_names(qk_patterns, QK_PATTERNS, "QK pattern")
     transformations = _known_names(ov_transformations, OV_TRANSFORMATIONS, "OV transformation")
-    return [task for task in catalog.tasks.values()
-            if (task_ids is None or task.id in task_ids)
-            and (patterns is None or task.qk_pattern in patterns)
-            and (transformations is None or task.ov_transformation in transformations)]
+    return [
+        task
+        for task in catalog.tasks.values()
+        if (task_ids is None or task.id in task_ids)
+        and (patterns is None or task.qk_pattern in patterns)
+        and (transformations is None or task.ov_transformation in transformations)
+    ]
 
 
 def _known_names(names: Iterable[str] | None, known: tuple[str, ...], what: str) -> set[str] | None:
@@ -239,9 +269,15 @@ def _known_names(names: Iterable[str] | None, known: tuple[str, ...], what: str)
     return names
 
 
-def generate(seed: int = 0, samples_per_task: int = SAMPLES_PER_TASK, tasks: Iterable[str | int] | None = None,
-             qk_patterns: Iterable[str] | None = None, ov_transformations: Iterable[str] | None = None,
-             lines: int = LINES_PER_SAMPLE, catalog: Catalog | None = None) -> list[dict]:
+def generate(
+    seed: int = 0,
+    samples_per_task: int = SAMPLES_PER_TASK,
+    tasks: Iterable[str | int] | None = None,
+    qk_patterns: Iterable[str] | None = None,
+    ov_transformations: Iterable[str] | None = None,
+    lines: int = LINES_PER_SAMPLE,
+    catalog: Catalog | None = None,
+) -> list[dict]:
     """Fresh samples in the released format: [{"task_id": "taskN", "texts": "..."}, ...],
     grouped by task in task order.  The same arguments give the same records."""
     if lines <= PLAIN_LINES:

@@ -3,6 +3,7 @@
 ``texts`` is ``"\\n" + "\\n".join(lines) + "\\n"``; the first PLAIN_LINES lines end with their
 answer written plain, every later line ends with `` [ answer ]``.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,7 +49,7 @@ def unbracket(texts: str) -> tuple[str, list[tuple[int, int, str, int]]]:
     plain_length = 0
     cursor = 0
     for match in _BRACKETED_ANSWER.finditer(texts):
-        before = texts[cursor:match.start()]
+        before = texts[cursor : match.start()]
         _reject_stray_brackets(before, texts, cursor)
         answer = match.group(1)
         start = plain_length + len(before)
