@@ -159,6 +159,29 @@ def gate_hooks(alpha: Float[Tensor, "batch layer head"], baseline: Tensor | None
     return [(f"blocks.{l}.attn.hook_z", make_hook(l)) for l in range(alpha.shape[1])]
 
 
+def final_normed(
+    model: HookedDCFormer, resid: Float[Tensor, "batch pos d_model"], position: int | Int[Tensor, " batch"] = -1
+) -> Float[Tensor, "batch d_model"]:
+    """The residual stream entering the unembedding at each prompt's `position`, through the final norm, in float32
+    (a bfloat16 logit has 3 significant digits: IG's completeness gap would be its noise)."""
+    rows = torch.arange(resid.shape[0], device=resid.device)
+    position = torch.as_tensor(position, device=resid.device).expand(resid.shape[0])
+    return model.ln_final(resid[rows, position][:, None].float())[:, 0]
+
+
+def answer_logits(
+    model: HookedDCFormer, final: Float[Tensor, "batch d_model"], answer: Tensor
+) -> Float[Tensor, " batch"]:
+    """The logit of each prompt's answer token from `final_normed`, without the [batch, d_vocab] logits."""
+    answer = torch.as_tensor(answer, device=model.W_U.device).expand(final.shape[0])
+    return (final * model.W_U[:, answer].T.float()).sum(-1) + model.b_U[answer].float()
+
+
+def answer_log_probs(model: HookedDCFormer, final: Float[Tensor, "batch d_model"]) -> Float[Tensor, "batch d_vocab"]:
+    """Log-probabilities over the vocabulary from `final_normed` (unembedded in the model's dtype)."""
+    return model.unembed(final.to(model.W_U.dtype)).float().log_softmax(-1)
+
+
 def target_value(
     model: HookedDCFormer,
     tokens: Int[Tensor, "batch pos"],
@@ -177,16 +200,14 @@ def target_value(
         return target(logits, tokens).float()
     resid = model.run_with_hooks(tokens, fwd_hooks=list(fwd_hooks), stop_at_layer=model.cfg.n_layers)
     rows = torch.arange(tokens.shape[0], device=resid.device)
-    position = torch.as_tensor(position, device=resid.device).expand(tokens.shape[0])
-    # The read-out in float32 (a bfloat16 logit has 3 significant digits: IG's completeness gap would be its noise).
-    final = model.ln_final(resid[rows, position][:, None].float())[:, 0]  # [batch, d_model]
+    final = final_normed(model, resid, position)
     answer = torch.as_tensor(target, device=resid.device).expand(tokens.shape[0])
     if target_type == "logit":
-        return (final * model.W_U[:, answer].T.float()).sum(-1) + model.b_U[answer].float()
+        return answer_logits(model, final, answer)
     if target_type == "logprob":
-        return model.unembed(final.to(model.W_U.dtype)).float().log_softmax(-1)[rows, answer]
+        return answer_log_probs(model, final)[rows, answer]
     if target_type == "prob":
-        return model.unembed(final.to(model.W_U.dtype)).float().softmax(-1)[rows, answer]
+        return answer_log_probs(model, final).exp()[rows, answer]
     raise ValueError(f"target_type must be one of {TARGET_TYPES}, not {target_type!r}")
 
 

@@ -52,6 +52,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from .attribution import answer_log_probs, answer_logits, final_normed
 from .model import HookedDCFormer, attention_mask, visible_keys
 from .synth.contrast import PairTokens
 
@@ -290,13 +291,10 @@ class Metric:
     kind: MetricKind = "logit_diff"
 
     def __call__(self, model: HookedDCFormer, final: Float[Tensor, "batch pos d"]) -> Float[Tensor, " batch"]:
-        rows = torch.arange(final.shape[0], device=final.device)
-        normed = model.ln_final(final[rows, self.position.to(final.device)][:, None])[:, 0]
-        W_U = model.W_U
+        normed = final_normed(model, final, self.position)
         if self.kind == "logit_diff":
-            direction = W_U[:, self.clean_answer.to(W_U.device)] - W_U[:, self.corrupt_answer.to(W_U.device)]
-            return torch.einsum("bd,db->b", normed, direction).float()
-        logprobs = (normed @ W_U).float().log_softmax(-1)
+            return answer_logits(model, normed, self.clean_answer) - answer_logits(model, normed, self.corrupt_answer)
+        logprobs = answer_log_probs(model, normed)
         return logprobs.gather(-1, self.clean_answer.to(logprobs.device)[:, None])[:, 0]
 
     def rows(self, index) -> "Metric":

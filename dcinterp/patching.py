@@ -37,7 +37,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .attribution import Target, _prepare, target_value
+from .attribution import Target, _prepare, answer_logits, final_normed, target_value
 from .checks import check_finite, check_position, check_token_ids, check_tokens, real_lengths
 from .model import HookedDCFormer, branch_outputs, visible_keys
 from .synth.contrast import PairTokens
@@ -408,14 +408,8 @@ class LogitDiff:
         self, model: HookedDCFormer, tokens: Int[Tensor, "batch pos"], fwd_hooks: Sequence[tuple[str, Callable]] = ()
     ) -> Float[Tensor, " batch"]:
         resid = model.run_with_hooks(tokens, fwd_hooks=list(fwd_hooks), stop_at_layer=model.cfg.n_layers)
-        rows = torch.arange(tokens.shape[0], device=resid.device)
-        position = torch.as_tensor(self.position, device=resid.device).expand(tokens.shape[0])
-        final = model.ln_final(resid[rows, position][:, None].float())[:, 0]  # read out in float32
-        W_U = model.W_U
-        clean, corrupt = self.clean_answer.to(W_U.device), self.corrupt_answer.to(W_U.device)
-        direction = W_U[:, clean].float() - W_U[:, corrupt].float()
-        bias = model.b_U[clean].float() - model.b_U[corrupt].float()
-        return torch.einsum("bd,db->b", final, direction) + bias
+        final = final_normed(model, resid, self.position)
+        return answer_logits(model, final, self.clean_answer) - answer_logits(model, final, self.corrupt_answer)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -167,7 +167,14 @@ class DCActivationCache(ActivationCache):
 # --------------------------------------------------------------------------------------------------
 # The steps, on parameters in place
 def _center_(p: Tensor, dim: int) -> None:
-    p.sub_(p.mean(dim, keepdim=True))
+    """p -= its mean along `dim`, in place, a slice at a time: a half-precision mean works on a float32 copy of
+    what it reduces, which for a whole embedding would add twice its size to the peak."""
+    if p.ndim == 1:
+        p.sub_(p.mean())
+        return
+    across = 1 if dim % p.ndim == 0 else 0
+    for part in p.split(1024, dim=across):
+        part.sub_(part.mean(dim, keepdim=True))
 
 
 def _new_parameter(module: nn.Module, name: str, value: Tensor) -> None:
