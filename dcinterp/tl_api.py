@@ -181,6 +181,8 @@ class TransformerLensAPI:
         for code that calls to_tokens for you) turns it into one warning line."""
         tokenizer = self._need_tokenizer()
         texts = [input] if isinstance(input, str) else list(input)
+        if not texts:
+            raise ValueError("to_tokens: no text (an empty list)")
         prepend_bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
         check_unknown = _has_unknown_token(tokenizer)
         encodings = [tokenizer(t, return_offsets_mapping=check_unknown) for t in texts]
@@ -312,6 +314,11 @@ class TransformerLensAPI:
             tokens = input.to(self.input_device)
             if tokens.ndim == 1:
                 tokens = tokens[None]
+        if tokens.shape[0] == 0 or tokens.shape[1] == 0:
+            raise ValueError(
+                f"generate: the prompt has no tokens (shape {tuple(tokens.shape)}); pass prepend_bos=True "
+                "to start from BOS alone"
+            )
         if attention_mask is not None:
             attention_mask = attention_mask.to(tokens.device)
             if attention_mask.shape != tokens.shape:

@@ -206,3 +206,11 @@ def test_generate_matches_transformer_lens_on_the_same_pythia(tmp_path):
     )
     texts = [PROMPT, "Ruth owns a cat ."]
     assert ours.generate(texts, max_new_tokens=6, **options) == bridge.generate(texts, max_new_tokens=6, **options)
+
+
+def test_empty_prompts_are_one_line():
+    model = HookedDCFormer.from_pretrained("dcpythia-synth")
+    with pytest.raises(ValueError, match="generate: the prompt has no tokens"):
+        model.generate("", max_new_tokens=2, verbose=False)
+    with pytest.raises(ValueError, match="to_tokens: no text"):
+        model.to_tokens([])
