@@ -3,7 +3,7 @@ concatenate-then-SVD.
 
     python benchmarks/bench_head_diversity.py [--d-model 4096 --n-heads 32 --d-head 128] [--components 128]
                                               [--weights gaussian|decaying] [--naive-d-model 4096]
-                                              [--threads 1] [--device cpu]
+                                              [--threads 1] [--device cpu] [--layers 32]
 
 The first k components (`layer_diversity(components=k)`, block Lanczos with the total from the trace) are timed
 on the whole layer and compared with every component (`components="all"`, full eigendecompositions): the largest
@@ -21,6 +21,10 @@ on the CPU, `torch.cuda.max_memory_allocated` on a GPU). The naive side can be r
 (`--naive-d-model`, same heads and head size ratio kept: d_head scaled with d_model) when the full shape does
 not fit in time or memory; the ratio is then against ours at that same reduced shape, and ours is still
 reported at full shape. At equal shapes the two curves are compared.
+
+--layers N times the first k components of N layers in one process, each layer's random weights made before its
+clock starts (a whole model's weights would not fit in memory): the time `head_diversity` takes on a model of
+N such layers.
 """
 
 from __future__ import annotations
@@ -54,6 +58,37 @@ def naive_spectrum(W_Q: torch.Tensor, W_K: torch.Tensor) -> torch.Tensor:
     return torch.linalg.svdvals(M) ** 2
 
 
+def random_layer(d_model: int, n_heads: int, d_head: int, device: str, weights: str, seed: int = 0):
+    """W_Q, W_K, W_V, W_O of one layer: i.i.d. Gaussian, or each d_model direction scaled by i^-0.5."""
+    torch.manual_seed(seed)
+    W = [torch.randn(n_heads, d_model, d_head, device=device) * 0.02 for _ in range(3)]
+    W_O = torch.randn(n_heads, d_head, d_model, device=device) * 0.02
+    if weights == "decaying":
+        scale = torch.arange(1, d_model + 1, device=device, dtype=torch.float32) ** -0.5
+        W = [w * scale[:, None] for w in W]
+        W_O = W_O * scale
+    return (*W, W_O)
+
+
+def measure_layers(
+    layers: int, d_model: int, n_heads: int, d_head: int, device: str, threads: int, weights: str, components: int
+) -> dict:
+    """Run in a fresh process: the first k components of `layers` layers, timed without making the weights."""
+    torch.set_num_threads(threads)
+    base_rss, seconds, bound = rss_mib(), 0.0, 0.0
+    for layer in range(layers):
+        W_Q, W_K, W_V, W_O = random_layer(d_model, n_heads, d_head, device, weights, seed=layer)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        qk, ov, bounds = layer_diversity(W_Q, W_K, W_V, W_O, components=components, return_bounds=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds += time.perf_counter() - start
+        bound = max(bound, *bounds)
+    return {"layers": layers, "seconds": seconds, "peak_mib": peak_rss_mib() - base_rss, "bound": bound}
+
+
 def measure(
     side: str,
     d_model: int,
@@ -66,14 +101,7 @@ def measure(
 ) -> dict:
     """Run in a fresh process: time and peak memory of one side on one random layer."""
     torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    W = [torch.randn(n_heads, d_model, d_head, device=device) * 0.02 for _ in range(3)]
-    W_O = torch.randn(n_heads, d_head, d_model, device=device) * 0.02
-    if weights == "decaying":
-        scale = torch.arange(1, d_model + 1, device=device, dtype=torch.float32) ** -0.5
-        W = [w * scale[:, None] for w in W]
-        W_O = W_O * scale
-    W_Q, W_K, W_V = W
+    W_Q, W_K, W_V, W_O = random_layer(d_model, n_heads, d_head, device, weights)
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -144,8 +172,19 @@ def main() -> None:
     parser.add_argument("--weights", choices=("gaussian", "decaying"), default="gaussian")
     parser.add_argument("--components", type=int, default=128, help="k of the first-k run (default: 'auto''s 128)")
     parser.add_argument("--skip-naive", action="store_true", help="time every component and the first k only")
+    parser.add_argument("--layers", type=int, help="time the first k components of this many layers instead")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    shape = (args.d_model, args.n_heads, args.d_head)
+    if args.layers:
+        r = measure_layers(args.layers, *shape, args.device, args.threads, args.weights, args.components)
+        print(
+            f"device {args.device}, {args.threads} thread(s); float32; {args.weights} weights; first "
+            f"{args.components} components of {r['layers']} layers of d_model {shape[0]}, {shape[1]} heads of "
+            f"{shape[2]}: {r['seconds']:.1f} s ({r['seconds'] / r['layers']:.2f} s per layer), peak "
+            f"+{r['peak_mib']:.0f} MiB (one layer's weights included), largest bound {r['bound']:.1e}"
+        )
+        return
     if args.child:
         print(
             json.dumps(

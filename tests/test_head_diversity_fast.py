@@ -4,8 +4,8 @@ eigendecomposition, within the bound it reports, the total variance from the tra
 import pytest
 import torch
 
-from dcinterp import DCFormerConfig, HookedDCFormer
-from dcinterp.circuits import head_diversity, top_spectrum
+from dcinterp import DCFormerConfig, HookedDCFormer, circuits
+from dcinterp.circuits import gram_lower, head_diversity, top_spectrum
 
 
 def decaying(m: int, n: int, seed: int = 0) -> torch.Tensor:
@@ -35,6 +35,32 @@ def test_a_spectrum_too_flat_for_lanczos_falls_back_to_the_full_decomposition():
     top = top_spectrum(Z, 20)
     assert top.krylov_dim == 0 and top.bound == 0
     torch.testing.assert_close(top.sigma2, (torch.linalg.svdvals(Z.double()) ** 2)[:20].float(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_flat_spectrum_is_recognised_from_two_checks(monkeypatch):
+    """i.i.d. weights: the bound's decrease between the checks at 2k and 2k + block says the Krylov space would
+    pass a quarter of n, so the dense decomposition runs at once (no Krylov vectors wasted past the second check)."""
+    Z = torch.randn(700, 1000, generator=torch.Generator().manual_seed(0))
+    bounds = []
+    check = circuits._cumulative_error_bound
+    monkeypatch.setattr(circuits, "_cumulative_error_bound", lambda *args: bounds.append(check(*args)) or bounds[-1])
+    blocks = []
+    qr = torch.linalg.qr
+    monkeypatch.setattr(torch.linalg, "qr", lambda W: blocks.append(W.shape[1]) or qr(W))
+    top = top_spectrum(Z, 32)  # blocks of 16: checks at 64 and 80 Krylov vectors
+    assert len(bounds) == 2 and sum(blocks) == 80 and top.krylov_dim == 0 and top.bound == 0
+    exact = torch.linalg.svdvals(Z.double()) ** 2
+    assert ((top.sigma2.double().cumsum(0) - exact[:32].cumsum(0)) / exact.sum()).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("shape", [(300, 200), (200, 300)])
+def test_gram_lower_is_the_smaller_gram_matrix_on_and_below_the_diagonal(shape):
+    Z = torch.randn(*shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    full = Z.T @ Z if shape[1] <= shape[0] else Z @ Z.T
+    lower = gram_lower(Z, block=64)  # 200 = 3 blocks of 64 and one of 8
+    assert lower.shape == (200, 200)
+    torch.testing.assert_close(lower.tril(), full.tril())
+    torch.testing.assert_close(torch.linalg.eigvalsh(lower), torch.linalg.eigvalsh(full))
 
 
 def test_head_diversity_components_are_the_first_entries_of_the_full_curve():
