@@ -37,18 +37,32 @@ def test_a_spectrum_too_flat_for_lanczos_falls_back_to_the_full_decomposition():
     torch.testing.assert_close(top.sigma2, (torch.linalg.svdvals(Z.double()) ** 2)[:20].float(), rtol=1e-5, atol=1e-5)
 
 
-def test_a_flat_spectrum_is_recognised_from_two_checks(monkeypatch):
-    """i.i.d. weights: the bound's decrease between the checks at 2k and 2k + block says the Krylov space would
-    pass a quarter of n, so the dense decomposition runs at once (no Krylov vectors wasted past the second check)."""
-    Z = torch.randn(700, 1000, generator=torch.Generator().manual_seed(0))
-    bounds = []
-    check = circuits._cumulative_error_bound
+def crowded(m: int, n: int, top: int, seed: int = 0) -> torch.Tensor:
+    """A random m x n matrix whose `top` largest squared singular values crowd into [1, 1.1], the rest small."""
+    generator = torch.Generator().manual_seed(seed)
+    r = min(m, n)
+    U = torch.linalg.qr(torch.randn(m, r, generator=generator, dtype=torch.float64))[0]
+    V = torch.linalg.qr(torch.randn(n, r, generator=generator, dtype=torch.float64))[0]
+    tail = 0.01 / torch.arange(1, r - top + 1, dtype=torch.float64)
+    sigma2 = torch.cat([1 + 0.1 * torch.rand(top, generator=generator, dtype=torch.float64), tail])
+    return ((U * sigma2.sqrt()) @ V.T).float()
+
+
+@pytest.mark.parametrize(
+    "kind, checks, krylov_vectors",
+    [
+        ("iid", 0, 16),  # effective rank n/2 from the first block: dense at once
+        ("crowded", 5, 128),  # effective rank 0.21 n, but the top crowds: dense once the bound's decrease says so
+    ],
+)
+def test_a_flat_spectrum_falls_back_to_the_dense_decomposition_early(monkeypatch, kind, checks, krylov_vectors):
+    Z = torch.randn(700, 1000, generator=torch.Generator().manual_seed(0)) if kind == "iid" else crowded(700, 1000, 150)
+    bounds, blocks = [], []
+    check, qr = circuits._cumulative_error_bound, torch.linalg.qr
     monkeypatch.setattr(circuits, "_cumulative_error_bound", lambda *args: bounds.append(check(*args)) or bounds[-1])
-    blocks = []
-    qr = torch.linalg.qr
     monkeypatch.setattr(torch.linalg, "qr", lambda W: blocks.append(W.shape[1]) or qr(W))
-    top = top_spectrum(Z, 32)  # blocks of 16: checks at 64 and 80 Krylov vectors
-    assert len(bounds) == 2 and sum(blocks) == 80 and top.krylov_dim == 0 and top.bound == 0
+    top = top_spectrum(Z, 32, generator=torch.Generator().manual_seed(0))  # blocks of 16, a quarter of n: 175
+    assert len(bounds) == checks and sum(blocks) == krylov_vectors and top.krylov_dim == 0 and top.bound == 0
     exact = torch.linalg.svdvals(Z.double()) ** 2
     assert ((top.sigma2.double().cumsum(0) - exact[:32].cumsum(0)) / exact.sum()).abs().max() < 1e-6
 
