@@ -71,8 +71,9 @@ class CacheEstimate:
         return f"CacheEstimate({self.n_tensors} tensors, {self.nbytes / GiB:.2f} GiB)"
 
 
-def hook_shape(model, name: str, batch: int, pos: int) -> tuple[tuple[int, ...], torch.dtype] | None:
-    """Shape and dtype of what hook `name` sees for a [batch, pos] input; None for a hook that does not fire."""
+def hook_shape(model, name: str, batch: int, pos: int, past: int = 0) -> tuple[tuple[int, ...], torch.dtype] | None:
+    """Shape and dtype of what hook `name` sees for a [batch, pos] input after `past` cached positions (a
+    `past_kv_cache`: attention-sized hooks have past + pos keys); None for a hook that does not fire."""
     cfg = model.cfg
     dtype = cfg.torch_dtype
     suffix = name.rsplit(".", 1)[-1]
@@ -92,12 +93,12 @@ def hook_shape(model, name: str, batch: int, pos: int) -> tuple[tuple[int, ...],
     if suffix == "hook_result":
         return ((batch, pos, H, D), dtype) if cfg.use_attn_result else None
     if suffix in _ATTENTION:
-        return (batch, H, pos, pos), dtype
+        return (batch, H, pos, past + pos), dtype
     if suffix in _BRANCH_OF:
         if _BRANCH_OF[suffix] not in cfg.active_branches:
             return None
         if suffix.startswith("hook_o_"):
-            return (batch, H, pos, pos), dtype
+            return (batch, H, pos, past + pos), dtype
         return ((batch, pos, R, H) if suffix[-1] in "12" else (batch, pos, H)), dtype
     raise KeyError(f"{name}: no shape rule for this hook (dcinterp.memory.hook_shape)")
 
@@ -114,12 +115,14 @@ def selected_hooks(model, names_filter) -> list[str]:
     return [n for n in names if names_filter(n)]
 
 
-def estimate_cache(model, tokens, names_filter=None, incl_bwd: bool = False, device=None) -> CacheEstimate:
-    """What `model.run_with_cache(tokens, names_filter=...)` would hold, from shapes alone.
+def estimate_cache(
+    model, tokens, names_filter=None, incl_bwd: bool = False, device=None, past_kv_cache=None
+) -> CacheEstimate:
+    """What `model.run_with_cache(tokens, names_filter=..., past_kv_cache=...)` would hold, from shapes alone.
 
     `tokens` is a [batch, pos] tensor, a string or list of strings (tokenized), or a (batch, pos) tuple;
     `incl_bwd` doubles each hook for its gradient; `device` is where the cache is moved to (default: where
-    each hook runs).
+    each hook runs); `past_kv_cache` adds its positions to the keys of the attention-sized hooks.
     """
     if isinstance(tokens, tuple):
         batch, pos = tokens
@@ -128,9 +131,10 @@ def estimate_cache(model, tokens, names_filter=None, incl_bwd: bool = False, dev
             tokens = model.to_tokens(tokens)
         tokens = torch.as_tensor(tokens)
         batch, pos = tokens.shape if tokens.ndim == 2 else (1, tokens.shape[-1])
+    past = 0 if past_kv_cache is None else past_kv_cache.n_tokens
     estimate = CacheEstimate()
     for name in selected_hooks(model, names_filter):
-        shape_dtype = hook_shape(model, name, batch, pos)
+        shape_dtype = hook_shape(model, name, batch, pos, past)
         if shape_dtype is None:
             continue
         shape, dtype = shape_dtype

@@ -659,7 +659,12 @@ class HookedDCFormer(TransformerLensAPI, HookedRootModule):
             from .memory import check_cache_fits, estimate_cache
 
             estimate = estimate_cache(
-                self, args[0], kwargs.get("names_filter"), kwargs.get("incl_bwd", False), kwargs.get("device")
+                self,
+                args[0],
+                kwargs.get("names_filter"),
+                kwargs.get("incl_bwd", False),
+                kwargs.get("device"),
+                kwargs.get("past_kv_cache"),
             )
             check_cache_fits(self, estimate, self.cache_memory_fraction)
         out, cache = super().run_with_cache(*args, remove_batch_dim=remove_batch_dim, **kwargs)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dcinterp import CacheTooLarge, HookedDCFormer, estimate_cache, memory
+from dcinterp import CacheTooLarge, DCFormerKeyValueCache, HookedDCFormer, estimate_cache, memory
 from dcinterp.attribution import head_attribution
 from dcinterp.composition import compose_breakdown
 
@@ -122,6 +122,12 @@ def test_estimate_cache_is_exact(name):
         assert estimate_cache(model, tokens, selected).nbytes == sum(
             v.numel() * v.element_size() for v in cache.values()
         )
+        past_kv_cache = DCFormerKeyValueCache.init_cache(model.cfg, model.input_device, batch_size=2)
+        model(tokens, past_kv_cache=past_kv_cache)  # 11 positions cached, then 3 new ones
+        estimate = estimate_cache(model, tokens[:, :3], past_kv_cache=past_kv_cache)
+        _, cache = model.run_with_cache(tokens[:, :3], past_kv_cache=past_kv_cache)
+        assert estimate.nbytes_by_hook == {key: value.numel() * value.element_size() for key, value in cache.items()}
+        assert cache["blocks.0.attn.hook_pattern"].shape[-2:] == (3, 14)
     finally:
         model.set_use_attn_result(False)
         model.set_use_split_qkv_input(False)
