@@ -1079,8 +1079,13 @@ def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str 
         0.01,
         0.0,
         caption
-        or "Line width: |score|. Compose arcs: pre-compose below a layer's heads, "
-        "post-compose above; rings: gates (qg, kg) and skip, a head to itself.",
+        or "Line width: |score|."
+        + (
+            " Compose arcs: pre-compose below a layer's heads, post-compose above; rings: gates (qg, kg) and skip,"
+            " a head to itself."
+            if graph.dcmha
+            else ""
+        ),
         fontsize=7,
         wrap=True,
     )
