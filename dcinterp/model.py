@@ -238,6 +238,16 @@ def compose_fused(A, qw1=None, qw2=None, kw1=None, kw2=None, qg=None, kg=None) -
     return out
 
 
+def project_heads(x: Float[Tensor, "b p d"], W: Float[Tensor, "h d e"]) -> Float[Tensor, "b p h e"]:
+    """x W[h] for every head. Without a graph, one matmul per head that reads W where it lies (the einsum gathers W
+    into a [d, h e] copy at every call: most of a decoding step's time); with one, the einsum, whose backward
+    gives x's gradient without a [h, b p, d] intermediate. The result is a view of a [h, b, p, e] tensor."""
+    if torch.is_grad_enabled() and (x.requires_grad or W.requires_grad):
+        return torch.einsum("bpd,hde->bphe", x, W)
+    b, p, d = x.shape
+    return torch.bmm(x.reshape(1, b * p, d).expand(W.shape[0], -1, -1), W).unflatten(1, (b, p)).permute(1, 2, 0, 3)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DCFormerConfig, layer: int):
         super().__init__()
@@ -335,9 +345,7 @@ class Attention(nn.Module):
         `past_kv_cache_entry`: this layer's `DCFormerKeyValueCacheEntry`; the keys are then the cached ones and x's."""
         cfg = self.cfg
         if qkv_input is None:
-            q = torch.einsum("bpd,hde->bphe", x, self.W_Q)
-            k = torch.einsum("bpd,hde->bphe", x, self.W_K)
-            v = torch.einsum("bpd,hde->bphe", x, self.W_V)
+            q, k, v = project_heads(x, self.W_Q), project_heads(x, self.W_K), project_heads(x, self.W_V)
         else:
             q, k, v = (
                 torch.einsum("bphd,hde->bphe", xi, W)

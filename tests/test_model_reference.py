@@ -99,3 +99,19 @@ def test_gpt_neox_checkpoint_matches_transformers(tmp_path, rotary_pct):
         expected = hf(tokens).logits
         logits = model(tokens)
     assert (logits - expected).abs().max().item() < 1e-4
+
+
+def test_head_projections_read_the_weights_in_place_without_a_graph_and_agree_with_the_einsum():
+    from dcinterp.model import project_heads
+
+    generator = torch.Generator().manual_seed(0)
+    x, W = torch.randn(3, 5, 16, generator=generator), torch.randn(4, 16, 8, generator=generator)
+    expected = torch.einsum("bpd,hde->bphe", x, W)
+    with torch.no_grad():
+        fast = project_heads(x, W)
+    assert fast.shape == (3, 5, 4, 8) and fast.permute(2, 0, 1, 3).is_contiguous()  # one matmul per head
+    torch.testing.assert_close(fast, expected)
+    x.requires_grad_(True)
+    graph = project_heads(x, W)  # with a graph: the einsum, whose backward sums over heads in its matmul
+    graph.pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, 2 * torch.einsum("bphe,hde->bpd", expected, W))
