@@ -41,6 +41,7 @@ import pandas as pd
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
+from tqdm.auto import tqdm
 from transformer_lens import FactoredMatrix
 
 from .checks import check_head, check_layer, word_token
@@ -440,6 +441,7 @@ def head_diversity(
     spectrum: Spectrum = "sigma2",
     components: Components = "auto",
     tol: float = 1e-6,
+    progress: bool | None = None,
 ) -> HeadDiversity:
     """Fig. 5: the cumulative variance captured by the principal components of each layer's concatenated
     QK and OV circuits (lower: more diverse heads). One layer's weights at a time, in `dtype`, on their device.
@@ -450,13 +452,17 @@ def head_diversity(
     CPU). An int k: the first k, by block Lanczos, each share exact to `tol` (a checked bound: `result.bound`)
     since the total variance is the trace. "auto" (default): all up to a Gram size of 1024, else the first 128.
     spectrum="sigma" needs every singular value and always computes all.
+
+    progress: a bar over the layers (default: on a model past "auto"'s 1024, whose layers take a second or so).
     """
     require_raw_weights(model, "head_diversity (Fig. 5)")
     _check_choice("qk_norm", qk_norm, ("fold", "ignore"))
     dtype = parse_dtype(dtype)
     layers = list(range(model.cfg.n_layers)) if layers is None else [check_layer(model, l, "layers") for l in layers]
     qk, ov, bound = [], [], 0.0
-    for layer in layers:
+    if progress is None:
+        progress = min(model.cfg.d_model, model.cfg.n_heads * model.cfg.d_head) > AUTO_FULL_SIZE
+    for layer in tqdm(layers, desc="head diversity", unit="layer", disable=not progress):
         attn = model.blocks[layer].attn
         W_Q, W_K = folded_qk(model, layer) if qk_norm == "fold" else (attn.W_Q, attn.W_K)
         qk_curve, ov_curve, bounds = layer_diversity(

@@ -120,3 +120,11 @@ def test_concat_factor_covers_heads_with_a_singular_gram_matrix():
     M = torch.cat([left[h] @ right[h] for h in range(3)], dim=1)
     Z = concat_factor(left, right)
     torch.testing.assert_close(Z @ Z.T, M @ M.T)
+
+
+def test_head_diversity_shows_a_progress_bar_only_where_layers_take_seconds(capsys):
+    model = HookedDCFormer(DCFormerConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_mlp=32, d_vocab=10, n_ctx=8))
+    head_diversity(model)  # a Gram size of 64: no bar
+    assert "head diversity" not in capsys.readouterr().err
+    head_diversity(model, progress=True)
+    assert "head diversity: 100%" in capsys.readouterr().err
