@@ -746,6 +746,18 @@ class HookedDCFormer(TransformerLensAPI, HookedRootModule):
             else:
                 p.normal_(0, std)
 
+    def _apply(self, fn, recurse=True):
+        """What `to`, `half`, `bfloat16`, `cuda`, ... run: then `cfg.dtype` and `cfg.device` say what the weights
+        are and where the forward starts, as TransformerLens' `to` keeps them (code that reads `model.cfg.dtype`
+        after `model.to(torch.bfloat16)` sees bfloat16)."""
+        out = super()._apply(fn, recurse)
+        W_E = self.embed.W_E
+        if W_E.is_floating_point():
+            self.cfg.dtype = W_E.dtype
+        if W_E.device.type != "meta":
+            self.cfg.device = str(W_E.device)
+        return out
+
     @property
     def input_device(self) -> torch.device:
         """Where the forward starts: the embedding's device (its execution device when accelerate offloads it)."""

@@ -411,3 +411,19 @@ def test_greedy_circuit_as_networkx_reaches_the_logits():
     real = [(u, v, d) for u, v, d in as_nx.edges(data=True) if d["kind"] != "internal"]
     assert len(real) == 30
     assert all(nx.has_path(as_nx, u, "logits") for u, _, _ in real)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_half_precision_model_gives_the_float32_circuit(shape, dtype):
+    reference = tiny(shape)
+    model = tiny(shape).to(dtype)  # as a TransformerLens user halves a model: cfg.dtype follows
+    pairs, graph = random_pairs(reference), build_graph(reference)
+    evaluator = CircuitEvaluator(model, graph, pairs)
+    assert evaluator.m_clean == pytest.approx(logit_diff(model, pairs), abs=0.03)
+    assert evaluator.faithfulness(torch.ones(len(graph), dtype=torch.bool)) == pytest.approx(1.0)
+    assert evaluator.faithfulness(torch.zeros(len(graph), dtype=torch.bool)) == pytest.approx(0.0, abs=0.1)
+    scores, exact = edge_scores(model, pairs, "eap", graph=graph), edge_scores(reference, pairs, "eap", graph=graph)
+    assert scores.dtype == torch.float32 and bool(torch.isfinite(scores).all())
+    ranks = lambda x: x.argsort().argsort().float()  # noqa: E731
+    assert torch.corrcoef(torch.stack([ranks(scores), ranks(exact)]))[0, 1] > 0.95  # Spearman

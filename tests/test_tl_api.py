@@ -130,3 +130,19 @@ def test_activation_gradients_with_frozen_weights(model):
         model.add_hook("hook_embed", lambda g, hook: None, "bwd")
         assert not model(tokens).requires_grad  # no_grad wins
         model.reset_hooks()
+
+
+def test_cfg_dtype_and_device_follow_the_weights_as_in_transformer_lens():
+    from dcinterp import DCFormerConfig
+
+    model = HookedDCFormer(DCFormerConfig(n_layers=1, d_model=16, n_heads=2, d_head=8, d_mlp=16, d_vocab=10, n_ctx=8))
+    for convert, dtype in [
+        (lambda m: m.to(torch.bfloat16), torch.bfloat16),
+        (lambda m: m.half(), torch.float16),
+        (lambda m: m.to(dtype=torch.float64), torch.float64),
+        (lambda m: m.float(), torch.float32),
+    ]:
+        convert(model)
+        assert model.cfg.dtype == dtype == model.blocks[0].attn.W_Q.dtype
+    model.to("cpu")
+    assert model.cfg.device == "cpu"
