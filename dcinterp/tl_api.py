@@ -143,6 +143,34 @@ class TransformerLensAPI:
 
         return FactoredMatrix(self.W_V, self.W_O)
 
+    def all_composition_scores(self, mode: Literal["Q", "K", "V"]):
+        """TransformerLens' composition scores (Elhage et al., 2021) between every pair of heads, [layer, head,
+        layer, head]: entry [l1, h1, l2, h2] = ||OV_1 C_2||_F / (||OV_1||_F ||C_2||_F), how much head (l2, h2)'s
+        query (mode "Q", C = QK), key ("K", C = QK^T) or value ("V", C = OV) input reads what head (l1, h1)
+        writes; 0 unless l1 < l2. From the static weights, computed by TransformerLens' own `composition_scores`:
+        rotary, QK-norm and DCMHA's compose are not in it (heads of one layer mix through the compose:
+        `dcinterp.composition`). A TransformerLens 4 `CompositionScores` (a tensor that carries `head_labels`)
+        where that exists, else the tensor, as TransformerLens 3 returns."""
+        from transformer_lens.utilities import composition_scores
+
+        if mode not in ("Q", "K", "V"):
+            raise ValueError(f"all_composition_scores: mode must be 'Q', 'K' or 'V', not {mode!r}")
+        left = self.OV
+        right = {"Q": lambda: self.QK, "K": lambda: self.QK.T, "V": lambda: left}[mode]()
+        scores = composition_scores(left, right, broadcast_dims=True)
+        layer = torch.arange(self.cfg.n_layers, device=scores.device)
+        scores = torch.where(layer[:, None, None, None] < layer[None, None, :, None], scores, 0.0)
+        try:
+            from transformer_lens.model_bridge.composition_scores import CompositionScores
+        except ImportError:
+            return scores
+        return CompositionScores(scores, list(range(self.cfg.n_layers)), self.all_head_labels)
+
+    @property
+    def all_head_labels(self) -> list[str]:
+        """["L0H0", "L0H1", ...], every head in order, as TransformerLens labels them."""
+        return [f"L{layer}H{head}" for layer in range(self.cfg.n_layers) for head in range(self.cfg.n_heads)]
+
     def tokens_to_residual_directions(self, tokens) -> Tensor:
         """The columns of `W_U` for the tokens, as TransformerLens: [*tokens.shape, d_model].
 
@@ -260,6 +288,12 @@ class TransformerLensAPI:
         if not len(positions):
             raise ValueError(f"get_token_position: token {int(single_token)} does not occur in the input")
         return int(positions[0] if mode == "first" else positions[-1])
+
+    def to_single_str_token(self, int_token: int) -> str:
+        """The string of one token id, as TransformerLens."""
+        if not isinstance(int_token, int):
+            raise ValueError(f"to_single_str_token: an int token id, not {type(int_token).__name__}")
+        return self.to_str_tokens(torch.tensor([int_token]))[0]
 
     def to_single_token(self, string: str) -> int:
         ids = self.to_tokens(string)[0]

@@ -146,3 +146,25 @@ def test_cfg_dtype_and_device_follow_the_weights_as_in_transformer_lens():
         assert model.cfg.dtype == dtype == model.blocks[0].attn.W_Q.dtype
     model.to("cpu")
     assert model.cfg.device == "cpu"
+
+
+@pytest.mark.parametrize("mode", ["Q", "K", "V"])
+def test_all_composition_scores_are_transformer_lens_scores_of_the_circuits(model, mode):
+    scores = model.all_composition_scores(mode)
+    n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
+    assert scores.shape == (n_layers, n_heads, n_layers, n_heads)
+    assert model.all_head_labels[: n_heads + 1] == [f"L0H{h}" for h in range(n_heads)] + ["L1H0"]
+    W_Q, W_K, W_V, W_O = (w.detach().double() for w in (model.W_Q, model.W_K, model.W_V, model.W_O))
+    for l1, h1, l2, h2 in [(0, 0, 1, 1), (0, 2, 2, 3), (1, 3, 2, 0), (2, 1, 0, 1), (1, 1, 1, 2)]:
+        writes = W_V[l1, h1] @ W_O[l1, h1]
+        reads = {"Q": W_Q[l2, h2] @ W_K[l2, h2].T, "K": W_K[l2, h2] @ W_Q[l2, h2].T, "V": W_V[l2, h2] @ W_O[l2, h2]}
+        expected = (writes @ reads[mode]).norm() / writes.norm() / reads[mode].norm() if l1 < l2 else 0.0
+        assert float(scores[l1, h1, l2, h2]) == pytest.approx(float(expected), rel=1e-4, abs=1e-7)
+    with pytest.raises(ValueError, match="mode must be 'Q', 'K' or 'V'"):
+        model.all_composition_scores("O")
+
+
+def test_to_single_str_token_inverts_to_single_token(model):
+    assert model.to_single_str_token(model.to_single_token("food")) == "food"
+    with pytest.raises(ValueError, match="an int token id"):
+        model.to_single_str_token("food")
