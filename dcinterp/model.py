@@ -22,6 +22,7 @@ window), as TransformerLens does. docs/hooks.md maps every hook to the paper's e
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Literal
 
 import torch
@@ -578,24 +579,44 @@ class HookedDCFormer(TransformerLensAPI, HookedRootModule):
         stop_at_layer: int | None = None,
         attention_mask: Int[Tensor, "b p"] | None = None,
         past_kv_cache: DCFormerKeyValueCache | None = None,
+        padding_side: Literal["left", "right"] | None = None,
     ):
         """Logits (or loss) for tokens or text, as TransformerLens' forward.
 
         `stop_at_layer=l` returns the residual stream entering block l. `start_at_layer=l` takes that residual
         stream as `input` and runs blocks l onwards (pass `tokens` as well for a loss).
-        `attention_mask` [batch, pos]: 1 for real tokens, 0 for padding (left padding: `to_tokens(...,
-        padding_side="left")`); padded keys are hidden and each row's rotary positions count from its first real
-        token, so a row gives what its prompt alone would. `past_kv_cache` (a `DCFormerKeyValueCache`): the input
-        continues the cached positions, and is added to the cache (docs/generation.md).
+        `attention_mask` [batch, pos]: 1 for real tokens, 0 for padding; padded keys are hidden, each row's rotary
+        positions count from its first real token, so a row gives what its prompt alone would, and a loss leaves
+        the padding out. As in TransformerLens, where the padding side is "left" (`padding_side`, else the
+        tokenizer's `padding_side`) and no mask is given, the mask is the leading pad tokens
+        (`pad_attention_mask`); text is padded on that side. `past_kv_cache` (a `DCFormerKeyValueCache`): the
+        input continues the cached positions, and is added to the cache (docs/generation.md).
         """
+        side = padding_side or getattr(self.tokenizer, "padding_side", None) or "right"
         if start_at_layer is None:
-            tokens = self.to_tokens(input, prepend_bos=prepend_bos) if isinstance(input, (str, list)) else input
+            if isinstance(input, (str, list)):
+                tokens = self.to_tokens(input, prepend_bos=prepend_bos, padding_side=side)
+            else:
+                tokens = input
             tokens = tokens.to(self.input_device)
+            if attention_mask is None and self.tokenizer is not None:
+                bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
+                if side == "left":
+                    attention_mask = pad_attention_mask(self.tokenizer, tokens, bos, side)
+                elif return_type in ("loss", "both") and isinstance(input, list):
+                    pads = int((pad_attention_mask(self.tokenizer, tokens, bos, side) == 0).sum())
+                    if pads:
+                        warnings.warn(
+                            f"forward: the loss counts the {pads} pad tokens of right-padded text, as TransformerLens "
+                            "does; padding_side='left' (or an attention_mask) leaves them out",
+                            stacklevel=4,  # the caller of model(...)
+                        )
             resid = self.hook_embed(self._graph_start(self.embed(tokens)))
         else:
             resid = self._graph_start(input.to(self.input_device))
         n = resid.shape[1]
         past, real, positions = 0, None, None
+        own_mask = attention_mask  # [batch, pos] of this input, for the loss
         if past_kv_cache is not None:
             past = past_kv_cache.n_tokens
             if attention_mask is None:
@@ -626,7 +647,7 @@ class HookedDCFormer(TransformerLensAPI, HookedRootModule):
             return logits
         if tokens is None:
             raise ValueError("forward: return_type 'loss' with start_at_layer needs the tokens (tokens=...)")
-        loss = lm_cross_entropy(logits, tokens.to(logits.device), per_token=loss_per_token)
+        loss = lm_cross_entropy(logits, tokens.to(logits.device), loss_per_token, own_mask)
         if return_type == "loss":
             return loss
         if return_type == "both":
@@ -818,6 +839,23 @@ class HookedDCFormer(TransformerLensAPI, HookedRootModule):
         from .loading import save_pretrained
 
         save_pretrained(self, directory)
+
+
+def pad_attention_mask(
+    tokenizer, tokens: Int[Tensor, "b p"], prepend_bos: bool, padding_side: Literal["left", "right"]
+) -> Int[Tensor, "b p"]:
+    """TransformerLens' `get_attention_mask`: 0 at the leading (left padding) or trailing (right) pad tokens, else
+    1; a BOS that shares the pad token's id stays visible where BOS was prepended."""
+    mask = torch.ones_like(tokens)
+    real = tokens.ne(tokenizer.pad_token_id)
+    if padding_side == "right":
+        mask[real.flip(-1).cumsum(-1).flip(-1) == 0] = 0
+        return mask
+    leading = real.cumsum(-1) == 0
+    mask[leading] = 0
+    if prepend_bos and tokenizer.bos_token_id == tokenizer.pad_token_id:
+        mask[torch.arange(len(mask)), (leading.sum(-1) - 1).clamp_min(0)] = 1
+    return mask
 
 
 def lm_cross_entropy(

@@ -201,7 +201,7 @@ class TransformerLensAPI:
         truncate: bool = True,
         allow_unknown: bool | None = None,
     ) -> Int[Tensor, "b p"]:
-        """Token ids [batch, pos], as TransformerLens: padded on the right (or `padding_side="left"`), cut to
+        """Token ids [batch, pos], as TransformerLens: padded on the tokenizer's `padding_side` (or this one), cut to
         `cfg.n_ctx` tokens (`truncate`), on the model's input device (`move_to_device`).
 
         BOS only where the tokenizer adds it itself, unless prepend_bos. Words the tokenizer does not know raise a
@@ -223,7 +223,7 @@ class TransformerLensAPI:
             ids = [i if i[:1] == [bos] else [bos, *i] for i in ids]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         width = max(len(i) for i in ids)
-        if padding_side == "left":
+        if (padding_side or getattr(tokenizer, "padding_side", "right")) == "left":
             ids = [[pad] * (width - len(i)) + i for i in ids]
         else:
             ids = [i + [pad] * (width - len(i)) for i in ids]

@@ -168,3 +168,58 @@ def test_to_single_str_token_inverts_to_single_token(model):
     assert model.to_single_str_token(model.to_single_token("food")) == "food"
     with pytest.raises(ValueError, match="an int token id"):
         model.to_single_str_token("food")
+
+
+PROMPTS = ["Michelle has a burger .", "Helen has a papaya . Carol has a cannon . Helen owns"]
+
+
+def test_pad_attention_mask_is_transformer_lens_get_attention_mask():
+    from types import SimpleNamespace
+
+    from transformer_lens.utilities import get_attention_mask
+
+    from dcinterp.model import pad_attention_mask
+
+    tokens = torch.tensor([[0, 0, 5, 0, 6], [0, 7, 8, 9, 0], [4, 5, 6, 0, 0]])
+    for pad, bos in [(0, 3), (0, 0)]:
+        tokenizer = SimpleNamespace(pad_token_id=pad, bos_token_id=bos, padding_side="right")
+        for side in ("left", "right"):
+            for prepend_bos in (False, True):
+                expected = get_attention_mask(tokenizer, tokens, prepend_bos, padding_side=side)
+                assert torch.equal(pad_attention_mask(tokenizer, tokens, prepend_bos, side), expected)
+
+
+def test_left_padded_text_gives_each_prompt_alone_as_in_transformer_lens(model):
+    alone = [model(p)[0, -1] for p in PROMPTS]
+    logits = model(PROMPTS, padding_side="left")
+    _, cache = model.run_with_cache(PROMPTS, padding_side="left")
+    side = model.tokenizer.padding_side
+    model.tokenizer.padding_side = "left"  # the TransformerLens recipe for batches: every forward pads and masks so
+    try:
+        tokens = model.to_tokens(PROMPTS)
+        by_tokenizer = model(tokens)
+        per_token = model(PROMPTS, return_type="loss", loss_per_token=True)
+        loss = model(PROMPTS, return_type="loss")
+    finally:
+        model.tokenizer.padding_side = side
+    assert tokens[0, 0] == model.tokenizer.pad_token_id  # padded on the left
+    for i, last in enumerate(alone):
+        torch.testing.assert_close(logits[i, -1], last, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(by_tokenizer[i, -1], last, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            model.unembed(model.ln_final(cache["resid_post", -1]))[i, -1], last, atol=1e-4, rtol=1e-4
+        )
+    own = [model(p, return_type="loss", loss_per_token=True)[0] for p in PROMPTS]
+    assert loss.item() == pytest.approx(torch.cat(own).mean().item(), rel=1e-5)  # the pads are left out
+    assert (per_token[0, : tokens.shape[1] - 1 - len(own[0])] == 0).all()
+
+
+def test_an_attention_mask_leaves_padding_out_of_the_loss_as_transformer_lens(model):
+    tokens = model.to_tokens(PROMPTS, padding_side="left")
+    mask = (tokens != model.tokenizer.pad_token_id).long()
+    logits, loss = model(tokens, attention_mask=mask, return_type="both")
+    assert loss.item() == pytest.approx(lm_cross_entropy_loss(logits, tokens, mask).item(), rel=1e-6)
+    with pytest.warns(UserWarning, match=r"the loss counts the \d+ pad tokens of right-padded text"):
+        right = model(PROMPTS, return_type="loss")
+    tokens = model.to_tokens(PROMPTS)
+    assert right.item() == pytest.approx(lm_cross_entropy_loss(model(tokens), tokens).item(), rel=1e-6)
