@@ -433,6 +433,7 @@ class TransformerBlock(nn.Module):
         if not cfg.parallel_residual:
             self.hook_resid_mid = HookPoint()
         self.hook_attn_out = HookPoint()
+        self.hook_mlp_in = HookPoint()  # [batch, pos, d_model]: a copy of the stream into ln2 (cfg.use_hook_mlp_in)
         self.hook_mlp_out = HookPoint()
         self.hook_resid_post = HookPoint()
 
@@ -454,11 +455,16 @@ class TransformerBlock(nn.Module):
         qkv_input = self.split_qkv_input(resid_pre) if self.cfg.use_split_qkv_input else None
         attn_out = self.hook_attn_out(self.attn(self.ln1(resid_pre), mask, qkv_input, positions, past_kv_cache_entry))
         if self.cfg.parallel_residual:
-            mlp_out = self.hook_mlp_out(self.mlp(self.ln2(resid_pre)))
+            mlp_out = self.hook_mlp_out(self.mlp(self.ln2(self.mlp_in(resid_pre))))
             return self.hook_resid_post(resid_pre + attn_out + mlp_out)
         resid_mid = self.hook_resid_mid(resid_pre + attn_out)
-        mlp_out = self.hook_mlp_out(self.mlp(self.ln2(resid_mid)))
+        mlp_out = self.hook_mlp_out(self.mlp(self.ln2(self.mlp_in(resid_mid))))
         return self.hook_resid_post(resid_mid + mlp_out)
+
+    def mlp_in(self, resid: Float[Tensor, "b p d"]) -> Float[Tensor, "b p d"]:
+        """The stream the MLP reads: through `hook_mlp_in` as a copy where cfg.use_hook_mlp_in (TransformerLens'
+        fork, so that a patch there reaches the MLP alone)."""
+        return self.hook_mlp_in(resid.clone()) if self.cfg.use_hook_mlp_in else resid
 
 
 class Embed(nn.Module):
@@ -722,6 +728,11 @@ class HookedDCFormer(TransformerLensAPI, HookedRootModule):
         What TransformerLens' direct path patching switches on. In a DCMHA layer the dynamic compose weights
         keep reading the shared normed input: a patch on one head's copy reaches that head's q, k or v only."""
         self.cfg.use_split_qkv_input = use_split_qkv_input
+
+    def set_use_hook_mlp_in(self, use_hook_mlp_in: bool) -> None:
+        """Fork the stream into each MLP through `blocks.{l}.hook_mlp_in` (a copy: a patch there reaches that MLP
+        alone), as TransformerLens."""
+        self.cfg.use_hook_mlp_in = use_hook_mlp_in
 
     def set_use_attn_in(self, use_attn_in: bool) -> None:
         """TransformerLens' `hook_attn_in` fork is not implemented; only False is accepted."""

@@ -112,6 +112,7 @@ def test_estimate_cache_is_exact(name):
     model = HookedDCFormer.from_pretrained(name)
     model.set_use_attn_result(True)
     model.set_use_split_qkv_input(True)
+    model.set_use_hook_mlp_in(True)
     try:
         tokens = torch.randint(0, 50, (2, 11))
         _, cache = model.run_with_cache(tokens)
@@ -131,6 +132,7 @@ def test_estimate_cache_is_exact(name):
     finally:
         model.set_use_attn_result(False)
         model.set_use_split_qkv_input(False)
+        model.set_use_hook_mlp_in(False)
 
 
 def test_estimate_for_dcpythia_6_9b_at_2048_tokens():

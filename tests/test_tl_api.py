@@ -223,3 +223,33 @@ def test_an_attention_mask_leaves_padding_out_of_the_loss_as_transformer_lens(mo
         right = model(PROMPTS, return_type="loss")
     tokens = model.to_tokens(PROMPTS)
     assert right.item() == pytest.approx(lm_cross_entropy_loss(model(tokens), tokens).item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["dcpythia-synth", "tests/fixtures/dcformer-tiny"])  # parallel, sequential
+def test_hook_mlp_in_forks_the_stream_into_the_mlp_as_in_transformer_lens(name):
+    model = HookedDCFormer.from_pretrained(name)
+    tokens = torch.randint(3, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    logits, cache = model.run_with_cache(tokens)
+    assert "blocks.1.hook_mlp_in" not in cache
+    model.set_use_hook_mlp_in(True)
+    try:
+        forked, fork_cache = model.run_with_cache(tokens)
+        stream = "blocks.1.hook_resid_pre" if model.cfg.parallel_residual else "blocks.1.hook_resid_mid"
+        torch.testing.assert_close(fork_cache["blocks.1.hook_mlp_in"], cache[stream])
+        torch.testing.assert_close(forked, logits)
+        delta = torch.randn(model.cfg.d_model)
+        patched = {}
+        model.run_with_hooks(
+            tokens,
+            fwd_hooks=[
+                ("blocks.1.hook_mlp_in", lambda x, hook: x + delta),
+                (lambda n: n.startswith("blocks.1.hook"), lambda x, hook: patched.__setitem__(hook.name, x)),
+            ],
+        )
+    finally:
+        model.set_use_hook_mlp_in(False)
+    assert not torch.allclose(patched["blocks.1.hook_mlp_out"], cache["blocks.1.hook_mlp_out"])
+    torch.testing.assert_close(patched[stream], cache[stream])  # the stream itself is not patched
+    torch.testing.assert_close(patched["blocks.1.hook_attn_out"], cache["blocks.1.hook_attn_out"])
+    before_mlp = patched[stream] + (patched["blocks.1.hook_attn_out"] if model.cfg.parallel_residual else 0)
+    torch.testing.assert_close(patched["blocks.1.hook_resid_post"], before_mlp + patched["blocks.1.hook_mlp_out"])
