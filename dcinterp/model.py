@@ -605,7 +605,7 @@ class HookedDCFormer(TransformerLensAPI, HookedRootModule):
             else:
                 tokens = input
             tokens = tokens.to(self.input_device)
-            if attention_mask is None and self.tokenizer is not None:
+            if attention_mask is None and getattr(self.tokenizer, "pad_token_id", None) is not None:
                 bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
                 if side == "left":
                     attention_mask = pad_attention_mask(self.tokenizer, tokens, bos, side)

@@ -353,7 +353,9 @@ class TransformerLensAPI:
                 f"generate: the prompt has no tokens (shape {tuple(tokens.shape)}); pass prepend_bos=True "
                 "to start from BOS alone"
             )
-        if attention_mask is not None:
+        if attention_mask is None:  # given, so that the forward never reads pads off a left padding side
+            attention_mask = torch.ones_like(tokens)
+        else:
             attention_mask = attention_mask.to(tokens.device)
             if attention_mask.shape != tokens.shape:
                 raise ValueError(
@@ -377,16 +379,13 @@ class TransformerLensAPI:
         finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
         for step in tqdm(range(max_new_tokens), disable=not verbose):
             if cache is None:
-                mask = (
-                    None
-                    if attention_mask is None
-                    else F.pad(attention_mask, (0, tokens.shape[1] - attention_mask.shape[1]), value=1)
-                )
+                mask = F.pad(attention_mask, (0, tokens.shape[1] - attention_mask.shape[1]), value=1)
                 final_logits = self(tokens, attention_mask=mask)[:, -1]
             elif step == 0:
                 final_logits = self(tokens, attention_mask=attention_mask, past_kv_cache=cache)[:, -1]
             else:
-                final_logits = self(tokens[:, -1:], past_kv_cache=cache)[:, -1]
+                new_mask = torch.ones_like(tokens[:, -1:])
+                final_logits = self(tokens[:, -1:], attention_mask=new_mask, past_kv_cache=cache)[:, -1]
             if do_sample:
                 new = sample_logits(
                     final_logits,
@@ -408,11 +407,8 @@ class TransformerLensAPI:
                 break
         if return_type == "tokens" or (return_type == "input" and isinstance(input, Tensor)):
             return tokens
-        if attention_mask is None:
-            strings = self.to_string(tokens)
-        else:  # without the left padding
-            n_pad = (attention_mask == 0).sum(1).tolist()
-            strings = [self.to_string(row[pad:]) for row, pad in zip(tokens, n_pad, strict=True)]
+        n_pad = (attention_mask == 0).sum(1).tolist()  # the strings without the left padding
+        strings = [self.to_string(row[pad:]) for row, pad in zip(tokens, n_pad, strict=True)]
         return strings[0] if isinstance(input, str) else strings
 
     @classmethod

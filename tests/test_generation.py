@@ -155,6 +155,13 @@ def test_a_list_of_prompts_is_padded_on_the_left(models):
     together = model.generate(texts, max_new_tokens=6, do_sample=False, stop_at_eos=False)
     alone = [model.generate(text, max_new_tokens=6, do_sample=False, stop_at_eos=False) for text in texts]
     assert together == alone
+    model.tokenizer.padding_side = "left"  # the forward then reads a mask off the pads; generate gives its own
+    try:
+        for use_past_kv_cache in (True, False):
+            kwargs = dict(max_new_tokens=6, do_sample=False, stop_at_eos=False, use_past_kv_cache=use_past_kv_cache)
+            assert model.generate(texts, **kwargs) == alone
+    finally:
+        model.tokenizer.padding_side = "right"
 
 
 def test_stop_at_eos_sampling_and_a_frozen_cache(models):
