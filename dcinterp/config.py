@@ -85,7 +85,7 @@ class DCFormerConfig:
     device: str | None = field(default=None, init=False, repr=False)  # where the forward starts (the embedding)
     n_key_value_heads: int | None = field(default=None, init=False, repr=False)  # None: no grouped-query attention
     use_split_qkv_input: bool = field(default=False, init=False, repr=False)  # per-head q/k/v input forks
-    use_attn_in: bool = field(default=False, init=False, repr=False)  # not supported: always False
+    use_attn_in: bool = field(default=False, init=False, repr=False)  # blocks.{l}.hook_attn_in fires
     use_hook_mlp_in: bool = field(default=False, init=False, repr=False)  # blocks.{l}.hook_mlp_in fires
     positional_embedding_type: str = field(default="rotary", init=False, repr=False)
 

@@ -90,6 +90,8 @@ def hook_shape(model, name: str, batch: int, pos: int, past: int = 0) -> tuple[t
         return (batch, pos, H, E), dtype
     if suffix in ("hook_q_input", "hook_k_input", "hook_v_input"):
         return ((batch, pos, H, D), dtype) if cfg.use_split_qkv_input else None
+    if suffix == "hook_attn_in":
+        return ((batch, pos, H, D), dtype) if cfg.use_attn_in else None
     if suffix == "hook_mlp_in":
         return ((batch, pos, D), dtype) if cfg.use_hook_mlp_in else None
     if suffix == "hook_result":

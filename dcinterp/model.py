@@ -430,6 +430,7 @@ class TransformerBlock(nn.Module):
         self.attn = Attention(cfg, layer)
         self.mlp = MLP(cfg)
         self.hook_resid_pre = HookPoint()  # [batch, pos, d_model]
+        self.hook_attn_in = HookPoint()  # [batch, pos, head, d_model]: per-head copies for q, k, v (cfg.use_attn_in)
         if not cfg.parallel_residual:
             self.hook_resid_mid = HookPoint()
         self.hook_attn_out = HookPoint()
@@ -438,9 +439,15 @@ class TransformerBlock(nn.Module):
         self.hook_resid_post = HookPoint()
 
     def split_qkv_input(self, resid_pre: Float[Tensor, "b p d"]) -> tuple[Float[Tensor, "b p h d"], ...]:
-        """One copy of the stream per head for each of q, k, v, through its fork hook and ln1 (TransformerLens'
-        use_split_qkv_input: a hook on one head's copy reaches that head's q, k or v alone)."""
+        """One copy of the stream per head, as TransformerLens: through `hook_attn_in` (use_attn_in: a hook on one
+        head's copy reaches that head's q, k and v), then one for each of q, k, v through its fork hook
+        (use_split_qkv_input: that head's q, k or v alone), then ln1."""
         copies = resid_pre[:, :, None].expand(-1, -1, self.cfg.n_heads, -1)
+        if self.cfg.use_attn_in:
+            copies = self.hook_attn_in(copies.clone())
+        if not self.cfg.use_split_qkv_input:
+            normed = self.ln1(copies)
+            return normed, normed, normed
         forks = (self.attn.hook_q_input, self.attn.hook_k_input, self.attn.hook_v_input)
         return tuple(self.ln1(fork(copies.clone())) for fork in forks)
 
@@ -452,7 +459,8 @@ class TransformerBlock(nn.Module):
         past_kv_cache_entry=None,
     ) -> Float[Tensor, "b p d"]:
         resid_pre = self.hook_resid_pre(resid_pre)
-        qkv_input = self.split_qkv_input(resid_pre) if self.cfg.use_split_qkv_input else None
+        per_head = self.cfg.use_split_qkv_input or self.cfg.use_attn_in
+        qkv_input = self.split_qkv_input(resid_pre) if per_head else None
         attn_out = self.hook_attn_out(self.attn(self.ln1(resid_pre), mask, qkv_input, positions, past_kv_cache_entry))
         if self.cfg.parallel_residual:
             mlp_out = self.hook_mlp_out(self.mlp(self.ln2(self.mlp_in(resid_pre))))
@@ -564,13 +572,19 @@ class HookedDCFormer(TransformerLensAPI, HookedRootModule):
         self.setup()
 
     def setup(self) -> None:
-        """TransformerLens' setup, plus TransformerBridge's block aliases `blocks.{l}.hook_in` (= hook_resid_pre) and
-        `hook_out` (= hook_resid_post) for hooks by name (what `get_act_name("in", l)` gives); caches use the real
-        names."""
+        """TransformerLens' setup, plus the names TransformerLens gives hooks that sit elsewhere here, for hooks by
+        name and cache lookups (caches hold the real names): TransformerBridge's `blocks.{l}.hook_in` (=
+        hook_resid_pre) and `hook_out` (= hook_resid_post), HookedTransformer's `blocks.{l}.hook_q_input` (=
+        `blocks.{l}.attn.hook_q_input`), `hook_k_input`, `hook_v_input` (what `get_act_name("q_input", l)` gives)."""
         super().setup()
-        for layer, block in enumerate(self.blocks):
-            self.mod_dict[f"blocks.{layer}.hook_in"] = block.hook_resid_pre
-            self.mod_dict[f"blocks.{layer}.hook_out"] = block.hook_resid_post
+        self.hook_aliases = {}
+        for layer in range(len(self.blocks)):
+            self.hook_aliases[f"blocks.{layer}.hook_in"] = f"blocks.{layer}.hook_resid_pre"
+            self.hook_aliases[f"blocks.{layer}.hook_out"] = f"blocks.{layer}.hook_resid_post"
+            for qkv in "qkv":
+                self.hook_aliases[f"blocks.{layer}.hook_{qkv}_input"] = f"blocks.{layer}.attn.hook_{qkv}_input"
+        for alias, name in self.hook_aliases.items():
+            self.mod_dict[alias] = self.mod_dict[name]
 
     # ----------------------------------------------------------------------------------------------
     # Forward
@@ -735,12 +749,9 @@ class HookedDCFormer(TransformerLensAPI, HookedRootModule):
         self.cfg.use_hook_mlp_in = use_hook_mlp_in
 
     def set_use_attn_in(self, use_attn_in: bool) -> None:
-        """TransformerLens' `hook_attn_in` fork is not implemented; only False is accepted."""
-        if use_attn_in:
-            raise NotImplementedError(
-                "set_use_attn_in: HookedDCFormer has no hook_attn_in (use set_use_split_qkv_input)"
-            )
-        self.cfg.use_attn_in = False
+        """Give each head its own copy of the stream for q, k and v together (`blocks.{l}.hook_attn_in`), or not,
+        as TransformerLens. In a DCMHA layer the dynamic compose weights keep reading the shared normed input."""
+        self.cfg.use_attn_in = use_attn_in
 
     # ----------------------------------------------------------------------------------------------
     # Weights

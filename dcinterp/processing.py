@@ -29,6 +29,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 from transformer_lens import ActivationCache
+from transformer_lens.utilities import get_act_name
 
 PROCESSING_OPTIONS = (
     "fold_ln",
@@ -135,6 +136,23 @@ class DCActivationCache(ActivationCache):
     one (weight 1). The norm's bias belongs to no component: `logit_offset`. `accumulated_resid(apply_ln=True)`
     runs each whole stream through the real final norm (bias included), as TransformerLens.
     """
+
+    def __getitem__(self, key) -> Tensor:
+        """As TransformerLens, and by the names TransformerLens gives hooks that sit elsewhere here
+        (`model.hook_aliases`: `cache["q_input", 0]` is `blocks.0.attn.hook_q_input`)."""
+        try:
+            return super().__getitem__(key)
+        except KeyError:
+            aliases = getattr(self.model, "hook_aliases", {})
+            if isinstance(key, str):
+                names = [key, get_act_name(key)] if "." not in key else [key]
+            else:
+                layer = key[1] + self.model.cfg.n_layers if len(key) > 1 and key[1] is not None and key[1] < 0 else None
+                names = [get_act_name(*((key[0], layer, *key[2:]) if layer is not None else key))]
+            for name in names:
+                if aliases.get(name) in self.cache_dict:
+                    return self.cache_dict[aliases[name]]
+            raise
 
     def apply_ln_to_stack(self, residual_stack, layer=None, mlp_input=False, *args, **kwargs):
         stack = super().apply_ln_to_stack(residual_stack, layer, mlp_input, *args, **kwargs)

@@ -113,6 +113,7 @@ def test_estimate_cache_is_exact(name):
     model.set_use_attn_result(True)
     model.set_use_split_qkv_input(True)
     model.set_use_hook_mlp_in(True)
+    model.set_use_attn_in(True)
     try:
         tokens = torch.randint(0, 50, (2, 11))
         _, cache = model.run_with_cache(tokens)
@@ -133,6 +134,7 @@ def test_estimate_cache_is_exact(name):
         model.set_use_attn_result(False)
         model.set_use_split_qkv_input(False)
         model.set_use_hook_mlp_in(False)
+        model.set_use_attn_in(False)
 
 
 def test_estimate_for_dcpythia_6_9b_at_2048_tokens():

@@ -358,8 +358,9 @@ def test_attribution_patching_demo(model, ioi):
     assert abs(clean_value - 1.0) < 1e-5  # the demo's own asserts
     corrupted_value, corrupted_cache, corrupted_grad_cache = get_cache_fwd_and_bwd(model, corrupted_tokens, ioi_metric)
     assert abs(corrupted_value) < 1e-5
-    fired = [n for n in model.hook_dict if filter_not_qkv_input(n) and not n.endswith("hook_mlp_in")]  # as in TL,
-    assert len(clean_grad_cache) == len(clean_cache) == len(fired)  # hook_mlp_in fires after set_use_hook_mlp_in(True)
+    # as in TransformerLens, hook_attn_in and hook_mlp_in fire only after set_use_attn_in / set_use_hook_mlp_in
+    fired = [n for n in model.hook_dict if filter_not_qkv_input(n) and not n.endswith(("hook_attn_in", "hook_mlp_in"))]
+    assert len(clean_grad_cache) == len(clean_cache) == len(fired)
     assert not any(p.grad is not None for p in model.parameters())  # the weights stay frozen
 
     # The gradients are the true ones: the same as an unfrozen copy's

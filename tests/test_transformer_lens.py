@@ -544,3 +544,40 @@ def test_attention_page_renders_offline_in_chromium(models, tmp_path):
     rows, cols = np.nonzero(differs)
     assert differs.sum() > 500  # the labels are drawn: the pages differ by their text alone
     assert cols.min() < shots[0].shape[1] * 0.25  # ... among them the query labels, left of the zoomed pattern
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_hook_attn_in_and_transformer_lens_input_names(models, name):
+    """hook_attn_in: one copy per head for q, k and v together (TransformerLens' use_attn_in); the q/k/v forks
+    answer to TransformerLens' names, blocks.{l}.hook_q_input, for hooks and cache lookups."""
+    model = models[name]
+    tokens = model.to_tokens(PROMPT) if model.tokenizer is not None else torch.randint(3, 50, (1, 9))
+    reference, reference_cache = model.run_with_cache(tokens)
+    delta = torch.randn(model.cfg.d_model, generator=torch.Generator().manual_seed(0))
+
+    def shift_head_2(copies, hook):
+        copies[:, :, 2] += delta
+        return copies
+
+    model.set_use_attn_in(True)
+    try:
+        logits, cache = model.run_with_cache(tokens)
+        with model.hooks(fwd_hooks=[("blocks.1.hook_attn_in", shift_head_2)]):
+            _, patched = model.run_with_cache(tokens)
+    finally:
+        model.set_use_attn_in(False)
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+    torch.testing.assert_close(cache["attn_in", 1][:, :, 0], reference_cache["resid_pre", 1])
+    for act in ("q", "k", "v"):
+        changed = (patched[act, 1] - reference_cache[act, 1]).abs().amax((0, 1, 3))
+        assert changed[2] > 1e-3 and (changed[[0, 1]] == 0).all(), act  # head 2 alone
+    model.set_use_split_qkv_input(True)
+    try:
+        seen = []
+        model.run_with_hooks(tokens, fwd_hooks=[(get_act_name("q_input", 1), lambda x, hook: seen.append(hook.name))])
+        _, cache = model.run_with_cache(tokens)
+    finally:
+        model.set_use_split_qkv_input(False)
+    assert seen == ["blocks.1.attn.hook_q_input"]
+    torch.testing.assert_close(cache["q_input", 1], cache["blocks.1.attn.hook_q_input"])
+    torch.testing.assert_close(cache["blocks.1.hook_k_input"], cache["blocks.1.attn.hook_k_input"])
