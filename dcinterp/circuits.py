@@ -375,6 +375,11 @@ def layer_diversity(
     _check_choice("normalize", normalize, ("none", "head"))
     _check_choice("axis", axis, ("columns", "rows"))
     _check_choice("spectrum", spectrum, ("sigma2", "sigma"))
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(
+            f"head diversity: dtype={dtype} is what the spectra are computed in, and torch.linalg has only float32 "
+            "and float64 decompositions; pass one of those (any weights are read into it)"
+        )
     W_Q, W_K, W_V, W_O = (w.detach().to(dtype) for w in (W_Q, W_K, W_V, W_O))
     k = resolve_components(components, min(W_Q.shape[1], W_Q.shape[0] * W_Q.shape[2]), spectrum)
     qk = circuits_spectrum(W_Q, W_K.transpose(-2, -1), normalize, axis, k, tol)  # concat_h W_Q^h W_K^hT

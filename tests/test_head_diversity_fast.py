@@ -128,3 +128,12 @@ def test_head_diversity_shows_a_progress_bar_only_where_layers_take_seconds(caps
     assert "head diversity" not in capsys.readouterr().err
     head_diversity(model, progress=True)
     assert "head diversity: 100%" in capsys.readouterr().err
+
+
+def test_a_half_precision_model_is_read_in_float32_and_a_16_bit_dtype_is_one_clear_error():
+    model = HookedDCFormer(DCFormerConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_mlp=32, d_vocab=10, n_ctx=8))
+    reference = head_diversity(model)
+    halved = head_diversity(model.to(torch.bfloat16))  # the bfloat16 weights, computed in float32
+    torch.testing.assert_close(halved.qk, reference.qk, atol=1e-2, rtol=0)
+    with pytest.raises(ValueError, match=r"dtype=torch.bfloat16 is what the spectra are computed in"):
+        head_diversity(model, dtype=torch.bfloat16)
