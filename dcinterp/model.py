@@ -612,25 +612,10 @@ class HookedDCFormer(TransformerLensAPI, HookedRootModule):
         (`pad_attention_mask`); text is padded on that side. `past_kv_cache` (a `DCFormerKeyValueCache`): the
         input continues the cached positions, and is added to the cache (docs/generation.md).
         """
-        side = padding_side or getattr(self.tokenizer, "padding_side", None) or "right"
         if start_at_layer is None:
-            if isinstance(input, (str, list)):
-                tokens = self.to_tokens(input, prepend_bos=prepend_bos, padding_side=side)
-            else:
-                tokens = input
-            tokens = tokens.to(self.input_device)
-            if attention_mask is None and getattr(self.tokenizer, "pad_token_id", None) is not None:
-                bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
-                if side == "left":
-                    attention_mask = pad_attention_mask(self.tokenizer, tokens, bos, side)
-                elif return_type in ("loss", "both") and isinstance(input, list):
-                    pads = int((pad_attention_mask(self.tokenizer, tokens, bos, side) == 0).sum())
-                    if pads:
-                        warnings.warn(
-                            f"forward: the loss counts the {pads} pad tokens of right-padded text, as TransformerLens "
-                            "does; padding_side='left' (or an attention_mask) leaves them out",
-                            stacklevel=4,  # the caller of model(...)
-                        )
+            tokens, attention_mask = self._tokens_and_mask(
+                input, prepend_bos, padding_side, attention_mask, return_type
+            )
             resid = self.hook_embed(self._graph_start(self.embed(tokens)))
         else:
             resid = self._graph_start(input.to(self.input_device))
@@ -673,6 +658,30 @@ class HookedDCFormer(TransformerLensAPI, HookedRootModule):
         if return_type == "both":
             return logits, loss
         return None
+
+    def _tokens_and_mask(self, input, prepend_bos, padding_side, attention_mask, return_type):
+        """Token ids for `input` (text is tokenized, padded on `padding_side`, else the tokenizer's) and the
+        attention mask: the one given, else, on a left padding side, the leading pad tokens masked out (as
+        TransformerLens). Right padding stays unmasked, as in TransformerLens; a loss over right-padded text then
+        counts the pads, and says so."""
+        side = padding_side or getattr(self.tokenizer, "padding_side", None) or "right"
+        text = isinstance(input, (str, list))
+        tokens = self.to_tokens(input, prepend_bos=prepend_bos, padding_side=side) if text else input
+        tokens = tokens.to(self.input_device)
+        if attention_mask is not None or getattr(self.tokenizer, "pad_token_id", None) is None:
+            return tokens, attention_mask
+        bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
+        if side == "left":
+            return tokens, pad_attention_mask(self.tokenizer, tokens, bos, side)
+        if return_type in ("loss", "both") and isinstance(input, list):
+            pads = int((pad_attention_mask(self.tokenizer, tokens, bos, side) == 0).sum())
+            if pads:
+                warnings.warn(
+                    f"forward: the loss counts the {pads} pad tokens of right-padded text, as TransformerLens "
+                    "does; padding_side='left' (or an attention_mask) leaves them out",
+                    stacklevel=5,  # the caller of model(...)
+                )
+        return tokens, None
 
     def _graph_start(self, resid: Tensor) -> Tensor:
         """With frozen weights nothing needs a graph, so the forward keeps none, unless a backward hook is attached
