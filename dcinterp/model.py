@@ -664,7 +664,7 @@ class HookedDCFormer(TransformerLensAPI, HookedRootModule):
         attention mask: the one given, else, on a left padding side, the leading pad tokens masked out (as
         TransformerLens). Right padding stays unmasked, as in TransformerLens; a loss over right-padded text then
         counts the pads, and says so."""
-        side = padding_side or getattr(self.tokenizer, "padding_side", None) or "right"
+        side = self._padding_side(padding_side)
         text = isinstance(input, (str, list))
         tokens = self.to_tokens(input, prepend_bos=prepend_bos, padding_side=side) if text else input
         tokens = tokens.to(self.input_device)

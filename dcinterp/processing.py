@@ -143,16 +143,19 @@ class DCActivationCache(ActivationCache):
         try:
             return super().__getitem__(key)
         except KeyError:
-            aliases = getattr(self.model, "hook_aliases", {})
-            if isinstance(key, str):
-                names = [key, get_act_name(key)] if "." not in key else [key]
-            else:
-                layer = key[1] + self.model.cfg.n_layers if len(key) > 1 and key[1] is not None and key[1] < 0 else None
-                names = [get_act_name(*((key[0], layer, *key[2:]) if layer is not None else key))]
-            for name in names:
-                if aliases.get(name) in self.cache_dict:
-                    return self.cache_dict[aliases[name]]
-            raise
+            real = getattr(self.model, "hook_aliases", {}).get(self._name_of(key))
+            if real not in self.cache_dict:
+                raise
+            return self.cache_dict[real]
+
+    def _name_of(self, key) -> str:
+        """The hook name TransformerLens' lookup reads for `key`: a name, a shorthand, or (name, layer[, type])."""
+        if isinstance(key, str):
+            return key if "." in key else get_act_name(key)
+        name, layer, *rest = (*key, None) if len(key) == 1 else key
+        if layer is not None and layer < 0:
+            layer += self.model.cfg.n_layers
+        return get_act_name(name, layer, *rest)
 
     def apply_ln_to_stack(self, residual_stack, layer=None, mlp_input=False, *args, **kwargs):
         stack = super().apply_ln_to_stack(residual_stack, layer, mlp_input, *args, **kwargs)

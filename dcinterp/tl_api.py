@@ -156,7 +156,7 @@ class TransformerLensAPI:
         if mode not in ("Q", "K", "V"):
             raise ValueError(f"all_composition_scores: mode must be 'Q', 'K' or 'V', not {mode!r}")
         left = self.OV
-        right = {"Q": lambda: self.QK, "K": lambda: self.QK.T, "V": lambda: left}[mode]()
+        right = self.QK if mode == "Q" else self.QK.T if mode == "K" else left
         scores = composition_scores(left, right, broadcast_dims=True)
         layer = torch.arange(self.cfg.n_layers, device=scores.device)
         scores = torch.where(layer[:, None, None, None] < layer[None, None, :, None], scores, 0.0)
@@ -192,6 +192,10 @@ class TransformerLensAPI:
             raise ValueError("this model has no tokenizer attached; pass token ids, or set model.tokenizer")
         return self.tokenizer
 
+    def _padding_side(self, padding_side: Literal["left", "right"] | None = None) -> Literal["left", "right"]:
+        """The side text is padded on: `padding_side`, else the tokenizer's, else "right" (as TransformerLens)."""
+        return padding_side or getattr(self.tokenizer, "padding_side", None) or "right"
+
     def to_tokens(
         self,
         input: str | list[str],
@@ -223,7 +227,7 @@ class TransformerLensAPI:
             ids = [i if i[:1] == [bos] else [bos, *i] for i in ids]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         width = max(len(i) for i in ids)
-        if (padding_side or getattr(tokenizer, "padding_side", "right")) == "left":
+        if self._padding_side(padding_side) == "left":
             ids = [[pad] * (width - len(i)) + i for i in ids]
         else:
             ids = [i + [pad] * (width - len(i)) for i in ids]
