@@ -898,12 +898,19 @@ def lm_cross_entropy(
     """Next-token cross-entropy; per token [batch, pos-1] or the mean (over unmasked pairs, as TransformerLens)."""
     logprobs = logits[:, :-1].float().log_softmax(-1)
     loss = -logprobs.gather(-1, tokens[:, 1:, None])[..., 0]
-    if attention_mask is None:
-        return loss if per_token else loss.mean()
-    mask = attention_mask.to(loss.device).bool()
-    kept = mask[:, :-1] & mask[:, 1:]
-    loss = loss.masked_fill(~kept, 0.0)
-    return loss if per_token else loss.sum() / kept.sum()
+    kept = torch.ones_like(loss, dtype=torch.bool)
+    if attention_mask is not None:
+        mask = attention_mask.to(loss.device).bool()
+        kept = mask[:, :-1] & mask[:, 1:]
+        loss = loss.masked_fill(~kept, 0.0)
+    if per_token:
+        return loss
+    if not kept.any():  # a mean over nothing would be NaN
+        raise ValueError(
+            "loss: no token has a next token to predict (every row has fewer than two real tokens); "
+            "loss_per_token=True gives the empty per-token table"
+        )
+    return loss.sum() / kept.sum()
 
 
 def get_act_name(name: str, layer: int | None = None, layer_type: str | None = None) -> str:

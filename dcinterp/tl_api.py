@@ -231,7 +231,7 @@ class TransformerLensAPI:
             ids = [[pad] * (width - len(i)) + i for i in ids]
         else:
             ids = [i + [pad] * (width - len(i)) for i in ids]
-        tokens = torch.tensor(ids)
+        tokens = torch.tensor(ids, dtype=torch.long)  # long also where the text has no tokens: [batch, 0]
         if truncate and tokens.shape[1] > self.cfg.n_ctx:
             warnings.warn(
                 f"to_tokens: {tokens.shape[1]} tokens cut to the model's n_ctx = {self.cfg.n_ctx} "

@@ -253,3 +253,12 @@ def test_hook_mlp_in_forks_the_stream_into_the_mlp_as_in_transformer_lens(name):
     torch.testing.assert_close(patched["blocks.1.hook_attn_out"], cache["blocks.1.hook_attn_out"])
     before_mlp = patched[stream] + (patched["blocks.1.hook_attn_out"] if model.cfg.parallel_residual else 0)
     torch.testing.assert_close(patched["blocks.1.hook_resid_post"], before_mlp + patched["blocks.1.hook_mlp_out"])
+
+
+def test_empty_text_and_a_loss_over_nothing_are_one_clear_line(model):
+    assert model("").shape == (1, 0, model.cfg.d_vocab)  # no tokens, no logits (was an IndexError on floats)
+    assert model("", prepend_bos=True).shape[:2] == (1, 1)
+    for text, kwargs in [("Ruth", {}), (["Ruth", "cat"], {"padding_side": "left"})]:
+        with pytest.raises(ValueError, match="loss: no token has a next token to predict"):
+            model(text, return_type="loss", **kwargs)
+        assert model(text, return_type="loss", loss_per_token=True, **kwargs).shape[1] == 0
