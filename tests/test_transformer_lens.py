@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import pytest
@@ -581,3 +582,23 @@ def test_hook_attn_in_and_transformer_lens_input_names(models, name):
     assert seen == ["blocks.1.attn.hook_q_input"]
     torch.testing.assert_close(cache["q_input", 1], cache["blocks.1.attn.hook_q_input"])
     torch.testing.assert_close(cache["blocks.1.hook_k_input"], cache["blocks.1.attn.hook_k_input"])
+
+
+def test_composition_scores_and_padded_batches_match_transformer_bridge(pythia_dir):
+    """TransformerLens' own TransformerBridge on the same tiny Pythia: the same composition scores, and for text
+    padded on either side the same logits at the real positions and the same loss."""
+    from transformer_lens.model_bridge import TransformerBridge
+
+    ours = HookedDCFormer.from_pretrained(pythia_dir)
+    bridge = TransformerBridge.boot_transformers(str(pythia_dir), device="cpu")
+    for mode in "QKV":
+        torch.testing.assert_close(ours.all_composition_scores(mode).scores, bridge.all_composition_scores(mode).scores)
+    assert ours.all_head_labels == bridge.all_head_labels
+    texts = [PROMPT, "Ruth owns a cat ."]
+    for side in ("left", "right"):
+        real = ours.to_tokens(texts, padding_side=side) != ours.tokenizer.pad_token_id
+        torch.testing.assert_close(ours(texts, padding_side=side)[real], bridge(texts, padding_side=side)[real])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ours says that right padding counts the pads, as the bridge does
+            ours_loss = ours(texts, padding_side=side, return_type="loss")
+        torch.testing.assert_close(ours_loss, bridge(texts, padding_side=side, return_type="loss"))
