@@ -237,7 +237,7 @@ def test_hook_mlp_in_forks_the_stream_into_the_mlp_as_in_transformer_lens(name):
         stream = "blocks.1.hook_resid_pre" if model.cfg.parallel_residual else "blocks.1.hook_resid_mid"
         torch.testing.assert_close(fork_cache["blocks.1.hook_mlp_in"], cache[stream])
         torch.testing.assert_close(forked, logits)
-        delta = torch.randn(model.cfg.d_model)
+        delta = torch.randn(model.cfg.d_model, generator=torch.Generator().manual_seed(1))
         patched = {}
         model.run_with_hooks(
             tokens,
