@@ -3,7 +3,8 @@
 Every function takes results (tensors, dataclasses, DataFrames), never a model, and returns a figure
 (`matplotlib.figure.Figure`, or `plotly.graph_objects.Figure` for the `*_plotly` ones); nothing is shown.
 Figures are built without pyplot (no global state, no open windows): `fig.savefig(path)`, or in a notebook with
-the inline backend (`%matplotlib inline`) end a cell with `fig`.
+the inline backend (`%matplotlib inline`) end a cell with `fig`; a plotly figure becomes a page that opens offline
+with `write_plotly_page(fig, path)`.
 Token labels are optional everywhere (`str_tokens`, `query_token`, ...): pass `model.to_str_tokens(prompt)`.
 
 Conventions: signed values use a diverging colormap centred at zero, with one scale shared by every panel of a
@@ -21,8 +22,11 @@ figure that shows the same quantity; small heatmaps carry their numbers; each fi
 
 from __future__ import annotations
 
+import html
+import re
 import textwrap
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 import plotly.graph_objects as go
@@ -172,6 +176,21 @@ def plot_head_attribution(
         "boxed: the top heads by score.",
     )
     return fig
+
+
+def write_plotly_page(fig: go.Figure, path: str | Path, title: str | None = None) -> Path:
+    """Write a plotly figure as a self-contained HTML page and return its path.
+
+    plotly.js is inlined, so the page opens offline; its `<title>` (what a browser tab and a bookmark show) is
+    `title`, or else the figure's own title, or else the file's name. plotly's `write_html` leaves it empty."""
+    path = Path(path)
+    title = title or fig.layout.title.text or path.stem
+    page = fig.to_html(include_plotlyjs=True, full_html=True, div_id=path.stem)  # no random id: reruns are identical
+    page, found = re.subn("</head>", lambda m: f"<title>{html.escape(title)}</title>\n</head>", page, count=1)
+    if not found:  # never silent: a plotly whose page has no head would otherwise write a page without a title
+        raise ValueError("fig: plotly's page has no </head> to put the title before")
+    path.write_text(page, encoding="utf-8")
+    return path
 
 
 def plot_head_attribution_plotly(

@@ -110,6 +110,17 @@ def test_composition_figures(which, random_model, fixture_model, prompt):
     assert all(ax.get_legend() is None for ax in bars)
 
 
+def test_plotly_page_has_a_title_and_opens_offline(tmp_path):
+    fig = plotting.plot_composition_map_plotly(torch.eye(4), title="layer 2 map ('of' -> <burger>)")
+    head = plotting.write_plotly_page(fig, tmp_path / "map.html").read_text().split("<body>")[0]
+    assert "<title>layer 2 map (&#x27;of&#x27; -&gt; &lt;burger&gt;)</title>" in head  # escaped, in the <head>
+    page = (tmp_path / "map.html").read_text()
+    assert "<script src=" not in page  # plotly.js inlined
+    assert plotting.write_plotly_page(fig, tmp_path / "map.html").read_text() == page  # a rerun writes the same page
+    untitled = plotting.write_plotly_page(go.Figure(), tmp_path / "untitled_figure.html").read_text()
+    assert "<title>untitled_figure</title>" in untitled.split("<body>")[0]
+
+
 def test_head_diversity_figure(random_model, fixture_model):
     torch.manual_seed(1)
     mha = HookedDCFormer(
