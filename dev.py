@@ -4,9 +4,11 @@
     python3 dev.py demo      # the main job: score the embedded models on the released synthetic tasks
     python3 dev.py test      # the whole test suite
     python3 dev.py notebook NOTEBOOK [-p NAME VALUE ...]   # run one notebook with parameters
+    python3 dev.py docs      # serve the documentation site at http://127.0.0.1:8000, rebuilt on every save
+    python3 dev.py docs build    # build it (strictly, as mkdocs.yml says) into site/
 
 Needs only Python >= 3.10. The first call creates `.venv/` next to this file and installs the project
-into it (editable, with its test extras); later calls reuse it and reinstall only when `pyproject.toml`
+into it (editable, with its test and docs extras); later calls reuse it and reinstall only when `pyproject.toml`
 changes. Set DCINTERP_TORCH to choose the torch requirement (default: torch==2.13.0, which on a machine
 without a GPU takes the CPU build; use e.g. DCINTERP_TORCH="torch>=2.6" on a CUDA machine).
 """
@@ -40,14 +42,14 @@ def ensure_venv() -> None:
         print(f"dev.py: creating {VENV}", flush=True)
         venv.EnvBuilder(with_pip=True).create(VENV)
     pip = (PYTHON, "-m", "pip", "install", "--disable-pip-version-check", "-q")
-    print(f"dev.py: installing {TORCH} and dcinterp[test] into {VENV}", flush=True)
+    print(f"dev.py: installing {TORCH} and dcinterp[test,docs] into {VENV}", flush=True)
     sh(*pip, TORCH)
-    sh(*pip, "-e", ".[test]")
+    sh(*pip, "-e", ".[test,docs]")
     STAMP.write_text(wanted)
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in {"demo", "test", "notebook", "python"}:
+    if not argv or argv[0] not in {"demo", "test", "notebook", "docs", "python"}:
         print(__doc__)
         return 2
     ensure_venv()
@@ -58,6 +60,8 @@ def main(argv: list[str]) -> int:
         cmd = [PYTHON, "-m", "pytest", "-q", *rest]
     elif command == "notebook":
         cmd = [PYTHON, "-m", "dcinterp.notebooks", "run", *rest]
+    elif command == "docs":  # mkdocs from the venv (it is not on the PATH): `serve` unless told otherwise
+        cmd = [PYTHON, "-m", "mkdocs", *(rest or ["serve"])]
     else:
         cmd = [PYTHON, *rest]
     return subprocess.run([str(c) for c in cmd], cwd=ROOT).returncode

@@ -3,7 +3,8 @@
 Every function takes results (tensors, dataclasses, DataFrames), never a model, and returns a figure
 (`matplotlib.figure.Figure`, or `plotly.graph_objects.Figure` for the `*_plotly` ones); nothing is shown.
 Figures are built without pyplot (no global state, no open windows): `fig.savefig(path)`, or in a notebook with
-the inline backend (`%matplotlib inline`) end a cell with `fig`.
+the inline backend (`%matplotlib inline`) end a cell with `fig`; a plotly figure becomes a page that opens offline
+with `write_plotly_page(fig, path)`.
 Token labels are optional everywhere (`str_tokens`, `query_token`, ...): pass `model.to_str_tokens(prompt)`.
 
 Conventions: signed values use a diverging colormap centred at zero, with one scale shared by every panel of a
@@ -21,8 +22,11 @@ figure that shows the same quantity; small heatmaps carry their numbers; each fi
 
 from __future__ import annotations
 
+import html
+import re
 import textwrap
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 import plotly.graph_objects as go
@@ -172,6 +176,21 @@ def plot_head_attribution(
         "boxed: the top heads by score.",
     )
     return fig
+
+
+def write_plotly_page(fig: go.Figure, path: str | Path, title: str | None = None) -> Path:
+    """Write a plotly figure as a self-contained HTML page and return its path.
+
+    plotly.js is inlined, so the page opens offline; its `<title>` (what a browser tab and a bookmark show) is
+    `title`, or else the figure's own title, or else the file's name. plotly's `write_html` leaves it empty."""
+    path = Path(path)
+    title = title or fig.layout.title.text or path.stem
+    page = fig.to_html(include_plotlyjs=True, full_html=True, div_id=path.stem)  # no random id: reruns are identical
+    page, found = re.subn("</head>", lambda m: f"<title>{html.escape(title)}</title>\n</head>", page, count=1)
+    if not found:  # never silent: a plotly whose page has no head would otherwise write a page without a title
+        raise ValueError("fig: plotly's page has no </head> to put the title before")
+    path.write_text(page, encoding="utf-8")
+    return path
 
 
 def plot_head_attribution_plotly(
@@ -862,6 +881,8 @@ def plot_ablation_table(table, title: str | None = None) -> Figure:
 # --------------------------------------------------------------------------------------------------
 # Circuit discovery (dcinterp.discovery)
 BRANCH_COLORS = {"qp": "tab:orange", "kp": "tab:green", "qg": "tab:purple", "kg": "tab:brown", "skip": "tab:gray"}
+# A residual edge's colour says which input of its receiver it feeds: a head's q, k or v, or another node's input.
+INPUT_COLORS = {"q": "tab:blue", "k": "tab:red", "v": "black", "other": "0.6"}
 
 
 def plot_faithfulness(curve, title: str | None = None, caption: str | None = None) -> Figure:
@@ -901,25 +922,22 @@ def plot_faithfulness(curve, title: str | None = None, caption: str | None = Non
     ax.set_ylabel("faithfulness")
     ax.legend(fontsize=7, handlelength=3.5)
     ax.set_title(title or "faithfulness of circuits", fontsize=10)
-    fig.text(
-        0.01,
-        0.0,
+    _caption(
+        fig,
         caption
         or "Faithfulness = (m(circuit) - m(corrupted)) / (m(clean) - m(corrupted)), by exact "
         "edge patching; the grey dashed line is 80%.",
-        fontsize=7,
-        wrap=True,
     )
-    fig.get_layout_engine().set(rect=(0, 0.05, 1, 0.95))
     return fig
 
 
 def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str | None = None) -> Figure:
     """A circuit drawn layer by layer: embedding at the bottom, logits at the top, a row of heads per layer with
     its MLP on the right and (DCMHA) the compose-weight generator on the left. Residual edges are dark lines from
-    a sender's output to a receiver (q, k, v enter a head's bottom left, middle and right); compose edges are arcs
-    inside their layer (pre-compose below the row of heads, post-compose above), coloured by branch, gates and
-    skip (head to itself) as rings. Line widths follow |score|.
+    a sender's output to a receiver, coloured by the input they feed (`INPUT_COLORS`: a head's q, k or v, which
+    enter its bottom left, middle and right, marked with the letter where heads are few; or an MLP, the compose
+    weights, the logits); compose edges are arcs inside their layer (pre-compose below the row of heads,
+    post-compose above), coloured by branch, gates and skip (head to itself) as rings. Line widths follow |score|.
 
     graph: `dcinterp.discovery.Graph`; scores: [edge] tensor; circuit: bool [edge] mask (the edges drawn)."""
     from matplotlib.lines import Line2D
@@ -960,7 +978,7 @@ def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str 
         layer, h = head[1:].split("H")
         return int(h) + {"q": -0.22, "k": 0.0, "v": 0.22}[part], int(layer) - 0.22
 
-    used_heads = set()
+    used_heads, fed_inputs = set(), set()
     for i in chosen:
         edge = graph.edges[i]
         if edge.kind == "compose":
@@ -1000,17 +1018,28 @@ def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str 
         start, end = sender_point(edge.source), receiver_point(edge.target)
         if edge.source_head is not None:
             used_heads.add((int(edge.source[1:].split("H")[0]), edge.source_head))
+        part = edge.target.rsplit(".", 1)[-1] if edge.target_head is not None else "other"
         if edge.target_head is not None:
             used_heads.add((edge.layer, edge.target_head))
+            fed_inputs.add((part, end))
         ax.annotate(
             "",
             xy=end,
             xytext=start,
             zorder=2,
             arrowprops=dict(
-                arrowstyle="-|>", color="0.15", lw=width(i), alpha=0.6, shrinkA=2, shrinkB=2, mutation_scale=6
+                arrowstyle="-|>",
+                color=INPUT_COLORS[part],
+                lw=width(i),
+                alpha=0.7,
+                shrinkA=2,
+                shrinkB=2,
+                mutation_scale=6,
             ),
         )
+    if H <= 16:  # the input's letter under each arrowhead that feeds a head
+        for part, (x, y) in fed_inputs:
+            ax.text(x, y - 0.07, part, color=INPUT_COLORS[part], ha="center", va="top", fontsize=6, zorder=6)
     # nodes
     for layer in range(L):
         ax.axhspan(layer - 0.4, layer + 0.55, color="0.96" if layer % 2 else "0.92", zorder=0)
@@ -1070,24 +1099,24 @@ def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str 
     ax.set_ylim(-1.5, L + 0.5)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-    handles = [Line2D([], [], color="0.15", lw=1.5, label="residual edge")]
+    handles = [
+        Line2D([], [], color=INPUT_COLORS[part], lw=1.5, label=f"residual edge into {name}")
+        for part, name in [("q", "a head's q"), ("k", "a head's k"), ("v", "a head's v"), ("other", "MLP, W, logits")]
+    ]
     if graph.dcmha:
         handles += [Line2D([], [], color=c, lw=2, label=f"compose {b}") for b, c in BRANCH_COLORS.items()]
     ax.legend(handles=handles, fontsize=6 if L <= 12 else 9, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.set_title(title or f"circuit: {len(chosen)} edges", fontsize=10)
-    fig.text(
-        0.01,
-        0.0,
+    _caption(
+        fig,
         caption
-        or "Line width: |score|."
+        or "Line width: |score|. Residual edges are coloured by the input they feed: a head's q (blue), k (red) or "
+        "v (black), entering its bottom left, middle and right."
         + (
             " Compose arcs: pre-compose below a layer's heads, post-compose above; rings: gates (qg, kg) and skip,"
             " a head to itself."
             if graph.dcmha
             else ""
         ),
-        fontsize=7,
-        wrap=True,
     )
-    fig.get_layout_engine().set(rect=(0, 0.03, 1, 0.97))
     return fig

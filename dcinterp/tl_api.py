@@ -210,21 +210,10 @@ class TransformerLensAPI:
 
         BOS only where the tokenizer adds it itself, unless prepend_bos. Words the tokenizer does not know raise a
         ValueError naming them (never a silent [UNK]); `allow_unknown=True` (or `model.allow_unknown_tokens = True`,
-        for code that calls to_tokens for you) turns it into one warning line."""
-        tokenizer = self._need_tokenizer()
-        texts = [input] if isinstance(input, str) else list(input)
-        if not texts:
-            raise ValueError("to_tokens: no text (an empty list)")
-        prepend_bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
-        check_unknown = _has_unknown_token(tokenizer)
-        encodings = [tokenizer(t, return_offsets_mapping=check_unknown) for t in texts]
-        ids = [e["input_ids"] for e in encodings]
-        if check_unknown:
-            allow_unknown = self.allow_unknown_tokens if allow_unknown is None else allow_unknown
-            _report_unknown(texts, encodings, tokenizer, allow_unknown)
-        if prepend_bos:
-            bos = tokenizer.bos_token_id
-            ids = [i if i[:1] == [bos] else [bos, *i] for i in ids]
+        for code that calls to_tokens for you) turns it into one warning line. The inspection calls, `to_str_tokens`
+        and `to_string` of text, always show them as [UNK], with that warning."""
+        ids = self._encode(input, prepend_bos, allow_unknown, "to_tokens")
+        tokenizer = self.tokenizer
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         width = max(len(i) for i in ids)
         if self._padding_side(padding_side) == "left":
@@ -241,8 +230,34 @@ class TransformerLensAPI:
             tokens = tokens[:, : self.cfg.n_ctx]
         return tokens.to(self.input_device) if move_to_device else tokens
 
-    def to_string(self, tokens) -> str | list[str]:
+    def _encode(self, input: str | list[str], prepend_bos: bool | None, allow_unknown: bool | None, caller: str):
+        """Each text's token ids, unpadded (BOS as `to_tokens`). Words the tokenizer does not know raise a ValueError,
+        or with allow_unknown give one warning line, naming them and `caller`, the method the user called."""
         tokenizer = self._need_tokenizer()
+        texts = [input] if isinstance(input, str) else list(input)
+        if not texts:
+            raise ValueError(f"{caller}: no text (an empty list)")
+        prepend_bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
+        check_unknown = _has_unknown_token(tokenizer)
+        encodings = [tokenizer(t, return_offsets_mapping=check_unknown) for t in texts]
+        ids = [e["input_ids"] for e in encodings]
+        if check_unknown:
+            allow_unknown = self.allow_unknown_tokens if allow_unknown is None else allow_unknown
+            _report_unknown(texts, encodings, tokenizer, allow_unknown, caller)
+        if prepend_bos:
+            bos = tokenizer.bos_token_id
+            ids = [i if i[:1] == [bos] else [bos, *i] for i in ids]
+        return ids
+
+    def to_string(self, tokens) -> str | list[str]:
+        """The text of token ids (a list or tensor; [batch, pos] gives one string per row), as TransformerLens.
+
+        Given text (a string, or a list of strings), the text as the model reads it: words the tokenizer does not
+        know shown as [UNK], with one warning line naming them."""
+        tokenizer = self._need_tokenizer()
+        if _is_text(tokens):
+            texts = [tokenizer.decode(ids) for ids in self._encode(tokens, None, True, "to_string")]
+            return texts[0] if isinstance(tokens, str) else texts
         if isinstance(tokens, Tensor):
             tokens = tokens.tolist()
         if isinstance(tokens, int):
@@ -257,18 +272,25 @@ class TransformerLensAPI:
         """One string per token, as TransformerLens: a string or 1-d ids give a list, a list gives one list per item.
 
         A [batch, pos] tensor (or array) gives one list per row, where TransformerLens raises; a [1, pos] one a
-        single list. `prepend_bos` and `padding_side` apply to strings only."""
+        single list. `prepend_bos` and `padding_side` apply to strings only. Words the tokenizer does not know show
+        as [UNK], with one warning line naming them (`to_tokens`, which feeds the model, raises)."""
         tokenizer = self._need_tokenizer()
+        if _is_text(input):
+            rows = self._encode(input, prepend_bos, True, "to_str_tokens")
+            if max(len(ids) for ids in rows) > self.cfg.n_ctx:  # cut as to_tokens cuts, as TransformerLens
+                longest = max(len(ids) for ids in rows)
+                warnings.warn(
+                    f"to_str_tokens: {longest} tokens cut to the model's n_ctx = {self.cfg.n_ctx}", stacklevel=2
+                )
+                rows = [ids[: self.cfg.n_ctx] for ids in rows]
+            pieces = [[tokenizer.decode([i]) for i in ids] for ids in rows]
+            return pieces[0] if isinstance(input, str) else pieces
         if isinstance(input, list):
             return [self.to_str_tokens(item, prepend_bos, padding_side) for item in input]
-        if isinstance(input, str):
-            ids = self.to_tokens(input, prepend_bos=prepend_bos, padding_side=padding_side)[0]
-        else:
-            ids = torch.as_tensor(input)
-            if ids.ndim == 2 and ids.shape[0] > 1:
-                return [self.to_str_tokens(row) for row in ids]
-            ids = ids.reshape(-1)
-        return [tokenizer.decode([i]) for i in ids.tolist()]
+        ids = torch.as_tensor(input)
+        if ids.ndim == 2 and ids.shape[0] > 1:
+            return [self.to_str_tokens(row) for row in ids]
+        return [tokenizer.decode([i]) for i in ids.reshape(-1).tolist()]
 
     def get_token_position(
         self,
@@ -443,6 +465,13 @@ class TransformerLensAPI:
         )
 
 
+def _is_text(input) -> bool:
+    """A string, or a non-empty list of strings."""
+    return isinstance(input, str) or (
+        isinstance(input, list) and bool(input) and all(isinstance(i, str) for i in input)
+    )
+
+
 def _has_unknown_token(tokenizer) -> bool:
     """Whether unknown text can become an unknown token: a word-level vocabulary with its own [UNK] (byte-level BPE
     tokenizers such as Pythia's name <|endoftext|> as unk, bos and eos, and never produce it for unknown text)."""
@@ -454,7 +483,7 @@ def _has_unknown_token(tokenizer) -> bool:
     )
 
 
-def _report_unknown(texts: list[str], encodings, tokenizer, allow_unknown: bool) -> None:
+def _report_unknown(texts: list[str], encodings, tokenizer, allow_unknown: bool, caller: str) -> None:
     """The words the tokenizer maps to its unknown token: a ValueError naming them, or one warning line."""
     unk = tokenizer.unk_token_id
     words = sorted(
@@ -468,7 +497,7 @@ def _report_unknown(texts: list[str], encodings, tokenizer, allow_unknown: bool)
     if not words:
         return
     listed = ", ".join(repr(w) for w in words[:10]) + (f" and {len(words) - 10} more" if len(words) > 10 else "")
-    message = f"to_tokens: not in the tokenizer's vocabulary (they become {tokenizer.unk_token}): {listed}"
+    message = f"{caller}: not in the tokenizer's vocabulary (they become {tokenizer.unk_token}): {listed}"
     if not allow_unknown:
         raise ValueError(message + "; pass allow_unknown=True to go on with a warning")
-    warnings.warn(message, stacklevel=3)
+    warnings.warn(message, stacklevel=4)  # the user's call of to_tokens, to_str_tokens or to_string

@@ -39,7 +39,7 @@ def layer_patterns(
 
 
 def circuitsvis_bundle() -> str:
-    """circuitsvis's browser bundle (defines the global `CircuitsVis`), safe to inline in a <script>."""
+    """circuitsvis's browser bundle (defines the global `CircuitsVis`), safe to inline in a `<script>` element."""
     import circuitsvis
 
     bundle = Path(circuitsvis.__file__).parent / "dist" / "cdn" / "iife.js"

@@ -2,8 +2,10 @@
 finite result of the documented shape, or a one-line ValueError/TypeError whose message names an argument that
 was drawn invalid. Any other exception (from deep inside torch or TransformerLens) fails the test.
 
-Each argument is drawn from its valid values or its invalid ones; a combination is valid when every argument is.
-MAX_EXAMPLES per function, over FUNCTIONS functions: the README reports the product.
+Each test runs twice, for valid and for invalid combinations (pytest's `valid` parameter): every argument draws a
+valid value and an invalid one, and `combination` passes the valid ones, or the invalid ones of a drawn non-empty
+set of arguments. So each function meets both kinds by construction, MAX_EXAMPLES of each, not by the luck of the
+draw; and the draws are fixed (@seed(0) on every test), so that a run repeats the one before it.
 """
 
 import collections
@@ -33,7 +35,7 @@ from dcinterp.patching import (
 from dcinterp.synth import contrast_pairs, tokenize_pairs
 from dcinterp.synth.contrast import PairTokens
 
-MAX_EXAMPLES = 30
+MAX_EXAMPLES = 20  # per function and kind (valid, invalid)
 TRIED = collections.defaultdict(collections.Counter)  # function -> {"valid": n, "invalid": n}
 SETTINGS = settings(
     max_examples=MAX_EXAMPLES,
@@ -52,18 +54,24 @@ PAIRS = tokenize_pairs(contrast_pairs(2, n=2, seed=0, tokenizer=MODEL.tokenizer)
 PAIR_POS = PAIRS.clean.shape[1]
 
 
-def ok(strategy):
-    return strategy.map(lambda value: (value, True))
-
-
-def bad(strategy):
-    return strategy.map(lambda value: (value, False))
-
-
 def arg(valid: list, invalid: list):
-    """One argument: a valid value (7 times in 8) or an invalid one, tagged; about half the combinations of five
-    arguments are valid."""
-    return st.integers(0, 7).flatmap(lambda i: bad(st.sampled_from(invalid)) if i == 0 else ok(st.sampled_from(valid)))
+    """One argument: draws a (valid value, invalid value) pair; `combination` chooses which of the two is passed."""
+    return st.tuples(st.sampled_from(valid), st.sampled_from(invalid))
+
+
+def combination(data, valid: bool, core: list[str] | None = None, **arguments) -> dict:
+    """Draw the arguments; return {name: (value, is_valid)}. Valid: every argument's valid value. Invalid: the
+    invalid value of a drawn non-empty set of arguments that holds at least one of `core` (default: any), the
+    arguments every call of the test takes, so that each call is invalid too."""
+    drawn = {name: data.draw(strategy, label=name) for name, strategy in arguments.items()}
+    wrong = set()
+    if not valid:
+        wrong = {data.draw(st.sampled_from(core or list(arguments)), label="invalid")}
+        wrong |= set(data.draw(st.lists(st.sampled_from(list(arguments)), unique=True), label="also invalid"))
+    return {name: (pair[1], False) if name in wrong else (pair[0], True) for name, pair in drawn.items()}
+
+
+VALIDITY = pytest.mark.parametrize("valid", [True, False], ids=["valid", "invalid"])
 
 
 def names_argument(message: str, names: list[str]) -> bool:
@@ -113,27 +121,33 @@ TARGET_TYPE_ARG = arg(["logit", "logprob", "prob"], ["loss", 3])
 
 
 def one_prompt_per_prompt_values(args: dict) -> dict:
-    """TOKENS[0] is one prompt: a target or position tensor of two values is then the invalid argument."""
-    tokens, valid = args["tokens"]
-    if valid and torch.as_tensor(tokens).ndim == 1:
+    """TOKENS[0] is one prompt: a target or position tensor of two values is then invalid. In a valid combination
+    it becomes its first value (valid for one prompt); in an invalid one it is one more invalid argument."""
+    tokens, tokens_valid = args["tokens"]
+    any_invalid = not all(valid for _, valid in args.values())
+    if tokens_valid and torch.as_tensor(tokens).ndim == 1:
         for name in ("target", "position"):
-            if name in args and isinstance(args[name][0], torch.Tensor):
-                args[name] = (args[name][0], False)
+            value, valid = args.get(name, (None, False))
+            if valid and isinstance(value, torch.Tensor) and value.numel() == 2:
+                args[name] = (value, False) if any_invalid else (int(value[0]), True)
     return args
 
 
-@given(st.data())
+@VALIDITY
+@given(data=st.data())
 @SETTINGS
 @seed(0)  # fixed draws that do not depend on the test's source text (derandomize's would)
-def test_head_attribution(data):
-    args = dict(
-        tokens=data.draw(TOKENS_ARG),
-        target=data.draw(TARGET_ARG),
-        position=data.draw(POSITION_ARG),
-        target_type=data.draw(TARGET_TYPE_ARG),
-        n_steps=data.draw(arg([2, 3], [0, -1, 2.5])),
-        method=data.draw(arg(["gausslegendre", "riemann_trapezoid"], ["simpson"])),
-        path=data.draw(arg(["joint", "per-layer"], ["both"])),
+def test_head_attribution(valid, data):
+    args = combination(
+        data,
+        valid,
+        tokens=TOKENS_ARG,
+        target=TARGET_ARG,
+        position=POSITION_ARG,
+        target_type=TARGET_TYPE_ARG,
+        n_steps=arg([2, 3], [0, -1, 2.5]),
+        method=arg(["gausslegendre", "riemann_trapezoid"], ["simpson"]),
+        path=arg(["joint", "per-layer"], ["both"]),
     )
     args = one_prompt_per_prompt_values(args)
 
@@ -145,16 +159,19 @@ def test_head_attribution(data):
     outcome(lambda **kw: head_attribution(MODEL, **kw), args, check)
 
 
-@given(st.data())
+@VALIDITY
+@given(data=st.data())
 @SETTINGS
 @seed(0)  # fixed draws that do not depend on the test's source text (derandomize's would)
-def test_head_ablation(data):
-    args = dict(
-        tokens=data.draw(TOKENS_ARG),
-        target=data.draw(TARGET_ARG),
-        position=data.draw(POSITION_ARG),
-        target_type=data.draw(TARGET_TYPE_ARG),
-        heads=data.draw(arg([None, [(0, 1)], [(2, -1), (1, 3)]], [[], [(L, 0)], [(0, H)], [(0,)], "L0H1", [(0.5, 1)]])),
+def test_head_ablation(valid, data):
+    args = combination(
+        data,
+        valid,
+        tokens=TOKENS_ARG,
+        target=TARGET_ARG,
+        position=POSITION_ARG,
+        target_type=TARGET_TYPE_ARG,
+        heads=arg([None, [(0, 1)], [(2, -1), (1, 3)]], [[], [(L, 0)], [(0, H)], [(0,)], "L0H1", [(0.5, 1)]]),
     )
     args = one_prompt_per_prompt_values(args)
 
@@ -177,18 +194,21 @@ COMPONENTS_ARG = arg(
 )
 
 
-@given(st.data())
+@VALIDITY
+@given(data=st.data())
 @SETTINGS
 @seed(0)  # fixed draws that do not depend on the test's source text (derandomize's would)
-def test_branch_ablation(data):
-    args = dict(
-        tokens=data.draw(TOKENS_ARG),
-        target=data.draw(TARGET_ARG),
-        position=data.draw(POSITION_ARG),
-        target_type=data.draw(TARGET_TYPE_ARG),
-        components=data.draw(COMPONENTS_ARG),
-        ablation=data.draw(arg(["zero", "mean"], ["noise"])),
-        mean_over=data.draw(arg(["position", "token"], ["template", None])),
+def test_branch_ablation(valid, data):
+    args = combination(
+        data,
+        valid,
+        tokens=TOKENS_ARG,
+        target=TARGET_ARG,
+        position=POSITION_ARG,
+        target_type=TARGET_TYPE_ARG,
+        components=COMPONENTS_ARG,
+        ablation=arg(["zero", "mean"], ["noise"]),
+        mean_over=arg(["position", "token"], ["template", None]),
     )
     args = one_prompt_per_prompt_values(args)
 
@@ -225,19 +245,22 @@ PAIRS_ARG = arg(
 )
 
 
-@given(st.data(), st.sampled_from(["activation", "attribution"]))
+@pytest.mark.parametrize("kind", ["activation", "attribution"])
+@VALIDITY
+@given(data=st.data())
 @SETTINGS
 @seed(0)  # fixed draws that do not depend on the test's source text (derandomize's would)
-def test_patching_tables(data, kind):
-    args = dict(
-        pairs=data.draw(PAIRS_ARG),
-        direction=data.draw(arg(["noising", "denoising"], ["both"])),
-        per_head=data.draw(arg([False, True], ["yes"])),
-        names=data.draw(arg([["o_qp"], "kw1", ["qg", "o_kg"]], [[], ["o_xx"], "o_qpx", [3]])),
-        layers=data.draw(arg([[0], [2], [1, 2]], [[], [L], [-1], ["a"], [0.5]])),
+def test_patching_tables(kind, valid, data):
+    arguments = dict(
+        pairs=PAIRS_ARG,
+        direction=arg(["noising", "denoising"], ["both"]),
+        per_head=arg([False, True], ["yes"]),
+        names=arg([["o_qp"], "kw1", ["qg", "o_kg"]], [[], ["o_xx"], "o_qpx", [3]]),
+        layers=arg([[0], [2], [1, 2]], [[], [L], [-1], ["a"], [0.5]]),
     )
     if kind == "attribution":
-        args["softmax"] = data.draw(arg(["linear", "exact"], ["approx"]))
+        arguments["softmax"] = arg(["linear", "exact"], ["approx"])
+    args = combination(data, valid, **arguments)
     function = activation_patching if kind == "activation" else attribution_patching
 
     def check(frame, kwargs):
@@ -247,19 +270,25 @@ def test_patching_tables(data, kind):
     outcome(lambda **kw: function(MODEL, **kw), args, check, kind)
 
 
-@given(st.data())
+@VALIDITY
+@given(data=st.data())
 @SETTINGS
 @seed(0)  # fixed draws that do not depend on the test's source text (derandomize's would)
-def test_composition(data):
-    args = dict(
-        tokens=data.draw(arg([TOKENS, TOKENS[0]], [TOKENS[:0], TOKENS.float(), TOKENS[None], "x"])),
-        layer=data.draw(arg([0, 2, -1], [L, -L - 1, 0.5, "0", True])),
-        query_pos=data.draw(arg([POS - 1, -1], [POS, 2.5])),
-        key_pos=data.draw(arg([0, 2], [POS + 1, -POS - 1, "xyzzy"])),
-        stage=data.draw(arg(["pre", "post"], ["mid", None])),
-        batch_index=data.draw(arg([0, 1, -1], [2, -3])),
+def test_composition(valid, data):
+    args = combination(
+        data,
+        valid,
+        core=["tokens", "layer", "query_pos", "stage", "batch_index"],  # what all three functions take
+        tokens=arg([TOKENS, TOKENS[0]], [TOKENS[:0], TOKENS.float(), TOKENS[None], "x"]),
+        layer=arg([0, 2, -1], [L, -L - 1, 0.5, "0", True]),
+        query_pos=arg([POS - 1, -1], [POS, 2.5]),
+        key_pos=arg([0, 2], [POS + 1, -POS - 1, "xyzzy"]),
+        stage=arg(["pre", "post"], ["mid", None]),
+        batch_index=arg([0, 1, -1], [2, -3]),
+        heads=arg([None, [0, 3]], [[H], [0.5], "all"]),
     )
-    if args["tokens"][1] and torch.as_tensor(args["tokens"][0]).ndim == 1:
+    heads = args.pop("heads")
+    if args["tokens"][1] and args["batch_index"][1] and torch.as_tensor(args["tokens"][0]).ndim == 1:
         args["batch_index"] = (0, True)  # a 1-d prompt is a batch of one: index 0 is its only valid index
 
     def check(breakdown, kwargs):
@@ -275,29 +304,33 @@ def test_composition(data):
         along,
         lambda maps, kw: maps.shape[1:] == (H, H) and finite(maps),
     )
-    along["heads"] = data.draw(arg([None, [0, 3]], [[H], [0.5], "all"]))
+    along["heads"] = heads
     outcome(
         lambda **kw: attention_distributions(MODEL, **kw), along, lambda result, kw: finite(result.before, result.after)
     )
 
 
-@given(st.data())
+@VALIDITY
+@given(data=st.data())
 @SETTINGS
 @seed(0)  # fixed draws that do not depend on the test's source text (derandomize's would)
-def test_circuits(data):
-    layer = data.draw(arg([0, 2, -1], [L, 1.5, None]))
-    head = data.draw(arg([0, H - 1, -H], [H, -H - 1, "1"]))
-    args = dict(
-        layer=layer,
-        head=head,
-        tokens=data.draw(arg([[5, 9], WORD, [WORD, 5], torch.tensor([3])], [[], [V], "xyzzy", [1.5], None])),
+def test_circuits(valid, data):
+    args = combination(
+        data,
+        valid,
+        core=["layer", "head"],  # what every function of the head takes
+        layer=arg([0, 2, -1], [L, 1.5, None]),
+        head=arg([0, H - 1, -H], [H, -H - 1, "1"]),
+        tokens=arg([[5, 9], WORD, [WORD, 5], torch.tensor([3])], [[], [V], "xyzzy", [1.5], None]),
+        k=arg([1, 5], [0, V + 1, 2.5]),
     )
+    layer, head, k = args["layer"], args["head"], args.pop("k")
 
     def check_logits(logits, kwargs):
         assert logits.shape[1] == V and finite(logits)
 
     outcome(lambda **kw: ov_logits(MODEL, **kw), args, check_logits)
-    args["k"] = data.draw(arg([1, 5], [0, V + 1, 2.5]))
+    args["k"] = k
     outcome(lambda **kw: ov_top_tokens(MODEL, **kw), args, lambda frame, kw: table_is_finite(frame, "logit"))
     outcome(
         lambda **kw: qk_circuit(MODEL, **kw),
@@ -307,11 +340,13 @@ def test_circuits(data):
     outcome(
         lambda **kw: ov_circuit(MODEL, **kw), {"layer": layer, "head": head}, lambda circuit, kw: finite(circuit.AB)
     )
-    diversity = dict(
-        layers=data.draw(arg([None, [0, 2]], [[L], [0.5]])),
-        dtype=data.draw(arg([torch.float32, torch.float64, "float64"], [torch.int64, "float33"])),
-        qk_norm=data.draw(arg(["fold", "ignore"], ["keep"])),
-        normalize=data.draw(arg(["none", "head"], ["frobenius"])),
+    diversity = combination(
+        data,
+        valid,
+        layers=arg([None, [0, 2]], [[L], [0.5]]),
+        dtype=arg([torch.float32, torch.float64, "float64"], [torch.int64, "float33"]),
+        qk_norm=arg(["fold", "ignore"], ["keep"]),
+        normalize=arg(["none", "head"], ["frobenius"]),
     )
     outcome(
         lambda **kw: head_diversity(MODEL, **kw),
@@ -320,15 +355,19 @@ def test_circuits(data):
     )
 
 
-@given(st.data())
-@settings(SETTINGS, max_examples=20)
-def test_synth_pairs(data):
-    args = dict(
-        task=data.draw(arg([2, "task3"], ["task999", -1])),
-        n=data.draw(arg([1, 2], [0, "2", 1.5])),
-        kind=data.draw(arg([None, "person"], ["place"])),
-        seed=data.draw(arg([0, 7], ["0"])),
-        shots=data.draw(arg([1, 2], [-1])),
+@VALIDITY
+@given(data=st.data())
+@SETTINGS
+@seed(0)  # fixed draws that do not depend on the test's source text (derandomize's would)
+def test_synth_pairs(valid, data):
+    args = combination(
+        data,
+        valid,
+        task=arg([2, "task3"], ["task999", -1]),
+        n=arg([1, 2], [0, "2", 1.5]),
+        kind=arg([None, "person"], ["place"]),
+        seed=arg([0, 7], ["0"]),
+        shots=arg([1, 2], [-1]),
     )
 
     def check(pairs, kwargs):

@@ -1,16 +1,26 @@
-"""The documentation site builds with `mkdocs build --strict`, and its API reference covers every public module.
+"""The documentation site builds with `mkdocs build --strict`, its API reference covers every public module, and its
+pages read as their source does.
 
 Strict: a broken link, a missing anchor, a page outside the nav or a docstring reference that does not resolve
 fails the build. The site goes to a temporary directory: the build writes nothing into the repository.
+
+A page is read as a browser reads it (`RenderedPage`, an HTML parser), not searched as text: what follows a stray
+`<script>` is script, not page, and a list without a blank line before it is one paragraph. Where Chromium is
+installed, `test_pages_in_a_browser` also opens the pages the reference and the guides most depend on, and checks
+what a reader sees: no script error, every entry shown, nothing wider than the text column.
 """
 
+import html
 import importlib
 import inspect
+import json
 import os
 import pkgutil
 import re
+import shutil
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -33,6 +43,113 @@ def nav_pages(nav) -> list[str]:
     if isinstance(nav, dict):
         return [page for value in nav.values() for page in nav_pages(value)]
     return [page for item in nav for page in nav_pages(item)]
+
+
+# Elements whose content a browser does not show as text (raw text, templates, frames): in the article, only where a
+# docstring or page let raw HTML through. The theme's own scripts sit outside the article.
+SWALLOWING = {"script", "style", "title", "textarea", "template", "iframe", "noscript", "xmp", "noembed", "noframes"}
+# Every element a page's article may hold (Markdown's output, mkdocstrings' and the theme's); anything else is a word
+# in angle brackets that the browser took for a tag and hid.
+ARTICLE_ELEMENTS = set(
+    "a abbr b blockquote br caption code col colgroup dd del details div dl dt em figcaption figure h1 h2 h3 h4 h5 "
+    "h6 hr i img input ins kbd label li mark ol p path pre q s samp small span strong sub summary sup svg table "
+    "tbody td tfoot th thead tr u ul var wbr button nav".split()
+)
+VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr", "path"}
+LIST_LINE = re.compile(r"\n[ \t]*(?:[-*]|\d+\.)[ \t]+\S")  # a list item's start, left inside a paragraph
+ESCAPE = re.compile(r"\\[|*_`\\<>#\[\]]")  # a Markdown backslash-escape shown literally
+
+
+class RenderedPage(HTMLParser):
+    """One page as a browser parses it: the ids and links it shows, and what its article (the content column)
+    holds. Text inside <script> and <style> is not markup (HTMLParser follows the HTML rules for them), so an
+    entry swallowed by a stray <script> has no id here."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.ids: set[str] = set()
+        self.article_ids: set[str] = set()
+        self.fragment_links: set[str] = set()
+        self.title = ""
+        self.problems: list[str] = []
+        self._article = 0  # depth of <article> elements we are in
+        self._open: list[str] = []  # open elements inside the article
+        self._paragraph: list[str] | None = None
+        self._cell: list[str] | None = None
+        self._in_title = False
+
+    @classmethod
+    def read(cls, path: Path) -> "RenderedPage":
+        page = cls()
+        page.feed(path.read_text(encoding="utf-8"))
+        page.close()
+        return page
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if attrs.get("id"):
+            self.ids.add(attrs["id"])
+            if self._article:
+                self.article_ids.add(attrs["id"])
+        if tag == "a" and (attrs.get("href") or "").startswith("#") and len(attrs["href"]) > 1:
+            self.fragment_links.add(html.unescape(attrs["href"][1:]))
+        if tag == "title" and not self._article:
+            self._in_title = True
+        if tag == "article":
+            self._article += 1
+            return
+        if not self._article:
+            return
+        if tag in SWALLOWING:
+            self.problems.append(f"a <{tag}> in the page's text: the browser hides what follows it")
+        elif tag not in ARTICLE_ELEMENTS:
+            self.problems.append(f"<{tag}> in the page's text is not HTML: the browser hides it (escape it as code)")
+        if tag == "p":
+            self._paragraph = []
+        if tag in ("td", "th"):
+            self._cell = []
+        if tag not in VOID:
+            self._open.append(tag)
+
+    def handle_startendtag(self, tag, attrs):
+        self.handle_starttag(tag, attrs)
+        if self._article and self._open and self._open[-1] == tag:
+            self._open.pop()
+
+    def handle_endtag(self, tag):
+        if tag == "title":
+            self._in_title = False
+        if tag == "article" and self._article:
+            self._article -= 1
+            return
+        if not self._article:
+            return
+        if tag == "p" and self._paragraph is not None:
+            text = "".join(self._paragraph)
+            if LIST_LINE.search(text):
+                self.problems.append(f"a list shown as running text (no blank line before it?): {text[:120]!r}")
+            self._paragraph = None
+        if tag in ("td", "th") and self._cell is not None:
+            text = "".join(self._cell)
+            if ESCAPE.search(text):
+                self.problems.append(f"a table cell shows a backslash-escape literally: {text[:120]!r}")
+            self._cell = None
+        if tag in self._open:
+            while self._open.pop() != tag:
+                pass
+
+    def handle_data(self, data):
+        if self._in_title:
+            self.title += data
+        if self._paragraph is not None:
+            self._paragraph.append(data)
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def site_pages(site: Path) -> list[Path]:
+    """The site's pages (not the figures' own HTML files, which are not built from docs/)."""
+    return sorted(path for path in site.rglob("*.html") if "figures" not in path.relative_to(site).parts)
 
 
 @pytest.fixture(scope="module")
@@ -73,19 +190,24 @@ def test_every_public_module_has_a_reference_page_in_the_nav():
         assert f"reference/{module}.md" in pages, f"add reference/{module}.md to the nav of mkdocs.yml"
 
 
+def public_functions(module: str) -> list[str]:
+    """The module's own public functions and classes: those its reference page must show."""
+    return [
+        name
+        for name, value in vars(importlib.import_module(module)).items()
+        if not name.startswith("_")
+        and (inspect.isfunction(value) or inspect.isclass(value))
+        and value.__module__ == module
+    ]
+
+
 def test_site_builds_strictly_with_every_public_function(site):
     for module in public_modules():
-        html = (site / "reference" / module / "index.html").read_text()
-        mod = importlib.import_module(module)
-        functions = [
-            name
-            for name, value in vars(mod).items()
-            if not name.startswith("_")
-            and (inspect.isfunction(value) or inspect.isclass(value))
-            and value.__module__ == module
-        ]
-        missing = [name for name in functions if f'id="{module}.{name}"' not in html]
-        assert not missing, f"{module}: no entry in the API reference for {missing}"
+        page = RenderedPage.read(site / "reference" / module / "index.html")
+        missing = [name for name in public_functions(module) if f"{module}.{name}" not in page.article_ids]
+        assert not missing, f"{module}: no entry shown in the API reference for {missing}"
+        dangling = sorted(target for target in page.fragment_links if target not in page.ids)
+        assert not dangling, f"{module}: links (table of contents) to #{dangling}, which the page does not show"
 
 
 def test_pages_show_their_figures(site):
@@ -127,3 +249,127 @@ def test_the_guides_examples_run():
         for block in blocks:
             exec(compile(block, str(path), "exec"), namespace)
     plt.close("all")
+
+
+def test_pages_read_as_their_source(site):
+    problems = []
+    for path in site_pages(site):
+        page = RenderedPage.read(path)
+        problems += [f"{path.relative_to(site)}: {problem}" for problem in page.problems]
+        if path.name != "404.html":
+            assert page.title.strip(), f"{path.relative_to(site)} has no <title>"
+    assert not problems, "\n".join(problems)
+
+
+def test_reader_flags_what_a_browser_hides():
+    """The checks above can fail: each thing the issue found, in a page of its own."""
+    swallowed = RenderedPage()
+    swallowed.feed(
+        '<article><h2 id="m.a">a</h2><p>safe to inline in a <script>.</p>'
+        '<h2 id="m.b">b</h2></article><a href="#m.b">b</a><script>theme()</script>'
+    )
+    assert "m.a" in swallowed.article_ids and "m.b" not in swallowed.ids and swallowed.problems
+    for body in ["<p>Outputs:\n- <code>edges.csv</code>: one row\n- b</p>", "<table><tr><td>a\\|b</td></tr></table>"]:
+        page = RenderedPage()
+        page.feed(f"<article>{body}</article>")
+        assert page.problems, body
+    clean = RenderedPage()
+    clean.feed("<article><p>x - y</p><ul><li>a</li></ul><table><tr><td><code>a|b</code></td></tr></table></article>")
+    assert not clean.problems
+
+
+def test_interactive_figures_have_a_title(site):
+    figures = sorted((site / "figures").glob("*.html"))
+    assert figures, "the site carries the figures' interactive pages"
+    for path in figures:
+        assert RenderedPage.read(path).title.strip(), f"{path.name}: empty <title> (plotting.write_plotly_page)"
+
+
+def test_api_signatures_are_formatted(site):
+    """mkdocstrings wraps a signature only with ruff or black installed; without, each is one line cut off at the
+    column's edge. The docs extra brings ruff, and the built signatures are wrapped."""
+    docs_extra = re.search(r"^docs = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.MULTILINE | re.DOTALL)
+    assert docs_extra and re.search(r"""["'](ruff|black)\b""", docs_extra.group(1)), "add ruff to the docs extra"
+    signatures = re.compile(r'<div class="doc-signature[^"]*">(.*?)</div>', re.DOTALL)
+    long_lines = []
+    for path in sorted((site / "reference").rglob("index.html")):
+        for block in signatures.findall(path.read_text(encoding="utf-8")):
+            text = html.unescape(re.sub(r"<[^>]+>", "", block))
+            if re.match(r"\w+\(", text):  # a function's or class's signature (not a constant's value)
+                long_lines += [f"{path.parent.name}: {line}" for line in text.splitlines() if len(line) > 90]
+    assert not long_lines, "signatures not formatted:\n" + "\n".join(long_lines)
+
+
+BROWSER_PAGES = [
+    "reference/dcinterp.views",
+    "reference/dcinterp.discovery",
+    "circuit-discovery",
+    "conventions",
+    "benchmarks",
+    "training",
+]
+# Run in each page after it loads: script errors, entries without a box on screen, elements wider than the column.
+MEASURE = """<script>
+window.__errors = [];
+window.addEventListener("error", (event) => window.__errors.push(String(event.message)));
+window.addEventListener("load", () => {
+  const article = document.querySelector("article");
+  const wide = [];
+  for (const el of article.querySelectorAll("*")) {
+    if (el.scrollWidth > el.clientWidth + 8 && getComputedStyle(el).overflowX !== "visible")
+      wide.push(el.tagName + " " + el.scrollWidth + " px: " + el.textContent.trim().slice(0, 60));
+  }
+  const hidden = [...article.querySelectorAll("[id]")]
+    .filter((el) => /^h[1-6]$/i.test(el.tagName) && el.getClientRects().length === 0).map((el) => el.id);
+  const shown = [...article.querySelectorAll("h1[id], h2[id], h3[id], h4[id]")].map((el) => el.id);
+  const out = document.createElement("pre");
+  out.id = "__measured";
+  out.textContent = JSON.stringify({errors: window.__errors, wide, hidden, shown, column: article.clientWidth});
+  document.body.appendChild(out);
+});
+</script>"""
+
+
+def chromium() -> str | None:
+    return next(
+        (shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome") if shutil.which(name)), None
+    )
+
+
+@pytest.mark.skipif(chromium() is None, reason="no Chromium installed (optional: apt-get install chromium)")
+@pytest.mark.parametrize("page", BROWSER_PAGES)
+def test_pages_in_a_browser(site, page, tmp_path):
+    """The page in headless Chromium, 1280 px wide: no script error, every public function's entry laid out on
+    screen, and nothing in the text column wider than the column (a table or code block scrolling sideways)."""
+    source = site / page / "index.html"
+    probe = source.with_name("__probe.html")  # beside the page, so that its relative links resolve
+    probe.write_text(source.read_text(encoding="utf-8").replace("<head>", "<head>" + MEASURE, 1), encoding="utf-8")
+    try:
+        dom = subprocess.run(
+            [
+                chromium(),
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                f"--user-data-dir={tmp_path}",
+                "--window-size=1280,2000",
+                "--virtual-time-budget=5000",
+                "--dump-dom",
+                probe.as_uri(),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
+    finally:
+        probe.unlink()
+    found = re.search(r'<pre id="__measured">(.*?)</pre>', dom, re.DOTALL)
+    assert found, f"{page}: the page did not finish loading in Chromium"
+    measured = json.loads(html.unescape(found.group(1)))
+    assert not measured["errors"], f"{page}: script errors {measured['errors']}"
+    assert not measured["hidden"], f"{page}: headings not laid out {measured['hidden']}"
+    assert not measured["wide"], f"{page}: wider than the {measured['column']} px column: {measured['wide']}"
+    if page.startswith("reference/"):
+        module = page.removeprefix("reference/")
+        missing = [name for name in public_functions(module) if f"{module}.{name}" not in measured["shown"]]
+        assert not missing, f"{module}: entries not shown in the browser: {missing}"

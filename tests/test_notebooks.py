@@ -1,5 +1,7 @@
 """Every notebook runs top to bottom on the embedded models and writes its figures."""
 
+import re
+
 import nbformat
 import pytest
 
@@ -76,8 +78,10 @@ def test_notebook_runs_on_the_embedded_models(name, tmp_path):
     assert not errors
     for figure in figures:
         assert (tmp_path / figure).stat().st_size > 1000, figure
-        if figure.endswith(".html"):  # plotly.js inlined: the page works offline
-            assert "<script src=" not in (tmp_path / figure).read_text(), figure
+        if figure.endswith(".html"):  # plotly.js inlined: the page works offline; a browser tab shows its title
+            page = (tmp_path / figure).read_text()
+            assert "<script src=" not in page, figure
+            assert re.search(r"<title>[^<]+</title>", page.split("<body>")[0]), f"{figure}: no <title>"
 
 
 def test_cli_reports_an_unknown_notebook(capsys):

@@ -110,6 +110,17 @@ def test_composition_figures(which, random_model, fixture_model, prompt):
     assert all(ax.get_legend() is None for ax in bars)
 
 
+def test_plotly_page_has_a_title_and_opens_offline(tmp_path):
+    fig = plotting.plot_composition_map_plotly(torch.eye(4), title="layer 2 map ('of' -> <burger>)")
+    head = plotting.write_plotly_page(fig, tmp_path / "map.html").read_text().split("<body>")[0]
+    assert "<title>layer 2 map (&#x27;of&#x27; -&gt; &lt;burger&gt;)</title>" in head  # escaped, in the <head>
+    page = (tmp_path / "map.html").read_text()
+    assert "<script src=" not in page  # plotly.js inlined
+    assert plotting.write_plotly_page(fig, tmp_path / "map.html").read_text() == page  # a rerun writes the same page
+    untitled = plotting.write_plotly_page(go.Figure(), tmp_path / "untitled_figure.html").read_text()
+    assert "<title>untitled_figure</title>" in untitled.split("<body>")[0]
+
+
 def test_head_diversity_figure(random_model, fixture_model):
     torch.manual_seed(1)
     mha = HookedDCFormer(
@@ -272,3 +283,38 @@ def test_embedded_model_figures():
     results = {"dcpythia-synth": head_diversity(model)}
     results["pythia-synth"] = head_diversity(HookedDCFormer.from_pretrained("pythia-synth"))
     check(plotting.plot_head_diversity(results), "embedded_head_diversity", ["number of principal components"])
+
+
+def test_circuit_figure_says_which_input_an_edge_feeds_and_its_captions_fit(random_model):
+    from matplotlib.colors import to_rgb
+
+    from dcinterp.discovery import build_graph
+
+    graph = build_graph(random_model)
+    firsts = {}  # the first residual edge into a head's q, k and v, into an MLP, and a compose edge
+    for i, edge in enumerate(graph.edges):
+        into = edge.target.rsplit(".", 1)[-1] if edge.target_head is not None else edge.target
+        firsts.setdefault("compose" if edge.kind == "compose" else into if into in ("q", "k", "v") else into[:3], i)
+    circuit = torch.zeros(len(graph.edges), dtype=torch.bool)
+    circuit[list(firsts.values())] = True
+    fig = plotting.plot_circuit(graph, torch.linspace(-1, 1, len(graph.edges)), circuit)
+    ax = fig.axes[0]
+    labels = [text.get_text() for text in ax.get_legend().get_texts()]
+    arrows = {to_rgb(a.arrow_patch.get_edgecolor()) for a in ax.texts if getattr(a, "arrow_patch", None)}
+    for part in "qkv":
+        assert f"residual edge into a head's {part}" in labels
+        assert to_rgb(plotting.INPUT_COLORS[part]) in arrows, f"no edge drawn in the colour of {part}"
+    assert to_rgb(plotting.INPUT_COLORS["other"]) in arrows  # the MLP's input
+    assert {"q", "k", "v"} <= {text.get_text() for text in ax.texts}  # the letters at the arrowheads
+    curve = pd.DataFrame(
+        {
+            "method": ["eap"] * 3 + ["random"] * 3,
+            "selection": ["top-n"] * 3 + ["random"] * 3,
+            "edges": [0, 10, 100] * 2,
+            "faithfulness": [0.0, 0.8, 1.0, 0.0, 0.1, 1.0],
+        }
+    )
+    for figure in (fig, plotting.plot_faithfulness(curve)):
+        figure.canvas.draw()
+        caption = figure._supxlabel.get_window_extent()
+        assert caption.y0 >= 0 and caption.x0 >= 0 and caption.x1 <= figure.bbox.width, "caption cut at an edge"

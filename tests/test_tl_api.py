@@ -76,6 +76,30 @@ def test_unknown_words_are_named_never_silent(model):
         model.to_tokens(PROMPT)  # known words: nothing said
 
 
+def test_inspection_shows_unknown_words_as_unk_with_one_warning_line(model):
+    """TransformerLens' Main_Demo cell `model.to_str_tokens("2342+2017=21445")`: what the model would read, and
+    one warning naming the unknown words, pointing at the caller; to_tokens, which feeds the model, still raises."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert model.to_str_tokens("2342+2017=21445") == ["[UNK]", "+", "2017", "=", "[UNK]"]
+        assert model.to_string("2342 + 2017") == "[UNK] + 2017"
+        assert model.to_str_tokens(["Ruth has a Zorblax", "a quux"]) == [["Ruth", "has", "a", "[UNK]"], ["a", "[UNK]"]]
+        assert model.to_string(["Ruth has a cat", "Ruth has a Zorblax"]) == ["Ruth has a cat", "Ruth has a [UNK]"]
+    assert [str(w.message) for w in caught] == [
+        "to_str_tokens: not in the tokenizer's vocabulary (they become [UNK]): '21445', '2342'",
+        "to_string: not in the tokenizer's vocabulary (they become [UNK]): '2342'",
+        "to_str_tokens: not in the tokenizer's vocabulary (they become [UNK]): 'Zorblax', 'quux'",
+        "to_string: not in the tokenizer's vocabulary (they become [UNK]): 'Zorblax'",
+    ]
+    assert {w.filename for w in caught} == {__file__}  # the line of the user's call, not inside dcinterp
+    with pytest.raises(ValueError, match=r"to_tokens: .*'21445', '2342'.*allow_unknown"):
+        model.to_tokens("2342+2017=21445")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert model.to_str_tokens(PROMPT) == model.to_str_tokens(model.to_tokens(PROMPT))  # known words: silent
+        assert model.to_string(PROMPT) == model.to_string(model.to_tokens(PROMPT)[0])
+
+
 # --------------------------------------------------------------------------------------------------
 # Activation gradients with frozen weights
 def metric(logits):
