@@ -1,0 +1,760 @@
+"""Why a head attends where it does: QK attribution through DCMHA's compose (Kamath, Ameisen et al. 2025).
+
+For layer l, target head m, query position t and key position s, with ln1's scale, the QK-norm's scale and the
+compose's dynamic weights frozen at the run's values, head m's composed score is exactly a sum of terms:
+
+    A'_m[t, s] = sum_{n, b} W_b[n, m] S_n[t, s],     S_n[t, s] = sum_{i, j} <q_n^i(t), k_n^j(s)> / sqrt(d_head)
+
+- i, j: the residual components entering layer l, named as the senders of `dcinterp.discovery`'s graph:
+  `embed`, each earlier head `L{l'}H{h}` (its `hook_result`, without `b_O`), each earlier `MLP{l'}` (its
+  `hook_mlp_out`, `b_out` included), and `bias`: the earlier layers' `b_O`, plus ln1's bias and `b_Q` / `b_K`
+  on their way to q and k. The split is TransformerLens' `get_full_resid_decomposition` (`expand_neurons=False`).
+- q_n^i(t): component i at the query through ln1 (centred for a LayerNorm, divided by the run's scale, times the
+  norm's weight), `W_Q[n]`, the QK-norm (divided by the run's per-head scale, times its weight) and rotary (a
+  rotation at position t: a linear map); k_n^j(s) likewise with `W_K`. Each side is kept per head as
+  [component, head, d_head] vectors; a term is their dot product, never a stored 4-D array.
+- b: the branches of pre-compose (Eq. 7), with W_b[n, m] at (t, s): `skip` (the identity), `qp` (qw1[t]^T qw2[t]),
+  `kp` (kw1[s]^T kw2[s]), `qg` (diag qg[t]), `kg` (diag kg[s]). The diagonal ones (`skip`, `qg`, `kg`) have only
+  n = m. On plain MHA only n = m and `skip` remain: Kamath et al.'s QK attribution of the pre-softmax score.
+
+`qk_attribution` returns every term (or, past `max_terms`, the largest with the rest summed in one row per key,
+so the rows always add up to the score), the tables summed over heads and branches (component pairs) and over
+components (source head x branch), and the post-compose head loadings (head m's final pattern as
+sum_{n, b} W'_b[n, m] P_n[t, s]). `qk_contrast` explains a difference of two keys' scores (what moves the
+softmax). `check_terms` removes a component from a head's query (or key) input and measures the change, frozen
+(equal to the component's terms) and not. The dynamic weights' own inputs: `dcinterp.qk_weights`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from .checks import check_head, check_layer, find_word
+from .composition import _position, _single_prompt
+from .model import HookedDCFormer, apply_rotary, visible_keys
+
+BRANCHES = ("skip", "qp", "kp", "qg", "kg")
+DIAGONAL_BRANCHES = ("skip", "qg", "kg")  # W_b diagonal: head n feeds only head n
+TERM_COLUMNS = ["key_pos", "query_component", "key_component", "source_head", "branch", "value"]
+REST = "rest"  # query_component, key_component and branch of the row that sums the terms left out
+MAX_TERMS = 100_000  # rows of `.terms` (the rest summed per key past it)
+MAX_TABLE_BYTES = 2**30  # component-pair tables kept per key: beyond this, ask for fewer keys
+CHUNK_ELEMENTS = 2**24  # term values computed at once (branches x heads x components^2)
+
+
+# --------------------------------------------------------------------------------------------------
+# The run: what the decomposition reads, through hooks
+def component_names(model: HookedDCFormer, layer: int) -> list[str]:
+    """The residual components entering `layer`: embed, L{l}H{h} and MLP{l} of every earlier layer, bias."""
+    names = ["embed"]
+    for earlier in range(layer):
+        names += [f"L{earlier}H{h}" for h in range(model.cfg.n_heads)] + [f"MLP{earlier}"]
+    return [*names, "bias"]
+
+
+def compose_branches(model: HookedDCFormer, stage: str = "pre") -> list[str]:
+    """The branches a stage runs: `skip`, then those of qp, kp, qg, kg the model has (only skip for plain MHA or
+    a model without the stage)."""
+    cfg = model.cfg
+    if not cfg.use_dcmha or stage not in cfg.compose_stages:
+        return ["skip"]
+    return ["skip", *(b for b in BRANCHES[1:] if b in cfg.active_branches)]
+
+
+ATTENTION_ROWS = ("scores", "composed", "pattern", "composed_pattern")  # kept as the query's row [head, key]
+
+
+@torch.no_grad()
+def layer_run(
+    model: HookedDCFormer, prompt: Int[Tensor, "1 pos"], layer: int, query_pos: int, positions: list[int]
+) -> dict[str, Tensor]:
+    """One forward of layers 0..layer with hooks that keep what the decomposition reads (batch dimension dropped).
+
+    At `positions` only (`run["positions"]`, sorted): embed, z{l} and mlp{l} of the earlier layers. At every
+    position: ln_scale [pos, 1], q_scale / k_scale [pos, head, 1] (QK-norm), the compose weights
+    `{stage}.{weight}`. The query's row [head, key] of scores, composed (DCMHA), pattern, composed_pattern (DCMHA).
+    """
+    attn = f"blocks.{layer}.attn"
+    at = torch.tensor(sorted(set(positions)))
+    names = {"embed": ("hook_embed", "at"), "ln_scale": (f"blocks.{layer}.ln1.hook_scale", "all")}
+    for earlier in range(layer):
+        names[f"z{earlier}"] = (f"blocks.{earlier}.attn.hook_z", "at")
+        names[f"mlp{earlier}"] = (f"blocks.{earlier}.hook_mlp_out", "at")
+    names |= {"scores": (f"{attn}.hook_attn_scores", "row"), "pattern": (f"{attn}.hook_pattern", "row")}
+    if model.cfg.use_qk_norm:
+        names |= {"q_scale": (f"{attn}.q_norm.hook_scale", "all"), "k_scale": (f"{attn}.k_norm.hook_scale", "all")}
+    if model.cfg.use_dcmha:
+        names["composed"] = (f"{attn}.hook_composed_scores", "row")
+        names["composed_pattern"] = (f"{attn}.hook_composed_pattern", "row")
+        for stage in model.cfg.compose_stages:
+            for weight in ("qw1", "qw2", "kw1", "kw2", "qg", "kg"):
+                names[f"{stage}.{weight}"] = (f"{attn}.{stage}_compose.hook_{weight}", "all")
+    run: dict[str, Tensor] = {"positions": at}
+
+    def keep(key: str, part: str):
+        def hook(x: Tensor, hook) -> Tensor:
+            value = x[0].detach()
+            run[key] = value[at.to(x.device)] if part == "at" else value[:, query_pos] if part == "row" else value
+            return x
+
+        return hook
+
+    hooked = set(model.hook_dict)
+    hooks = [(name, keep(key, part)) for key, (name, part) in names.items() if name in hooked]
+    model.run_with_hooks(prompt, fwd_hooks=hooks, stop_at_layer=layer + 1)
+    return run
+
+
+def residual_components(
+    model: HookedDCFormer, run: dict[str, Tensor], layer: int, positions: Int[Tensor, " pos"]
+) -> Float[Tensor, "pos component d_model"]:
+    """The components of the stream entering `layer` at `positions` (float32, in `component_names` order; the
+    positions must be among those `layer_run` kept): they add up to `blocks.{layer}.hook_resid_pre` there."""
+    device = model.blocks[layer].attn.W_Q.device
+    rows = torch.searchsorted(run["positions"], positions.cpu()).to(device)
+    H, d = model.cfg.n_heads, model.cfg.d_model
+    out = torch.empty(len(rows), 1 + layer * (H + 1) + 1, d, device=device)
+    out[:, 0] = run["embed"].to(device)[rows].float()
+    bias = torch.zeros(d, device=device)
+    for earlier in range(layer):
+        attn = model.blocks[earlier].attn
+        start = 1 + earlier * (H + 1)
+        z = run[f"z{earlier}"].to(device)[rows].float()
+        out[:, start : start + H] = torch.einsum("phe,hed->phd", z, attn.W_O.to(device).float())
+        out[:, start + H] = run[f"mlp{earlier}"].to(device)[rows].float()
+        if attn.b_O is not None:
+            bias += attn.b_O.to(device).float()
+    out[:, -1] = bias
+    return out
+
+
+def side_vectors(
+    model: HookedDCFormer,
+    run: dict[str, Tensor],
+    layer: int,
+    components: Float[Tensor, "pos component d_model"],
+    positions: Int[Tensor, " pos"],
+    side: str,
+) -> Float[Tensor, "pos component head d_head"]:
+    """Each component's share of every head's rotated q (side "q", divided by sqrt(d_head)) or k (side "k") at its
+    position, with ln1's and the QK-norm's scales frozen at the run's: they add up to `hook_rot_q` / `hook_rot_k`
+    (over sqrt(d_head) for q)."""
+    cfg = model.cfg
+    block = model.blocks[layer]
+    attn, norm = block.attn, block.ln1
+    device = components.device
+    positions = positions.to(device)
+    x = components
+    if norm.kind == "LN":
+        x = x - x.mean(-1, keepdim=True)
+    scale = run["ln_scale"].to(device)[positions].float()  # [pos, 1]
+    x = x / scale[:, None] * norm.w.to(device).float()
+    if norm.b is not None:
+        x[:, -1] += norm.b.to(device).float()
+    W = (attn.W_Q if side == "q" else attn.W_K).to(device).float()
+    vectors = torch.einsum("pcd,hde->pche", x, W)
+    b = attn.b_Q if side == "q" else attn.b_K
+    if b is not None:
+        vectors[:, -1] += b.to(device).float()
+    if cfg.use_qk_norm:
+        qk_scale = run[f"{side}_scale"].to(device)[positions].float()  # [pos, head, 1]
+        weight = (attn.q_norm if side == "q" else attn.k_norm).w.to(device).float()
+        vectors = vectors / qk_scale[:, None] * weight
+    table = torch.float16 if cfg.window == "official-inference" else torch.float32
+    P, C = vectors.shape[:2]
+    vectors = apply_rotary(vectors, cfg.rotary_dim, cfg.rotary_base, table, positions[:, None].expand(P, C))
+    return vectors / math.sqrt(cfg.d_head) if side == "q" else vectors
+
+
+def branch_weights(
+    model: HookedDCFormer, run: dict[str, Tensor], stage: str, query_pos: int, keys: Tensor, head: int
+) -> Float[Tensor, "key branch source_head"]:
+    """W_b[n, head] of every branch the stage runs (`compose_branches` order), at (query_pos, s) for each key s."""
+    branches = compose_branches(model, stage)
+    H = model.cfg.n_heads
+    W = torch.zeros(len(keys), len(branches), H)
+    w = {
+        name: run[f"{stage}.{name}"].float().cpu()
+        for name in ("qw1", "qw2", "kw1", "kw2", "qg", "kg")
+        if f"{stage}.{name}" in run
+    }
+    keys = keys.cpu()
+    for b, branch in enumerate(branches):
+        if branch == "skip":
+            W[:, b, head] = 1.0
+        elif branch == "qp":
+            W[:, b] = w["qw1"][query_pos].T @ w["qw2"][query_pos][:, head]
+        elif branch == "kp":
+            W[:, b] = torch.einsum("srn,sr->sn", w["kw1"][keys], w["kw2"][keys][:, :, head])
+        elif branch == "qg":
+            W[:, b, head] = w["qg"][query_pos, head]
+        else:
+            W[:, b, head] = w["kg"][keys, head]
+    return W
+
+
+# --------------------------------------------------------------------------------------------------
+# The terms
+@dataclass
+class _Member:
+    """One key's contribution to a group of keys: its key-side vectors, its branch weights, a sign."""
+
+    keys: Float[Tensor, "component head d_head"]
+    weights: Float[Tensor, "branch source_head"]
+    sign: float = 1.0
+
+
+@dataclass
+class _Terms:
+    """What `_decompose` returns for G groups (a group: one key, or two with signs + and - for a contrast)."""
+
+    pairs: Float[Tensor, "group component component"]  # summed over heads and branches
+    head_branch: Float[Tensor, "group branch head"]  # summed over components
+    query_marginal: Float[Tensor, "group head component"]  # summed over key components and branches
+    key_marginal: Float[Tensor, "group head component"]
+    totals: Float[Tensor, " group"]  # float64 sum of every term
+    rows: pd.DataFrame  # group, query_component, key_component, source_head, branch, value (kept terms)
+    complete: bool
+
+
+def _present(branches: list[str], head: int, H: int) -> Tensor:
+    """[branch, source head]: whether the term exists (the diagonal branches feed head m from head m only)."""
+    present = torch.ones(len(branches), H, dtype=torch.bool)
+    for b, branch in enumerate(branches):
+        if branch in DIAGONAL_BRANCHES:
+            present[b] = False
+            present[b, head] = True
+    return present
+
+
+def _decompose(
+    queries: Float[Tensor, "component head d_head"],
+    groups: Iterable[list[_Member]],
+    n_groups: int,
+    branches: list[str],
+    head: int,
+    max_terms: int,
+) -> _Terms:
+    """Every (group, query component, key component, source head, branch) term, by chunks of source heads.
+
+    Only the per-head query-side and key-side vectors are kept; a chunk's terms are
+    sign * W_b[n, head] * <q_n^i, k_n^j> for a few source heads n at a time. With more terms than `max_terms`, the
+    largest |value| are kept (a running top-k over the chunks) and the rest of each group goes in one row."""
+    C, H, E = queries.shape
+    B = len(branches)
+    device = queries.device
+    present = _present(branches, head, H).to(device)
+    G = n_groups
+    complete = G * C * C * int(present.sum()) <= max_terms
+    keep = max_terms - G  # room for one rest row per group
+    heads_per_chunk = max(1, min(H, CHUNK_ELEMENTS // max(1, B * C * C)))
+    pairs = torch.zeros(G, C, C, device=device)
+    head_branch = torch.zeros(G, B, H, dtype=torch.float64, device=device)
+    query_marginal = torch.zeros(G, H, C, device=device)
+    key_marginal = torch.zeros(G, H, C, device=device)
+    totals = torch.zeros(G, dtype=torch.float64)
+    kept_values, kept_index = torch.zeros(0, device=device), torch.zeros(0, 5, dtype=torch.long, device=device)
+    q_sum = queries.sum(0)  # [head, d_head]
+    for g, members in enumerate(groups):
+        for member in members:
+            K, W = member.keys.to(device), member.weights.to(device)
+            folded = W.sum(0)  # [head]: every branch's weight on head n
+            pairs[g] += member.sign * (queries * folded[None, :, None]).flatten(1) @ K.flatten(1).T
+            k_sum = K.sum(0)
+            query_marginal[g] += member.sign * folded[:, None] * torch.einsum("ine,ne->ni", queries, k_sum)
+            key_marginal[g] += member.sign * folded[:, None] * torch.einsum("ne,jne->nj", q_sum, K)
+        for start in range(0, H, heads_per_chunk):
+            chunk = slice(start, min(H, start + heads_per_chunk))
+            values = torch.zeros(B, chunk.stop - start, C, C, device=device)
+            for member in members:
+                K, W = member.keys.to(device), member.weights.to(device)
+                products = torch.einsum("ine,jne->nij", queries[:, chunk], K[:, chunk])
+                values += member.sign * W[:, chunk, None, None] * products[None]
+            mask = present[:, chunk, None, None].expand_as(values)
+            sums = values.double().sum((2, 3))  # [branch, heads of the chunk]
+            head_branch[g, :, chunk] = torch.where(present[:, chunk], sums, 0.0)
+            totals[g] += float(sums[present[:, chunk]].sum())
+            if complete:
+                index = mask.nonzero()
+                chosen = values[mask]
+            else:
+                score = values.abs().masked_fill(~mask, -1.0).flatten()
+                top = score.topk(min(keep, score.numel()))
+                top_index = top.indices[top.values >= 0]
+                index = torch.stack(torch.unravel_index(top_index, values.shape), dim=1)
+                chosen = values.flatten()[top_index]
+            index = torch.cat([torch.full((len(index), 1), g, device=device), index], dim=1)
+            index[:, 2] += start  # chunk head -> source head
+            kept_values, kept_index = torch.cat([kept_values, chosen]), torch.cat([kept_index, index])
+            if not complete and len(kept_values) > keep:
+                top = kept_values.abs().topk(keep).indices
+                kept_values, kept_index = kept_values[top], kept_index[top]
+    rows = _term_rows(kept_values.cpu(), kept_index.cpu(), branches)
+    if not complete:
+        kept = rows.groupby("group")["value"].sum().reindex(range(G), fill_value=0.0)
+        rest = pd.DataFrame(
+            {
+                "group": range(G),
+                "query_component": REST,
+                "key_component": REST,
+                "source_head": pd.array([pd.NA] * G, dtype="Int64"),
+                "branch": REST,
+                "value": totals.numpy() - kept.to_numpy(),
+            }
+        )
+        rows = pd.concat([rows, rest], ignore_index=True)
+    return _Terms(
+        pairs.cpu(),
+        head_branch.float().cpu(),
+        query_marginal.cpu(),
+        key_marginal.cpu(),
+        totals,
+        rows,
+        complete,
+    )
+
+
+def _term_rows(values: Tensor, index: Tensor, branches: list[str]) -> pd.DataFrame:
+    """index columns: group, branch, source head, query component, key component (components as integers)."""
+    index = index.numpy()
+    return pd.DataFrame(
+        {
+            "group": index[:, 0],
+            "query_component": index[:, 3],
+            "key_component": index[:, 4],
+            "source_head": pd.array(index[:, 2], dtype="Int64"),
+            "branch": np.asarray(branches, dtype=object)[index[:, 1]] if len(index) else [],
+            "value": values.double().numpy(),
+        }
+    )
+
+
+def _named(rows: pd.DataFrame, components: list[str]) -> pd.DataFrame:
+    """Component indices as names (the rest row keeps its name)."""
+    names = np.asarray([*components, REST], dtype=object)
+    for column in ("query_component", "key_component"):
+        index = rows[column].map(lambda c: len(components) if c == REST else c).to_numpy(dtype=int)
+        rows[column] = names[index]
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# Positions
+def _key_positions(model: HookedDCFormer, prompt: Tensor, layer: int, t: int, key_pos, name: str) -> list[int]:
+    """The keys asked for (None: every key the query sees in this layer), each checked to be visible from t."""
+    n = prompt.shape[1]
+    visible = visible_keys(n, model.cfg.layer_window(layer), "cpu", model.cfg.window)[t]
+    if key_pos is None:
+        return visible.nonzero()[:, 0].tolist()
+    if isinstance(key_pos, (str, int)) or isinstance(key_pos, Tensor) and key_pos.ndim == 0:
+        values = [key_pos]
+    elif isinstance(key_pos, Tensor):
+        values = key_pos.tolist()
+    elif isinstance(key_pos, (list, tuple)):
+        values = list(key_pos)
+    else:
+        raise TypeError(f"{name} must be a position, a word, a list of them or None, not {type(key_pos).__name__}")
+    if not values:
+        raise ValueError(f"{name} is empty: pass a position, a word, a list of them, or None for every visible key")
+    keys = []
+    for value in values:
+        s = (
+            find_word(model, prompt[0], value, name=name)
+            if isinstance(value, str)
+            else _position(model, prompt, value, name)
+        )
+        if not visible[s]:
+            window = model.cfg.layer_window(layer)
+            why = (
+                "it comes after the query" if s > t else f"it is outside layer {layer}'s local window of {window} keys"
+            )
+            raise ValueError(f"{name}={value!r} (position {s}) is not visible from query_pos {t}: {why}")
+        if s not in keys:
+            keys.append(s)
+    return keys
+
+
+def _check_max_terms(max_terms, groups: int) -> int:
+    if isinstance(max_terms, bool) or not isinstance(max_terms, int) or max_terms <= groups:
+        raise ValueError(
+            f"max_terms must be an integer above the number of keys ({groups}: one row each sums the rest), "
+            f"not {max_terms!r}"
+        )
+    return max_terms
+
+
+def _check_table_size(n_keys: int, n_components: int, name: str) -> None:
+    nbytes = n_keys * n_components**2 * 4
+    if nbytes > MAX_TABLE_BYTES:
+        at_most = max(1, MAX_TABLE_BYTES // (n_components**2 * 4))
+        raise ValueError(
+            f"{name}: {n_keys} keys x {n_components}^2 component pairs need {nbytes / 2**30:.1f} GiB of tables; "
+            f"ask for at most {at_most} keys at once"
+        )
+
+
+def _str_tokens(model: HookedDCFormer, prompt: Tensor) -> list[str] | None:
+    if model.tokenizer is None:
+        return None
+    return model.tokenizer.convert_ids_to_tokens(prompt[0].tolist())
+
+
+def _score_scale(model: HookedDCFormer, run: dict[str, Tensor], layer: int, head: int, t: int, n: int) -> float:
+    """The largest |score| of the head over the keys the query sees (what a gap is measured against)."""
+    scores = run["composed" if model.cfg.use_dcmha else "scores"][head].float().cpu()
+    visible = visible_keys(n, model.cfg.layer_window(layer), "cpu", model.cfg.window)[t]
+    return max(float(scores[visible].abs().max()), 1e-30)
+
+
+# --------------------------------------------------------------------------------------------------
+# Views shared by the results
+def _frame_table(values: Tensor, index: list, columns: list, index_name: str, columns_name: str) -> pd.DataFrame:
+    frame = pd.DataFrame(values.double().numpy(), index=index, columns=columns)
+    frame.index.name, frame.columns.name = index_name, columns_name
+    return frame
+
+
+def _pair_frame(pairs: Tensor, components: list[str], top: int | None) -> pd.DataFrame:
+    frame = _frame_table(pairs, components, components, "query_component", "key_component")
+    if top is None:
+        return frame
+    rows = frame.abs().sum(1).nlargest(top).index
+    cols = frame.abs().sum(0).nlargest(top).index
+    return frame.loc[rows, cols]
+
+
+def _component_frame(query: Tensor, key: Tensor, components: list[str]) -> pd.DataFrame:
+    """One row per component: its terms summed as a query-side component and as a key-side one."""
+    return pd.DataFrame({"component": components, "query": query.double().numpy(), "key": key.double().numpy()})
+
+
+@dataclass
+class QKAttribution:
+    """Head `head`'s composed score at (query_pos, s), for each s in key_pos, as a sum of terms (module docstring).
+
+    `terms`: one row per term, columns key_pos, query_component, key_component, source_head, branch, value; past
+    `max_terms` the largest terms and one `rest` row per key (source_head <NA>). Its values add up, per key, to
+    `composed` (the model's `hook_composed_scores`, or `hook_attn_scores` for plain MHA): `gap`.
+    `loadings`: the post-compose head loadings, one row per (key_pos, source_head, branch): pattern P_n[t, s],
+    weight W'_b[n, head], value = weight x pattern, adding up to `composed_pattern`; each source head's own score
+    is `qk_attribution(model, tokens, layer, source_head, ...)`.
+    """
+
+    layer: int
+    head: int
+    query_pos: int
+    key_pos: list[int]
+    components: list[str]
+    branches: list[str]
+    composed: Float[Tensor, " key"]  # the model's score at each key (float32)
+    terms: pd.DataFrame
+    pairs: Float[Tensor, "key component component"]  # summed over source heads and branches
+    head_branch: Float[Tensor, "key branch head"]  # summed over components
+    query_marginal: Float[Tensor, "key head component"]  # a query component's terms, per source head
+    key_marginal: Float[Tensor, "key head component"]
+    totals: Float[Tensor, " key"]  # float64 sum of every term, before any top-k
+    loadings: pd.DataFrame
+    composed_pattern: Float[Tensor, " key"]  # hook_composed_pattern (hook_pattern for MHA)
+    complete: bool  # every term is a row of `terms`
+    scale: float  # the largest |score| of the head over the query's visible keys
+    tokens: Int[Tensor, " pos"]  # the prompt
+    str_tokens: list[str] | None = field(default=None, repr=False)
+
+    def _key(self, key_pos: int | None) -> int:
+        if key_pos is None:
+            if len(self.key_pos) != 1:
+                raise ValueError(f"key_pos: this attribution has {len(self.key_pos)} keys; name one of {self.key_pos}")
+            return 0
+        if key_pos not in self.key_pos:
+            raise ValueError(f"key_pos={key_pos!r} is not one of this attribution's keys {self.key_pos}")
+        return self.key_pos.index(key_pos)
+
+    @property
+    def sum_of_terms(self) -> pd.Series:
+        """Per key, the sum of the rows of `terms` (float64)."""
+        return self.terms.groupby("key_pos", sort=False)["value"].sum().reindex(self.key_pos)
+
+    @property
+    def gap(self) -> pd.Series:
+        """sum_of_terms - composed, per key."""
+        return self.sum_of_terms - pd.Series(self.composed.double().numpy(), index=self.key_pos)
+
+    @property
+    def relative_gap(self) -> float:
+        """The largest |gap| over the keys, relative to `scale`."""
+        return float(self.gap.abs().max()) / self.scale
+
+    def summary(self) -> pd.DataFrame:
+        """One row per key: key_pos, token, composed, sum_of_terms, gap, composed_pattern."""
+        return pd.DataFrame(
+            {
+                "key_pos": self.key_pos,
+                "token": [self.str_tokens[s] if self.str_tokens else None for s in self.key_pos],
+                "composed": self.composed.double().numpy(),
+                "sum_of_terms": self.sum_of_terms.to_numpy(),
+                "gap": self.gap.to_numpy(),
+                "composed_pattern": self.composed_pattern.double().numpy(),
+            }
+        )
+
+    def pair_table(self, key_pos: int | None = None, top: int | None = None) -> pd.DataFrame:
+        """[query component x key component] at one key, summed over source heads and branches (exact, every
+        pair; `top`: the `top` rows and columns with the largest |sums|)."""
+        return _pair_frame(self.pairs[self._key(key_pos)], self.components, top)
+
+    def head_branch_table(self, key_pos: int | None = None) -> pd.DataFrame:
+        """[source head x branch] at one key, summed over components: W_b[n, head] * S_n[t, s]."""
+        table = self.head_branch[self._key(key_pos)].T
+        return _frame_table(table, list(range(table.shape[0])), self.branches, "source_head", "branch")
+
+    def component_table(self, key_pos: int | None = None, source_head: int | None = None) -> pd.DataFrame:
+        """Each component's terms summed on the query side and on the key side (through every source head, or
+        one), at one key."""
+        k = self._key(key_pos)
+        heads = slice(None) if source_head is None else slice(source_head, source_head + 1)
+        query, key = self.query_marginal[k, heads].sum(0), self.key_marginal[k, heads].sum(0)
+        return _component_frame(query, key, self.components)
+
+    def top_terms(self, k: int = 10, key_pos: int | None = None) -> pd.DataFrame:
+        """The k terms with the largest |value| (of one key, or of all)."""
+        terms = self.terms if key_pos is None else self.terms[self.terms["key_pos"] == key_pos]
+        terms = terms[terms["branch"] != REST]
+        return terms.reindex(terms["value"].abs().sort_values(ascending=False).index).head(k)
+
+    def __repr__(self) -> str:
+        keys = ", ".join(
+            f"{s}{f' {self.str_tokens[s]!r}' if self.str_tokens else ''}: {float(c):.4g}"
+            for s, c in zip(self.key_pos[:6], self.composed[:6], strict=False)
+        )
+        more = f" (+{len(self.key_pos) - 6} keys)" if len(self.key_pos) > 6 else ""
+        return (
+            f"QKAttribution(L{self.layer}H{self.head} from query {self.query_pos}: {keys}{more}; "
+            f"{len(self.terms)} rows{'' if self.complete else ' (top terms + rest)'}, "
+            f"relative gap {self.relative_gap:.1e})"
+        )
+
+
+def _loadings(model: HookedDCFormer, run: dict[str, Tensor], t: int, keys: list[int], head: int) -> pd.DataFrame:
+    """Post-compose head loadings: head's pattern at (t, s) as sum_{n, b} W'_b[n, head] P_n[t, s]."""
+    branches = compose_branches(model, "post")
+    key_index = torch.tensor(keys)
+    pattern = run["pattern"].float().cpu()[:, key_index].T  # [key, head]
+    W = branch_weights(model, run, "post", t, key_index, head)  # [key, branch, source head]
+    present = _present(branches, head, model.cfg.n_heads)
+    k, b, n = present[None].expand(len(keys), -1, -1).nonzero().unbind(1)
+    return pd.DataFrame(
+        {
+            "key_pos": np.asarray(keys)[k.numpy()],
+            "source_head": n.numpy(),
+            "branch": np.asarray(branches, dtype=object)[b.numpy()],
+            "pattern": pattern[k, n].double().numpy(),
+            "weight": W[k, b, n].double().numpy(),
+            "value": (W[k, b, n].double() * pattern[k, n].double()).numpy(),
+        }
+    )
+
+
+def qk_attribution(
+    model: HookedDCFormer,
+    tokens: Int[Tensor, "batch pos"],
+    layer: int,
+    head: int,
+    query_pos: int | str,
+    key_pos: int | str | list | Tensor | None = None,
+    batch_index: int = 0,
+    max_terms: int = MAX_TERMS,
+) -> QKAttribution:
+    """Head `head`'s composed score in `layer` from `query_pos` to each key of `key_pos`, as a sum of terms
+    (query component, key component, source head, branch), in float32 on the CPU.
+
+    Positions are integers (negative from the end) or words (the last piece of the word's last occurrence);
+    `key_pos` one, several, or None for every key the query sees in this layer. `tokens`: one prompt [pos] or a
+    batch (`batch_index` picks the prompt). Only layers 0..layer run. A key the query does not see (later, or
+    outside a local window) is a ValueError.
+    """
+    layer, head = check_layer(model, layer), check_head(model, head)
+    prompt = _single_prompt(model, tokens, batch_index)
+    t = _position(model, prompt, query_pos, "query_pos")
+    keys = _key_positions(model, prompt, layer, t, key_pos, "key_pos")
+    max_terms = _check_max_terms(max_terms, len(keys))
+    components = component_names(model, layer)
+    _check_table_size(len(keys), len(components), "key_pos")
+    run = layer_run(model, prompt, layer, t, [t, *keys])
+    queries, sides = _sides(model, run, layer, t, keys)
+    weights = branch_weights(model, run, "pre", t, torch.tensor(keys), head)
+    groups = ([_Member(side, w)] for side, w in zip(sides, weights, strict=True))  # one key side at a time
+    terms = _decompose(queries, groups, len(keys), compose_branches(model, "pre"), head, max_terms)
+    rows = _named(terms.rows, components)
+    rows.insert(0, "key_pos", np.asarray(keys)[rows.pop("group").to_numpy(dtype=int)])
+    target = run["composed" if model.cfg.use_dcmha else "scores"]
+    final = run["composed_pattern" if model.cfg.use_dcmha else "pattern"]
+    key_index = torch.tensor(keys)
+    return QKAttribution(
+        layer=layer,
+        head=head,
+        query_pos=t,
+        key_pos=keys,
+        components=components,
+        branches=compose_branches(model, "pre"),
+        composed=target[head].float().cpu()[key_index],
+        terms=rows[TERM_COLUMNS],
+        pairs=terms.pairs,
+        head_branch=terms.head_branch,
+        query_marginal=terms.query_marginal,
+        key_marginal=terms.key_marginal,
+        totals=terms.totals,
+        loadings=_loadings(model, run, t, keys, head),
+        composed_pattern=final[head].float().cpu()[key_index],
+        complete=terms.complete,
+        scale=_score_scale(model, run, layer, head, t, prompt.shape[1]),
+        tokens=prompt[0].cpu(),
+        str_tokens=_str_tokens(model, prompt),
+    )
+
+
+def _sides(model, run, layer: int, t: int, keys: list[int]):
+    """(query-side vectors at t [component, head, d_head], key-side vectors at each key, one at a time)."""
+    positions = torch.tensor([t])
+    queries = side_vectors(model, run, layer, residual_components(model, run, layer, positions), positions, "q")[0]
+
+    def key_sides():
+        for s in keys:
+            position = torch.tensor([s])
+            yield side_vectors(model, run, layer, residual_components(model, run, layer, position), position, "k")[0]
+
+    return queries, key_sides()
+
+
+# --------------------------------------------------------------------------------------------------
+# Why s rather than s'
+@dataclass
+class QKContrast:
+    """Why head `head` scores key_pos above other_key_pos: difference = A'[t, s] - A'[t, s'] as a sum of terms.
+
+    A term is value(i, j, n, b) at s minus the same term at s': the query side is the same, the key side and the
+    key-side weights (kp, kg) change. `terms` has the columns of `QKAttribution.terms` (key_pos = s) and
+    other_key_pos; its values add up to `difference`.
+    """
+
+    layer: int
+    head: int
+    query_pos: int
+    key_pos: int
+    other_key_pos: int
+    components: list[str]
+    branches: list[str]
+    difference: float  # the model's composed score at s minus at s'
+    terms: pd.DataFrame
+    pairs: Float[Tensor, "component component"]
+    head_branch: Float[Tensor, "branch head"]
+    query_marginal: Float[Tensor, "head component"]
+    key_marginal: Float[Tensor, "head component"]
+    total: float  # float64 sum of every term
+    complete: bool
+    scale: float
+    str_tokens: list[str] | None = field(default=None, repr=False)
+
+    @property
+    def sum_of_terms(self) -> float:
+        return float(self.terms["value"].sum())
+
+    @property
+    def gap(self) -> float:
+        return self.sum_of_terms - self.difference
+
+    @property
+    def relative_gap(self) -> float:
+        return abs(self.gap) / self.scale
+
+    def pair_table(self, top: int | None = None) -> pd.DataFrame:
+        return _pair_frame(self.pairs, self.components, top)
+
+    def head_branch_table(self) -> pd.DataFrame:
+        return _frame_table(
+            self.head_branch.T, list(range(self.head_branch.shape[1])), self.branches, "source_head", "branch"
+        )
+
+    def component_table(self, source_head: int | None = None) -> pd.DataFrame:
+        heads = slice(None) if source_head is None else slice(source_head, source_head + 1)
+        return _component_frame(self.query_marginal[heads].sum(0), self.key_marginal[heads].sum(0), self.components)
+
+    def top_terms(self, k: int = 10) -> pd.DataFrame:
+        terms = self.terms[self.terms["branch"] != REST]
+        return terms.reindex(terms["value"].abs().sort_values(ascending=False).index).head(k)
+
+    def __repr__(self) -> str:
+        def name(s):
+            return f"{s} {self.str_tokens[s]!r}" if self.str_tokens else str(s)
+
+        return (
+            f"QKContrast(L{self.layer}H{self.head} from query {self.query_pos}: key {name(self.key_pos)} over "
+            f"{name(self.other_key_pos)} by {self.difference:.4g}; {len(self.terms)} rows, relative gap "
+            f"{self.relative_gap:.1e})"
+        )
+
+
+def qk_contrast(
+    model: HookedDCFormer,
+    tokens: Int[Tensor, "batch pos"],
+    layer: int,
+    head: int,
+    query_pos: int | str,
+    key_pos: int | str,
+    other_key_pos: int | str,
+    batch_index: int = 0,
+    max_terms: int = MAX_TERMS,
+) -> QKContrast:
+    """Why `head` attends to key_pos rather than other_key_pos from query_pos: the difference of the two composed
+    scores (what moves the softmax between them) as a sum of terms, float32 on the CPU. Arguments as
+    `qk_attribution`, with one key each."""
+    layer, head = check_layer(model, layer), check_head(model, head)
+    prompt = _single_prompt(model, tokens, batch_index)
+    t = _position(model, prompt, query_pos, "query_pos")
+    (s,) = _key_positions(model, prompt, layer, t, _one(key_pos, "key_pos"), "key_pos")
+    (other,) = _key_positions(model, prompt, layer, t, _one(other_key_pos, "other_key_pos"), "other_key_pos")
+    if s == other:
+        raise ValueError(f"other_key_pos is key_pos (position {s}): a contrast needs two different keys")
+    max_terms = _check_max_terms(max_terms, 1)
+    components = component_names(model, layer)
+    run = layer_run(model, prompt, layer, t, [t, s, other])
+    queries, sides = _sides(model, run, layer, t, [s, other])
+    weights = branch_weights(model, run, "pre", t, torch.tensor([s, other]), head)
+    members = [_Member(side, w, sign) for side, w, sign in zip(sides, weights, (1.0, -1.0), strict=True)]
+    terms = _decompose(queries, [members], 1, compose_branches(model, "pre"), head, max_terms)
+    rows = _named(terms.rows, components).drop(columns="group")
+    rows.insert(0, "key_pos", s)
+    rows["other_key_pos"] = other
+    target = run["composed" if model.cfg.use_dcmha else "scores"][head].float().cpu()
+    return QKContrast(
+        layer=layer,
+        head=head,
+        query_pos=t,
+        key_pos=s,
+        other_key_pos=other,
+        components=components,
+        branches=compose_branches(model, "pre"),
+        difference=float(target[s]) - float(target[other]),
+        terms=rows[[*TERM_COLUMNS, "other_key_pos"]],
+        pairs=terms.pairs[0],
+        head_branch=terms.head_branch[0],
+        query_marginal=terms.query_marginal[0],
+        key_marginal=terms.key_marginal[0],
+        total=float(terms.totals[0]),
+        complete=terms.complete,
+        scale=_score_scale(model, run, layer, head, t, prompt.shape[1]),
+        str_tokens=_str_tokens(model, prompt),
+    )
+
+
+def _one(position, name: str):
+    if position is None or isinstance(position, (list, tuple)) or isinstance(position, Tensor) and position.ndim:
+        raise ValueError(f"{name} must be one position or word, not {position!r}")
+    return position
