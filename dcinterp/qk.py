@@ -136,6 +136,27 @@ def residual_components(
     return out
 
 
+def normed_components(
+    model: HookedDCFormer,
+    run: dict[str, Tensor],
+    layer: int,
+    components: Float[Tensor, "pos component d_model"],
+    positions: Int[Tensor, " pos"],
+) -> Float[Tensor, "pos component d_model"]:
+    """Each component through ln1 with the run's scale at its position (centred for a LayerNorm, divided by the
+    scale, times the weight; the norm's bias goes to `bias`): they add up to `ln1.hook_normalized`."""
+    norm = model.blocks[layer].ln1
+    device = components.device
+    x = components
+    if norm.kind == "LN":
+        x = x - x.mean(-1, keepdim=True)
+    scale = run["ln_scale"].to(device)[positions.to(device)].float()  # [pos, 1]
+    x = x / scale[:, None] * norm.w.to(device).float()
+    if norm.b is not None:
+        x[:, -1] += norm.b.to(device).float()
+    return x
+
+
 def side_vectors(
     model: HookedDCFormer,
     run: dict[str, Tensor],
@@ -148,17 +169,10 @@ def side_vectors(
     position, with ln1's and the QK-norm's scales frozen at the run's: they add up to `hook_rot_q` / `hook_rot_k`
     (over sqrt(d_head) for q)."""
     cfg = model.cfg
-    block = model.blocks[layer]
-    attn, norm = block.attn, block.ln1
+    attn = model.blocks[layer].attn
     device = components.device
     positions = positions.to(device)
-    x = components
-    if norm.kind == "LN":
-        x = x - x.mean(-1, keepdim=True)
-    scale = run["ln_scale"].to(device)[positions].float()  # [pos, 1]
-    x = x / scale[:, None] * norm.w.to(device).float()
-    if norm.b is not None:
-        x[:, -1] += norm.b.to(device).float()
+    x = normed_components(model, run, layer, components, positions)
     W = (attn.W_Q if side == "q" else attn.W_K).to(device).float()
     vectors = torch.einsum("pcd,hde->pche", x, W)
     b = attn.b_Q if side == "q" else attn.b_K
@@ -758,3 +772,163 @@ def _one(position, name: str):
     if position is None or isinstance(position, (list, tuple)) or isinstance(position, Tensor) and position.ndim:
         raise ValueError(f"{name} must be one position or word, not {position!r}")
     return position
+
+
+# --------------------------------------------------------------------------------------------------
+# Causal checks: remove a component from a head's query (or key) input and measure
+SIDES = ("query", "key")
+
+
+@dataclass
+class QKCheck:
+    """One component removed from the query (or key) input of one source head (or all), at one (t, s).
+
+    Every number is the score lost, clean - ablated, of head `head`'s composed score at (query_pos, key_pos):
+    `estimate` is the component's terms (what removing it must take away when nothing else moves); `frozen` is
+    measured with ln1's scale, the QK-norm's scale and the dynamic weights held at the clean run's values (equal to
+    the estimate up to rounding); `norms` with both norms recomputed (the weights still frozen: the split input
+    reaches q or k alone); `weights` (DCMHA only) with the component also removed from what the compose's dynamic
+    weights read at that position, so the weights move too.
+    """
+
+    layer: int
+    head: int
+    query_pos: int
+    key_pos: int
+    component: str
+    side: str
+    source_head: int | None  # None: every source head's input
+    estimate: float
+    frozen: float
+    norms: float
+    weights: float | None
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def check_terms(
+    model: HookedDCFormer,
+    attribution: QKAttribution,
+    component: str,
+    side: str = "query",
+    source_head: int | None = None,
+    key_pos: int | None = None,
+) -> QKCheck:
+    """Remove `component` from `source_head`'s (None: every head's) `side` ("query" or "key") input, through the
+    split q/k inputs (`hook_q_input` / `hook_k_input`), and compare the change of the composed score with the
+    component's terms in `attribution` (run on this model). Three forwards of layers 0..layer per variant pair."""
+    if side not in SIDES:
+        raise ValueError(f"side must be 'query' or 'key', not {side!r}")
+    if component not in attribution.components:
+        raise ValueError(
+            f"component={component!r} is not one of the layer's components ({attribution.components[0]}, ...)"
+        )
+    heads = list(range(model.cfg.n_heads)) if source_head is None else [check_head(model, source_head, "source_head")]
+    k = attribution._key(key_pos)
+    layer, t, s, m = attribution.layer, attribution.query_pos, attribution.key_pos[k], attribution.head
+    c = attribution.components.index(component)
+    marginal = attribution.query_marginal if side == "query" else attribution.key_marginal
+    estimate = float(marginal[k, heads, c].double().sum())
+    prompt = attribution.tokens[None].to(model.input_device)
+    p = t if side == "query" else s
+    run = layer_run(model, prompt, layer, t, [p])
+    vector = residual_components(model, run, layer, torch.tensor([p]))[0, c]
+    measure = _Intervention(model, prompt, layer, run, t, s, m)
+    fork = "q" if side == "query" else "k"
+    frozen = measure(freeze=True) - measure(remove=(fork, p, heads, vector), freeze=True)
+    clean = measure()
+    norms = clean - measure(remove=(fork, p, heads, vector))
+    weights = clean - measure(remove=(fork, p, heads, vector), from_compose=True) if model.cfg.use_dcmha else None
+    return QKCheck(layer, m, t, s, component, side, source_head, estimate, frozen, norms, weights)
+
+
+class _Intervention:
+    """Forwards of layers 0..layer with per-head q/k/v inputs, reading head m's composed score at (t, s)."""
+
+    def __init__(self, model: HookedDCFormer, prompt: Tensor, layer: int, run: dict, t: int, s: int, m: int):
+        self.model, self.prompt, self.layer, self.run = model, prompt, layer, run
+        self.t, self.s, self.m = t, s, m
+
+    def __call__(self, remove=None, freeze: bool = False, from_compose: bool = False) -> float:
+        model, layer, run = self.model, self.layer, self.run
+        block = f"blocks.{layer}"
+        score = "hook_composed_scores" if model.cfg.use_dcmha else "hook_attn_scores"
+        read: list[float] = []
+
+        def read_score(x, hook):
+            read.append(float(x[0, self.m, self.t, self.s]))
+            return x
+
+        hooks = [(f"{block}.attn.{score}", read_score)]
+        if freeze:
+            hooks.append((f"{block}.ln1.hook_scale", _frozen(run["ln_scale"])))
+            if model.cfg.use_qk_norm:
+                hooks += [(f"{block}.attn.{side}_norm.hook_scale", _frozen(run[f"{side}_scale"])) for side in "qk"]
+        if remove is not None:
+            fork, p, heads, vector = remove
+            if from_compose:  # out of the stream at p, then back into every fork but the removed heads'
+                hooks.append((f"{block}.hook_resid_pre", _shift(p, None, -vector)))
+                for other in "qkv":
+                    kept = [h for h in range(model.cfg.n_heads) if other != fork or h not in heads]
+                    hooks.append((f"{block}.attn.hook_{other}_input", _shift(p, kept, vector)))
+            else:
+                hooks.append((f"{block}.attn.hook_{fork}_input", _shift(p, heads, -vector)))
+        split = model.cfg.use_split_qkv_input
+        model.set_use_split_qkv_input(True)
+        try:
+            with torch.no_grad():
+                model.run_with_hooks(self.prompt, fwd_hooks=hooks, stop_at_layer=layer + 1)
+        finally:
+            model.set_use_split_qkv_input(split)
+        return read[0]
+
+
+def _frozen(clean: Tensor):
+    """A hook that returns the clean run's scale ([pos, 1] or [pos, head, 1]) in the shape the hook sees."""
+
+    def hook(x: Tensor, hook) -> Tensor:
+        value = clean.to(x.device, x.dtype)[None]
+        if x.ndim == value.ndim + 1:  # ln1 on a per-head copy: [batch, pos, head, 1]
+            value = value[:, :, None]
+        return value.expand_as(x)
+
+    return hook
+
+
+def _shift(p: int, heads: list[int] | None, vector: Tensor):
+    """A hook adding `vector` at position p ([batch, pos, d]; or [batch, pos, head, d] at `heads`)."""
+
+    def hook(x: Tensor, hook) -> Tensor:
+        x = x.clone()
+        delta = vector.to(x.device, x.dtype)
+        if heads is None:
+            x[:, p] += delta
+        elif heads:
+            x[:, p, heads] += delta
+        return x
+
+    return hook
+
+
+def causal_checks(
+    model: HookedDCFormer, attribution: QKAttribution, k: int = 3, key_pos: int | None = None
+) -> pd.DataFrame:
+    """`check_terms` for the k components with the largest |terms| on each side (through every source head), and
+    for the source head of the largest single term on its own: one row per check."""
+    index = attribution._key(key_pos)
+    table = attribution.component_table(attribution.key_pos[index])
+    rows = []
+    for side in SIDES:
+        top = table.reindex(table[side].abs().sort_values(ascending=False).index).head(k)
+        for component in top["component"]:
+            rows.append(check_terms(model, attribution, component, side, None, attribution.key_pos[index]).to_dict())
+    best = attribution.top_terms(1, attribution.key_pos[index])
+    if len(best):
+        term = best.iloc[0]
+        for side, component in (("query", term.query_component), ("key", term.key_component)):
+            check = check_terms(model, attribution, component, side, int(term.source_head), attribution.key_pos[index])
+            rows.append(check.to_dict())
+    frame = pd.DataFrame(rows)
+    frame["source_head"] = frame["source_head"].astype("Int64")
+    return frame
