@@ -37,8 +37,8 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .checks import check_head, check_layer, find_word
-from .composition import _position, _single_prompt
+from .checks import check_head, check_layer, check_tokens, find_word
+from .composition import _position
 from .model import HookedDCFormer, apply_rotary, visible_keys
 
 BRANCHES = ("skip", "qp", "kp", "qg", "kg")
@@ -361,7 +361,19 @@ def _named(rows: pd.DataFrame, components: list[str]) -> pd.DataFrame:
 
 
 # --------------------------------------------------------------------------------------------------
-# Positions
+# Prompt and positions
+def single_prompt(
+    model: HookedDCFormer, tokens, batch_index: int, name: str = "tokens", index_name: str = "batch_index"
+) -> Int[Tensor, "1 pos"]:
+    """One prompt [1, pos] of `tokens` ([pos] or a batch, `batch_index` picking the prompt), checked; the
+    one-line errors name the arguments as `name` and `index_name`."""
+    tokens = check_tokens(model, tokens, name)
+    n = tokens.shape[0]
+    if isinstance(batch_index, bool) or not isinstance(batch_index, int) or not -n <= batch_index < n:
+        raise ValueError(f"{index_name}={batch_index!r} is out of range: the batch has prompts 0..{n - 1}")
+    return tokens[batch_index % n :][:1]
+
+
 def _key_positions(model: HookedDCFormer, prompt: Tensor, layer: int, t: int, key_pos, name: str) -> list[int]:
     """The keys asked for (None: every key the query sees in this layer), each checked to be visible from t."""
     n = prompt.shape[1]
@@ -595,7 +607,7 @@ def qk_attribution(
     outside a local window) is a ValueError.
     """
     layer, head = check_layer(model, layer), check_head(model, head)
-    prompt = _single_prompt(model, tokens, batch_index)
+    prompt = single_prompt(model, tokens, batch_index)
     t = _position(model, prompt, query_pos, "query_pos")
     keys = _key_positions(model, prompt, layer, t, key_pos, "key_pos")
     max_terms = _check_max_terms(max_terms, len(keys))
@@ -730,7 +742,7 @@ def qk_contrast(
     scores (what moves the softmax between them) as a sum of terms, float32 on the CPU. Arguments as
     `qk_attribution`, with one key each."""
     layer, head = check_layer(model, layer), check_head(model, head)
-    prompt = _single_prompt(model, tokens, batch_index)
+    prompt = single_prompt(model, tokens, batch_index)
     t = _position(model, prompt, query_pos, "query_pos")
     (s,) = _key_positions(model, prompt, layer, t, _one(key_pos, "key_pos"), "key_pos")
     (other,) = _key_positions(model, prompt, layer, t, _one(other_key_pos, "other_key_pos"), "other_key_pos")
