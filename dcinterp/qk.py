@@ -39,7 +39,7 @@ from torch import Tensor
 
 from .checks import check_head, check_layer, check_tokens, find_word
 from .composition import _position
-from .model import HookedDCFormer, apply_rotary, visible_keys
+from .model import HookedDCFormer, apply_rotary, project_heads, visible_keys
 
 BRANCHES = ("skip", "qp", "kp", "qg", "kg")
 DIAGONAL_BRANCHES = ("skip", "qg", "kg")  # W_b diagonal: head n feeds only head n
@@ -79,7 +79,8 @@ def layer_run(
     """One forward of layers 0..layer with hooks that keep what the decomposition reads (batch dimension dropped).
 
     At `positions` only (`run["positions"]`, sorted): embed, z{l} and mlp{l} of the earlier layers. At every
-    position: ln_scale [pos, 1], q_scale / k_scale [pos, head, 1] (QK-norm), the compose weights
+    position: ln_scale [pos, 1], q_scale / k_scale [pos, head, 1] (the QK-norm's, from ln1's output by the
+    forward's own projection), the compose weights
     `{stage}.{weight}`. The query's row [head, key] of scores, composed (DCMHA), pattern, composed_pattern (DCMHA).
     """
     attn = f"blocks.{layer}.attn"
@@ -90,7 +91,7 @@ def layer_run(
         names[f"mlp{earlier}"] = (f"blocks.{earlier}.hook_mlp_out", "at")
     names |= {"scores": (f"{attn}.hook_attn_scores", "row"), "pattern": (f"{attn}.hook_pattern", "row")}
     if model.cfg.use_qk_norm:
-        names |= {"q_scale": (f"{attn}.q_norm.hook_scale", "all"), "k_scale": (f"{attn}.k_norm.hook_scale", "all")}
+        names["normed"] = (f"blocks.{layer}.ln1.hook_normalized", "all")
     if model.cfg.use_dcmha:
         names["composed"] = (f"{attn}.hook_composed_scores", "row")
         names["composed_pattern"] = (f"{attn}.hook_composed_pattern", "row")
@@ -110,6 +111,13 @@ def layer_run(
     hooked = set(model.hook_dict)
     hooks = [(name, keep(key, part)) for key, (name, part) in names.items() if name in hooked]
     model.run_with_hooks(prompt, fwd_hooks=hooks, stop_at_layer=layer + 1)
+    if model.cfg.use_qk_norm:  # the QK-norm's scales, by the forward's own ops (a hook on them changes the last bit)
+        block = model.blocks[layer].attn
+        normed = run.pop("normed")[None]
+        for side, W, b, norm in (("q", block.W_Q, block.b_Q, block.q_norm), ("k", block.W_K, block.b_K, block.k_norm)):
+            linear = project_heads(normed, W)
+            linear = (linear + b if b is not None else linear)[0].float()
+            run[f"{side}_scale"] = (linear.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt()  # [pos, head, 1]
     return run
 
 
@@ -380,14 +388,10 @@ def _key_positions(model: HookedDCFormer, prompt: Tensor, layer: int, t: int, ke
     visible = visible_keys(n, model.cfg.layer_window(layer), "cpu", model.cfg.window)[t]
     if key_pos is None:
         return visible.nonzero()[:, 0].tolist()
-    if isinstance(key_pos, (str, int)) or isinstance(key_pos, Tensor) and key_pos.ndim == 0:
-        values = [key_pos]
-    elif isinstance(key_pos, Tensor):
-        values = key_pos.tolist()
-    elif isinstance(key_pos, (list, tuple)):
+    if isinstance(key_pos, (list, tuple)) or isinstance(key_pos, Tensor) and key_pos.ndim:
         values = list(key_pos)
-    else:
-        raise TypeError(f"{name} must be a position, a word, a list of them or None, not {type(key_pos).__name__}")
+    else:  # one position or word (checked below)
+        values = [key_pos]
     if not values:
         raise ValueError(f"{name} is empty: pass a position, a word, a list of them, or None for every visible key")
     keys = []
@@ -836,6 +840,11 @@ def check_terms(
         raise ValueError(
             f"component={component!r} is not one of the layer's components ({attribution.components[0]}, ...)"
         )
+    if component == "bias":
+        raise ValueError(
+            "component='bias' holds ln1's bias and b_Q / b_K besides the b_O's in the stream: it cannot be removed "
+            "from a head's input; check a residual component (embed, L{l}H{h}, MLP{l})"
+        )
     heads = list(range(model.cfg.n_heads)) if source_head is None else [check_head(model, source_head, "source_head")]
     k = attribution._key(key_pos)
     layer, t, s, m = attribution.layer, attribution.query_pos, attribution.key_pos[k], attribution.head
@@ -926,16 +935,18 @@ def _shift(p: int, heads: list[int] | None, vector: Tensor):
 def causal_checks(
     model: HookedDCFormer, attribution: QKAttribution, k: int = 3, key_pos: int | None = None
 ) -> pd.DataFrame:
-    """`check_terms` for the k components with the largest |terms| on each side (through every source head), and
-    for the source head of the largest single term on its own: one row per check."""
+    """`check_terms` for the k components with the largest |terms| on each side (through every source head;
+    `bias` left out), and for the source head of the largest single term on its own: one row per check."""
     index = attribution._key(key_pos)
     table = attribution.component_table(attribution.key_pos[index])
+    table = table[table["component"] != "bias"]
     rows = []
     for side in SIDES:
         top = table.reindex(table[side].abs().sort_values(ascending=False).index).head(k)
         for component in top["component"]:
             rows.append(check_terms(model, attribution, component, side, None, attribution.key_pos[index]).to_dict())
-    best = attribution.top_terms(1, attribution.key_pos[index])
+    terms = attribution.top_terms(len(attribution.terms), attribution.key_pos[index])
+    best = terms[(terms["query_component"] != "bias") & (terms["key_component"] != "bias")].head(1)
     if len(best):
         term = best.iloc[0]
         for side, component in (("query", term.query_component), ("key", term.key_component)):
