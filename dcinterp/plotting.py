@@ -483,8 +483,9 @@ QK_CAPTION = (
     "branches; 'others' sums the pairs of the components not shown, so every cell together gives the score. "
     "Middle: the same score by source head n and compose branch b (W_b[n, m] times head n's pre-compose score), "
     "summed over components. Right: each component's terms on the query side and on the key side (bars); where "
-    "it was checked, removing it from the heads' query or key input with ln1, the QK-norm and the dynamic weights "
-    "frozen (x: must sit on the bar) and with them free (o)."
+    "it was checked, the score lost when it is removed from every head's query (or key) input with ln1, the "
+    "QK-norm and the dynamic weights frozen (x: sits on the bar end), with the norms free (o), and with the "
+    "dynamic weights free too (^: the component also leaves what the compose weights read)."
 )
 
 
@@ -519,20 +520,39 @@ def plot_qk_attribution(
     top: int = 12,
     title: str | None = None,
     caption: str | None = None,
+    contrast: Mapping | None = None,
+    label: str = "the score",
 ) -> Figure:
     """Why a head attends to a key (`dcinterp.qk`), from the result's tables: `pairs` [query component x key
     component] (`pair_table()`), `head_branch` [source head x branch] (`head_branch_table()`), `components`
-    (`component_table()`: component, query, key) and `checks` (`causal_checks()`, rows with component, side,
-    source_head, estimate, frozen, norms). Means over samples work the same way. `layer` labels the source heads
-    L{layer}H{n}."""
-    shown, row_names, col_names = _top_pairs(pairs, top)
-    hb = head_branch.to_numpy(dtype=float)
-    n_panels = 2 + (components is not None)
-    width = 4.5 + 0.5 * len(col_names) + 1.2 + 0.7 * hb.shape[1] + (5.0 if components is not None else 0)
-    fig = Figure(figsize=(max(12.0, width), max(5.5, 0.36 * len(row_names) + 3.2)), layout="constrained")
-    ratios = [len(col_names) + 2, hb.shape[1] + 1.5] + ([5] if components is not None else [])
-    axes = fig.subplots(1, n_panels, gridspec_kw={"width_ratios": ratios})
+    (`component_table()`: component, query, key) and `checks` (`causal_checks()`: component, side, source_head,
+    estimate, frozen, norms, weights). Means over samples work the same way. `layer` labels the source heads
+    L{layer}H{n}. `contrast`: the same tables of a `QKContrast` (keys pairs, head_branch, components, checks,
+    label), drawn as a second row."""
+    rows = [dict(pairs=pairs, head_branch=head_branch, components=components, checks=checks, label=label)]
+    if contrast is not None:
+        rows.append(dict(contrast))
+    shown = [_top_pairs(row["pairs"], top) for row in rows]
+    n_cols = max(len(names) for _, _, names in shown)
+    n_rows = max(len(names) for _, names, _ in shown)
+    B = rows[0]["head_branch"].shape[1]
+    width = 4.5 + 0.5 * n_cols + 1.2 + 0.7 * B + (5.0 if components is not None else 0)
+    height = max(5.5, 0.36 * n_rows + 3.2)
+    fig = Figure(figsize=(max(12.0, width), height * len(rows)), layout="constrained")
+    panels = fig.subfigures(len(rows), 1) if len(rows) > 1 else [fig]
+    for panel, row, (values, row_names, col_names) in zip(panels, rows, shown, strict=True):
+        _draw_qk_row(panel, row, values, row_names, col_names, layer, top)
+    fig.suptitle(title or "QK attribution: the head's composed score at one (query, key)")
+    _caption(fig, caption or QK_CAPTION)
+    return fig
 
+
+def _draw_qk_row(fig, row: Mapping, shown, row_names, col_names, layer, top: int) -> None:
+    """One row of `plot_qk_attribution`: component pairs, source head x branch, and per-component bars."""
+    hb = row["head_branch"].to_numpy(dtype=float)
+    components, checks = row.get("components"), row.get("checks")
+    ratios = [len(col_names) + 2, hb.shape[1] + 1.5] + ([5] if components is not None else [])
+    axes = fig.subplots(1, len(ratios), gridspec_kw={"width_ratios": ratios})
     limit = _symmetric_limit(shown, hb)  # one scale: both panels show shares of the same score
     image = _diverging(axes[0], shown, limit)
     _annotate(axes[0], shown, fontsize=7, limit=limit)
@@ -540,59 +560,52 @@ def plot_qk_attribution(
     axes[0].set_yticks(range(len(row_names)), row_names)
     axes[0].set_xlabel("key component j")
     axes[0].set_ylabel("query component i")
-    axes[0].set_title("component pairs (i, j)", fontsize=10)
+    axes[0].set_title(f"{row['label']}: component pairs (i, j)", fontsize=10)
 
     _diverging(axes[1], hb, limit)
     _annotate(axes[1], hb, fontsize=7, limit=limit)
-    heads = [f"L{layer}H{n}" if layer is not None else str(n) for n in head_branch.index]
-    axes[1].set_xticks(range(hb.shape[1]), list(head_branch.columns))
+    heads = [f"L{layer}H{n}" if layer is not None else str(n) for n in row["head_branch"].index]
+    axes[1].set_xticks(range(hb.shape[1]), list(row["head_branch"].columns))
     axes[1].set_yticks(range(hb.shape[0]), heads)
     axes[1].set_xlabel("compose branch b")
     axes[1].set_ylabel("source head n")
     axes[1].set_title("source head x branch", fontsize=10)
-    fig.colorbar(image, ax=axes[:2].tolist(), location="bottom", shrink=0.6, label="share of the score")
-
-    if components is not None:
-        ax = axes[2]
-        table = components.set_index("component")
-        order = (table["query"].abs() + table["key"].abs()).sort_values(ascending=False).index[:top]
-        y = np.arange(len(order))
-        ax.barh(y - 0.2, table.loc[order, "query"], height=0.4, color="tab:orange", label="query side (estimate)")
-        ax.barh(y + 0.2, table.loc[order, "key"], height=0.4, color="tab:blue", label="key side (estimate)")
-        if checks is not None and len(checks):
-            every_head = checks[checks["source_head"].isna()]
-            for side, dy in (("query", -0.2), ("key", 0.2)):
-                rows = every_head[(every_head["side"] == side) & every_head["component"].isin(order)]
-                where = [list(order).index(c) + dy for c in rows["component"]]
+    fig.colorbar(image, ax=axes[:2].tolist(), location="bottom", shrink=0.6, label=f"share of {row['label']}")
+    if components is None:
+        return
+    ax = axes[2]
+    table = components.set_index("component")
+    order = list((table["query"].abs() + table["key"].abs()).sort_values(ascending=False).index[:top])
+    y = np.arange(len(order))
+    ax.barh(y - 0.2, table.loc[order, "query"], height=0.4, color="tab:orange", label="query side (terms)")
+    ax.barh(y + 0.2, table.loc[order, "key"], height=0.4, color="tab:blue", label="key side (terms)")
+    if checks is not None and len(checks):
+        every_head = checks[checks["source_head"].isna() & checks["component"].isin(order)]
+        markers = [("frozen", "x", "removed: norms, weights frozen"), ("norms", "o", "removed: norms free")]
+        if "weights" in every_head and every_head["weights"].notna().any():
+            markers.append(("weights", "^", "removed: norms, weights free"))
+        for side, dy in (("query", -0.2), ("key", 0.2)):
+            side_rows = every_head[every_head["side"] == side]
+            where = [order.index(c) + dy for c in side_rows["component"]]
+            for column, marker, name in markers:
                 ax.scatter(
-                    rows["frozen"],
+                    side_rows[column],
                     where,
-                    marker="x",
-                    color="black",
+                    marker=marker,
+                    color="black" if marker == "x" else None,
+                    facecolor="none" if marker != "x" else None,
+                    edgecolor="black" if marker != "x" else None,
                     zorder=3,
-                    s=40,
-                    label="removed, frozen" if side == "query" else None,
+                    s=42,
+                    label=name if side == "query" else None,
                 )
-                ax.scatter(
-                    rows["norms"],
-                    where,
-                    marker="o",
-                    facecolor="none",
-                    edgecolor="black",
-                    zorder=3,
-                    s=40,
-                    label="removed, norms free" if side == "query" else None,
-                )
-        ax.axvline(0, color="black", linewidth=0.6)
-        ax.set_yticks(y, list(order))
-        ax.invert_yaxis()
-        ax.set_xlabel("share of the score")
-        ax.set_title("by component", fontsize=10)
-        ax.legend(fontsize=8, loc="best")
-        ax.grid(alpha=0.3, axis="x")
-    fig.suptitle(title or "QK attribution: the head's composed score at one (query, key)")
-    _caption(fig, caption or QK_CAPTION)
-    return fig
+    ax.axvline(0, color="black", linewidth=0.6)
+    ax.set_yticks(y, order)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"share of {row['label']}")
+    ax.set_title("by component, with causal checks", fontsize=10)
+    ax.legend(fontsize=7, loc="best")
+    ax.grid(alpha=0.3, axis="x")
 
 
 def plot_qk_keys_plotly(attribution, top: int = 10, title: str | None = None) -> go.Figure:

@@ -833,7 +833,15 @@ def check_terms(
 ) -> QKCheck:
     """Remove `component` from `source_head`'s (None: every head's) `side` ("query" or "key") input, through the
     split q/k inputs (`hook_q_input` / `hook_k_input`), and compare the change of the composed score with the
-    component's terms in `attribution` (run on this model). Three forwards of layers 0..layer per variant pair."""
+    component's terms in `attribution` (run on this model). Six forwards of layers 0..layer (five for plain MHA);
+    `causal_checks` shares the clean ones between checks."""
+    _check_arguments(model, attribution, component, side, source_head)
+    attribution._key(key_pos)
+    return _Checker(model, attribution, key_pos).check(component, side, source_head)
+
+
+def _check_arguments(model, attribution: QKAttribution, component: str, side: str, source_head) -> list[int]:
+    """The source heads a check removes the component from, after checking its arguments."""
     if side not in SIDES:
         raise ValueError(f"side must be 'query' or 'key', not {side!r}")
     if component not in attribution.components:
@@ -842,26 +850,40 @@ def check_terms(
         )
     if component == "bias":
         raise ValueError(
-            "component='bias' holds ln1's bias and b_Q / b_K besides the b_O's in the stream: it cannot be removed "
-            "from a head's input; check a residual component (embed, L{l}H{h}, MLP{l})"
+            "component='bias' holds ln1's bias and b_Q / b_K besides the b_O's in the stream: it cannot be "
+            "removed from a head's input; check a residual component (embed, L{l}H{h}, MLP{l})"
         )
-    heads = list(range(model.cfg.n_heads)) if source_head is None else [check_head(model, source_head, "source_head")]
-    k = attribution._key(key_pos)
-    layer, t, s, m = attribution.layer, attribution.query_pos, attribution.key_pos[k], attribution.head
-    c = attribution.components.index(component)
-    marginal = attribution.query_marginal if side == "query" else attribution.key_marginal
-    estimate = float(marginal[k, heads, c].double().sum())
-    prompt = attribution.tokens[None].to(model.input_device)
-    p = t if side == "query" else s
-    run = layer_run(model, prompt, layer, t, [p])
-    vector = residual_components(model, run, layer, torch.tensor([p]))[0, c]
-    measure = _Intervention(model, prompt, layer, run, t, s, m)
-    fork = "q" if side == "query" else "k"
-    frozen = measure(freeze=True) - measure(remove=(fork, p, heads, vector), freeze=True)
-    clean = measure()
-    norms = clean - measure(remove=(fork, p, heads, vector))
-    weights = clean - measure(remove=(fork, p, heads, vector), from_compose=True) if model.cfg.use_dcmha else None
-    return QKCheck(layer, m, t, s, component, side, source_head, estimate, frozen, norms, weights)
+    return list(range(model.cfg.n_heads)) if source_head is None else [check_head(model, source_head, "source_head")]
+
+
+class _Checker:
+    """The checks of one attribution at one key: the clean run and the clean scores are computed once."""
+
+    def __init__(self, model: HookedDCFormer, attribution: QKAttribution, key_pos: int | None):
+        self.model, self.attribution = model, attribution
+        self.k = attribution._key(key_pos)
+        layer, t, s = attribution.layer, attribution.query_pos, attribution.key_pos[self.k]
+        prompt = attribution.tokens[None].to(model.input_device)
+        run = layer_run(model, prompt, layer, t, [t, s])
+        self.vectors = {
+            "query": residual_components(model, run, layer, torch.tensor([t]))[0],
+            "key": residual_components(model, run, layer, torch.tensor([s]))[0],
+        }
+        self.measure = _Intervention(model, prompt, layer, run, t, s, attribution.head)
+        self.clean_frozen, self.clean = self.measure(freeze=True), self.measure()
+
+    def check(self, component: str, side: str, source_head: int | None) -> QKCheck:
+        model, a, k = self.model, self.attribution, self.k
+        heads = _check_arguments(model, a, component, side, source_head)
+        c = a.components.index(component)
+        marginal = a.query_marginal if side == "query" else a.key_marginal
+        estimate = float(marginal[k, heads, c].double().sum())
+        t, s = a.query_pos, a.key_pos[k]
+        remove = ("q" if side == "query" else "k", t if side == "query" else s, heads, self.vectors[side][c])
+        frozen = self.clean_frozen - self.measure(remove=remove, freeze=True)
+        norms = self.clean - self.measure(remove=remove)
+        weights = self.clean - self.measure(remove=remove, from_compose=True) if model.cfg.use_dcmha else None
+        return QKCheck(a.layer, a.head, t, s, component, side, source_head, estimate, frozen, norms, weights)
 
 
 class _Intervention:
@@ -933,25 +955,35 @@ def _shift(p: int, heads: list[int] | None, vector: Tensor):
 
 
 def causal_checks(
-    model: HookedDCFormer, attribution: QKAttribution, k: int = 3, key_pos: int | None = None
+    model: HookedDCFormer,
+    attribution: QKAttribution,
+    k: int = 3,
+    key_pos: int | None = None,
+    checks: list[tuple[str, str, int | None]] | None = None,
 ) -> pd.DataFrame:
-    """`check_terms` for the k components with the largest |terms| on each side (through every source head;
-    `bias` left out), and for the source head of the largest single term on its own: one row per check."""
+    """`check_terms` at one key for each (component, side, source_head) of `checks`; by default, the k components
+    with the largest |terms| on each side (through every source head; `bias` left out) and, for the largest single
+    term, its two components through its source head alone. One row per check (the fields of `QKCheck`)."""
     index = attribution._key(key_pos)
-    table = attribution.component_table(attribution.key_pos[index])
-    table = table[table["component"] != "bias"]
-    rows = []
-    for side in SIDES:
-        top = table.reindex(table[side].abs().sort_values(ascending=False).index).head(k)
-        for component in top["component"]:
-            rows.append(check_terms(model, attribution, component, side, None, attribution.key_pos[index]).to_dict())
-    terms = attribution.top_terms(len(attribution.terms), attribution.key_pos[index])
-    best = terms[(terms["query_component"] != "bias") & (terms["key_component"] != "bias")].head(1)
-    if len(best):
-        term = best.iloc[0]
-        for side, component in (("query", term.query_component), ("key", term.key_component)):
-            check = check_terms(model, attribution, component, side, int(term.source_head), attribution.key_pos[index])
-            rows.append(check.to_dict())
-    frame = pd.DataFrame(rows)
+    s = attribution.key_pos[index]
+    if checks is None:
+        table = attribution.component_table(s)
+        table = table[table["component"] != "bias"]
+        checks = []
+        for side in SIDES:
+            top = table.reindex(table[side].abs().sort_values(ascending=False).index).head(k)
+            checks += [(component, side, None) for component in top["component"]]
+        terms = attribution.top_terms(len(attribution.terms), s)
+        best = terms[(terms["query_component"] != "bias") & (terms["key_component"] != "bias")].head(1)
+        for term in best.itertuples():
+            checks += [
+                (term.query_component, "query", int(term.source_head)),
+                (term.key_component, "key", int(term.source_head)),
+            ]
+    for component, side, source_head in checks:  # every argument checked before the first forward
+        _check_arguments(model, attribution, component, side, source_head)
+    checker = _Checker(model, attribution, s)
+    rows = [checker.check(component, side, source_head).to_dict() for component, side, source_head in checks]
+    frame = pd.DataFrame(rows, columns=list(QKCheck.__dataclass_fields__))
     frame["source_head"] = frame["source_head"].astype("Int64")
     return frame
