@@ -30,6 +30,8 @@ from dcinterp.patching import (
     branch_components,
     sites,
 )
+from dcinterp.qk import qk_attribution, qk_contrast
+from dcinterp.qk_weights import weight_attribution
 from dcinterp.synth import contrast_pairs, tokenize_pairs
 from dcinterp.synth.contrast import PairTokens
 
@@ -279,6 +281,38 @@ def test_composition(data):
     outcome(
         lambda **kw: attention_distributions(MODEL, **kw), along, lambda result, kw: finite(result.before, result.after)
     )
+
+
+@given(st.data())
+@SETTINGS
+@seed(0)  # fixed draws that do not depend on the test's source text (derandomize's would)
+def test_qk(data):
+    # query POS - 1 sees keys 2..5 in every layer (layer 0 is local, 4 keys)
+    args = dict(
+        tokens=data.draw(arg([TOKENS, TOKENS[0]], [TOKENS[:0], TOKENS.float(), TOKENS[None], "x"])),
+        layer=data.draw(arg([0, 2, -1], [L, -L - 1, 0.5, "0"])),
+        head=data.draw(arg([0, H - 1, -1], [H, 1.5, None])),
+        query_pos=data.draw(arg([POS - 1, -1], [POS, 2.5])),
+        key_pos=data.draw(arg([2, 5, None, [3, 5], torch.tensor([2, 4])], [POS + 1, -POS - 1, "xyzzy", []])),
+        batch_index=data.draw(arg([0, 1, -1], [2, -3])),
+        max_terms=data.draw(arg([100, 10_000], [0, 1.5, "10"])),
+    )
+    if args["tokens"][1] and torch.as_tensor(args["tokens"][0]).ndim == 1:
+        args["batch_index"] = (0, True)  # a 1-d prompt is a batch of one: index 0 is its only valid index
+
+    def check(result, kwargs):
+        assert finite(result.composed) and table_is_finite(result.terms, "value") and result.relative_gap < 1e-4
+
+    outcome(lambda **kw: qk_attribution(MODEL, **kw), args, check)
+    single = {k: v for k, v in args.items() if k != "key_pos"}
+    single["key_pos"] = data.draw(arg([2, 5], [POS + 1, "xyzzy", None, [2, 3]]))
+    single["other_key_pos"] = data.draw(arg([4], [POS, -POS - 1, None]))
+    outcome(lambda **kw: qk_contrast(MODEL, **kw), single, lambda c, kw: abs(c.gap) < 1e-4 * c.scale)
+    weights = {k: v for k, v in single.items() if k not in ("other_key_pos", "max_terms")}
+    weights["stage"] = data.draw(arg(["pre", "post"], ["mid", None]))
+    weights["method"] = data.draw(arg(["ig", "linear"], ["saliency"]))
+    weights["n_steps"] = data.draw(arg([4, 16], [0, 2.5]))
+    outcome(lambda **kw: weight_attribution(MODEL, **kw), weights, lambda w, kw: table_is_finite(w.scores, "query"))
 
 
 @given(st.data())
