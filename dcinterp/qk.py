@@ -47,7 +47,6 @@ TERM_COLUMNS = ["key_pos", "query_component", "key_component", "source_head", "b
 REST = "rest"  # query_component, key_component and branch of the row that sums the terms left out
 MAX_TERMS = 100_000  # rows of `.terms` (the rest summed per key past it)
 MAX_TABLE_BYTES = 2**30  # component-pair tables kept per key: beyond this, ask for fewer keys
-CHUNK_ELEMENTS = 2**24  # term values computed at once (branches x heads x components^2)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -265,11 +264,13 @@ def _decompose(
     head: int,
     max_terms: int,
 ) -> _Terms:
-    """Every (group, query component, key component, source head, branch) term, by chunks of source heads.
+    """Every (group, query component, key component, source head, branch) term, one source head at a time.
 
-    Only the per-head query-side and key-side vectors are kept; a chunk's terms are
-    sign * W_b[n, head] * <q_n^i, k_n^j> for a few source heads n at a time. With more terms than `max_terms`, the
-    largest |value| are kept (a running top-k over the chunks) and the rest of each group goes in one row."""
+    Only the per-head query-side and key-side vectors are kept; head n's terms are
+    sum over the group's keys of sign * W_b[n, head] * <q_n^i, k_n^j>, for the branches that feed `head` from n.
+    With more terms than `max_terms`, the largest |value| are kept: a running top-k whose smallest kept |value|
+    is the bar a later term must clear (one comparison per term), and the rest of each group goes in one row. The
+    tables (pairs, source head x branch, marginals) are exact whatever is kept."""
     C, H, E = queries.shape
     B = len(branches)
     device = queries.device
@@ -277,48 +278,53 @@ def _decompose(
     G = n_groups
     complete = G * C * C * int(present.sum()) <= max_terms
     keep = max_terms - G  # room for one rest row per group
-    heads_per_chunk = max(1, min(H, CHUNK_ELEMENTS // max(1, B * C * C)))
     pairs = torch.zeros(G, C, C, device=device)
     head_branch = torch.zeros(G, B, H, dtype=torch.float64, device=device)
     query_marginal = torch.zeros(G, H, C, device=device)
     key_marginal = torch.zeros(G, H, C, device=device)
     totals = torch.zeros(G, dtype=torch.float64)
     kept_values, kept_index = torch.zeros(0, device=device), torch.zeros(0, 5, dtype=torch.long, device=device)
+    bar = -1.0  # |value| a term must exceed to be kept: the smallest kept one, once `keep` are kept
     q_sum = queries.sum(0)  # [head, d_head]
+    q_sum64 = queries.double().sum(0)
     for g, members in enumerate(groups):
-        for member in members:
-            K, W = member.keys.to(device), member.weights.to(device)
+        members = [(m.keys.to(device), m.weights.to(device), m.sign) for m in members]
+        for K, W, sign in members:
             folded = W.sum(0)  # [head]: every branch's weight on head n
-            pairs[g] += member.sign * (queries * folded[None, :, None]).flatten(1) @ K.flatten(1).T
-            k_sum = K.sum(0)
-            query_marginal[g] += member.sign * folded[:, None] * torch.einsum("ine,ne->ni", queries, k_sum)
-            key_marginal[g] += member.sign * folded[:, None] * torch.einsum("ne,jne->nj", q_sum, K)
-        for start in range(0, H, heads_per_chunk):
-            chunk = slice(start, min(H, start + heads_per_chunk))
-            values = torch.zeros(B, chunk.stop - start, C, C, device=device)
-            for member in members:
-                K, W = member.keys.to(device), member.weights.to(device)
-                products = torch.einsum("ine,jne->nij", queries[:, chunk], K[:, chunk])
-                values += member.sign * W[:, chunk, None, None] * products[None]
-            mask = present[:, chunk, None, None].expand_as(values)
-            sums = values.double().sum((2, 3))  # [branch, heads of the chunk]
-            head_branch[g, :, chunk] = torch.where(present[:, chunk], sums, 0.0)
-            totals[g] += float(sums[present[:, chunk]].sum())
-            if complete:
-                index = mask.nonzero()
-                chosen = values[mask]
+            pairs[g] += sign * (queries * folded[None, :, None]).flatten(1) @ K.flatten(1).T
+            query_marginal[g] += sign * folded[:, None] * torch.einsum("ine,ne->ni", queries, K.sum(0))
+            key_marginal[g] += sign * folded[:, None] * torch.einsum("ne,jne->nj", q_sum, K)
+            scores = torch.einsum("ne,ne->n", q_sum64, K.double().sum(0))  # S_n, summed over both sides' components
+            head_branch[g] += sign * W.double() * scores[None]
+        head_branch[g] *= present
+        totals[g] = float(head_branch[g].sum())
+        for n in range(H):
+            branch_index = present[:, n].nonzero()[:, 0]  # the branches that feed `head` from head n
+            products = [(sign * W[branch_index, n], queries[:, n] @ K[:, n].T) for K, W, sign in members]
+            if len(products) == 1 and bar >= 0 and not complete:  # one key: |w_b M| > bar iff |M| > bar / |w_b|
+                (weights, M), size = products[0], products[0][1].numel()
+                magnitude = M.abs().flatten()
+                chosen = torch.cat(
+                    [b * size + (magnitude > bar / abs(w)).nonzero()[:, 0] for b, w in enumerate(weights.tolist()) if w]
+                    or [torch.zeros(0, dtype=torch.long, device=device)]
+                )
+                chosen_values = weights[chosen // size] * M.flatten()[chosen % size]
             else:
-                score = values.abs().masked_fill(~mask, -1.0).flatten()
-                top = score.topk(min(keep, score.numel()))
-                top_index = top.indices[top.values >= 0]
-                index = torch.stack(torch.unravel_index(top_index, values.shape), dim=1)
-                chosen = values.flatten()[top_index]
-            index = torch.cat([torch.full((len(index), 1), g, device=device), index], dim=1)
-            index[:, 2] += start  # chunk head -> source head
-            kept_values, kept_index = torch.cat([kept_values, chosen]), torch.cat([kept_index, index])
-            if not complete and len(kept_values) > keep:
+                values = sum(weights[:, None, None] * M[None] for weights, M in products).flatten()
+                if complete or values.numel() <= keep and bar < 0:
+                    chosen = torch.arange(values.numel(), device=device)
+                elif bar < 0:
+                    chosen = values.abs().topk(keep).indices
+                else:
+                    chosen = (values.abs() > bar).nonzero()[:, 0]
+                chosen_values = values[chosen]
+            b, i, j = torch.unravel_index(chosen, (len(branch_index), C, C))
+            index = torch.stack([torch.full_like(b, g), branch_index[b], torch.full_like(b, n), i, j], dim=1)
+            kept_values, kept_index = torch.cat([kept_values, chosen_values]), torch.cat([kept_index, index])
+            if not complete and len(kept_values) >= keep:
                 top = kept_values.abs().topk(keep).indices
                 kept_values, kept_index = kept_values[top], kept_index[top]
+                bar = float(kept_values.abs().min())
     rows = _term_rows(kept_values.cpu(), kept_index.cpu(), branches)
     if not complete:
         kept = rows.groupby("group")["value"].sum().reindex(range(G), fill_value=0.0)
