@@ -482,10 +482,10 @@ QK_CAPTION = (
     "Left: the score as a sum over (query component, key component) pairs, each pair summed over source heads and "
     "branches; 'others' sums the pairs of the components not shown, so every cell together gives the score. "
     "Middle: the same score by source head n and compose branch b (W_b[n, m] times head n's pre-compose score), "
-    "summed over components. Right: each component's terms on the query side and on the key side (bars); where "
-    "it was checked, the score lost when it is removed from every head's query (or key) input with ln1, the "
-    "QK-norm and the dynamic weights frozen (x: sits on the bar end), with the norms free (o), and with the "
-    "dynamic weights free too (^: the component also leaves what the compose weights read)."
+    "summed over components, and each source head's total. Right: each component's terms on the query side and "
+    "on the key side (bars); where it was checked, the score lost when it is removed from every head's query (or "
+    "key) input with ln1, the QK-norm and the dynamic weights frozen (x: sits on the bar end), with the norms "
+    "free (o), and with the dynamic weights free too (^: the component also leaves what the compose weights read)."
 )
 
 
@@ -549,7 +549,10 @@ def plot_qk_attribution(
 
 def _draw_qk_row(fig, row: Mapping, shown, row_names, col_names, layer, top: int) -> None:
     """One row of `plot_qk_attribution`: component pairs, source head x branch, and per-component bars."""
-    hb = row["head_branch"].to_numpy(dtype=float)
+    table = row["head_branch"]
+    table = table[(table != 0).any(axis=1)] if (table != 0).any(axis=None) else table  # plain MHA: the head alone
+    hb = table.to_numpy(dtype=float)
+    hb = np.hstack([hb, hb.sum(1, keepdims=True)])  # and each source head's total
     components, checks = row.get("components"), row.get("checks")
     ratios = [len(col_names) + 2, hb.shape[1] + 1.5] + ([5] if components is not None else [])
     axes = fig.subplots(1, len(ratios), gridspec_kw={"width_ratios": ratios})
@@ -564,8 +567,9 @@ def _draw_qk_row(fig, row: Mapping, shown, row_names, col_names, layer, top: int
 
     _diverging(axes[1], hb, limit)
     _annotate(axes[1], hb, fontsize=7, limit=limit)
-    heads = [f"L{layer}H{n}" if layer is not None else str(n) for n in row["head_branch"].index]
-    axes[1].set_xticks(range(hb.shape[1]), list(row["head_branch"].columns))
+    axes[1].axvline(hb.shape[1] - 1.5, color="black", linewidth=1.5)
+    heads = [f"L{layer}H{n}" if layer is not None else str(n) for n in table.index]
+    axes[1].set_xticks(range(hb.shape[1]), [*table.columns, "= sum"])
     axes[1].set_yticks(range(hb.shape[0]), heads)
     axes[1].set_xlabel("compose branch b")
     axes[1].set_ylabel("source head n")
@@ -604,7 +608,7 @@ def _draw_qk_row(fig, row: Mapping, shown, row_names, col_names, layer, top: int
     ax.invert_yaxis()
     ax.set_xlabel(f"share of {row['label']}")
     ax.set_title("by component, with causal checks", fontsize=10)
-    ax.legend(fontsize=7, loc="best")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     ax.grid(alpha=0.3, axis="x")
 
 

@@ -968,8 +968,9 @@ def causal_checks(
     checks: list[tuple[str, str, int | None]] | None = None,
 ) -> pd.DataFrame:
     """`check_terms` at one key for each (component, side, source_head) of `checks`; by default, the k components
-    with the largest |terms| on each side (through every source head; `bias` left out) and, for the largest single
-    term, its two components through its source head alone. One row per check (the fields of `QKCheck`)."""
+    with the largest |terms| on each side (through every source head; `bias` left out) and, in a DCMHA model, for
+    the largest single term, its two components through its source head alone. One row per check (the fields of
+    `QKCheck`)."""
     index = attribution._key(key_pos)
     s = attribution.key_pos[index]
     if checks is None:
@@ -980,7 +981,8 @@ def causal_checks(
             top = table.reindex(table[side].abs().sort_values(ascending=False).index).head(k)
             checks += [(component, side, None) for component in top["component"]]
         terms = attribution.top_terms(len(attribution.terms), s)
-        best = terms[(terms["query_component"] != "bias") & (terms["key_component"] != "bias")].head(1)
+        best = terms[(terms["query_component"] != "bias") & (terms["key_component"] != "bias")]
+        best = best.head(1 if model.cfg.use_dcmha else 0)  # plain MHA: only the head's own input counts
         for term in best.itertuples():
             checks += [
                 (term.query_component, "query", int(term.source_head)),
