@@ -598,6 +598,7 @@ def _loadings(model: HookedDCFormer, run: dict[str, Tensor], t: int, keys: list[
     )
 
 
+@torch.no_grad()
 def qk_attribution(
     model: HookedDCFormer,
     tokens: Int[Tensor, "batch pos"],
@@ -737,6 +738,7 @@ class QKContrast:
         )
 
 
+@torch.no_grad()
 def qk_contrast(
     model: HookedDCFormer,
     tokens: Int[Tensor, "batch pos"],
@@ -829,6 +831,7 @@ class QKCheck:
         return dict(self.__dict__)
 
 
+@torch.no_grad()
 def check_terms(
     model: HookedDCFormer,
     attribution: QKAttribution,
@@ -960,6 +963,7 @@ def _shift(p: int, heads: list[int] | None, vector: Tensor):
     return hook
 
 
+@torch.no_grad()
 def causal_checks(
     model: HookedDCFormer,
     attribution: QKAttribution,

@@ -201,6 +201,7 @@ class WeightAttribution:
         )
 
 
+@torch.no_grad()
 def weight_attribution(
     model: HookedDCFormer,
     tokens: Int[Tensor, "batch pos"],
@@ -317,6 +318,7 @@ class ComposeChange:
         )
 
 
+@torch.no_grad()
 def compose_change(
     model: HookedDCFormer,
     tokens: Int[Tensor, "batch pos"],
