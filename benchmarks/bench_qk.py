@@ -9,16 +9,16 @@ machine, while the activations, the hooks and every computation are those of a m
 explained sits in the last block, so its query and key sides have 1 + 32 x 33 = 1,057 senders (the count of every
 sender of the 32-layer model) and `bias`: 1,058 components, 32 source heads, 5 branches, 75 million terms per key.
 
-Each measurement runs in a fresh process and reports its time and its peak RssAnon above what the process held
-once the model was built (`dcinterp.memory.PeakAnonMemory`), and the whole process's peak RssAnon:
-  forward     the forward of layers 0..L-1 with the hooks the attribution reads (`dcinterp.qk.layer_run`):
-              the baseline, measured in the same run
+Each step runs in a fresh process, which first times the baseline, the forward of layers 0..L-1 with the hooks the
+attribution reads (`dcinterp.qk.layer_run`), and then the step (which runs that forward again inside), so that the
+two are timed back to back on a shared machine; it reports the step's time, its multiple of the forward's, the
+time beyond the forward, and its peak RssAnon above what the process held once the model was built
+(`dcinterp.memory.PeakAnonMemory`) beside the whole process's peak RssAnon:
   1 key       qk_attribution at one (query, key): every table exact, the top --max-terms terms kept
   K keys      qk_attribution at --keys keys of the query
   contrast    qk_contrast of two keys
   checks      causal_checks at one key (8 checks: 3 components per side through every head, 2 through one;
               26 forwards of layers 0..L-1 with split q/k/v inputs), only when asked (--steps ... checks)
-and each one's time as a multiple of the forward's.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import time
 import torch
 
 GiB = 2**30
-STEPS = ("forward", "1 key", "K keys", "contrast", "checks")
+STEPS = ("1 key", "K keys", "contrast", "checks")
 
 
 def shared_model(n_layers: int):
@@ -76,9 +76,11 @@ def measure(step: str, layers: int, seq: int, keys: int, threads: int, max_terms
     model = shared_model(layers)
     tokens = torch.randint(0, model.cfg.d_vocab, (1, seq), generator=torch.Generator().manual_seed(1))
     layer, head, t = layers - 1, 11, seq - 1
+    start = time.perf_counter()
+    layer_run(model, tokens, layer, t, [t, 0])
+    forward = time.perf_counter() - start
     built = PeakAnonMemory.current()
     work = {
-        "forward": lambda: layer_run(model, tokens, layer, t, [t, 0]),
         "1 key": lambda: qk_attribution(model, tokens, layer, head, t, 0, max_terms=max_terms),
         "K keys": lambda: qk_attribution(model, tokens, layer, head, t, list(range(keys)), max_terms=max_terms),
         "contrast": lambda: qk_contrast(model, tokens, layer, head, t, 0, 1, max_terms=max_terms),
@@ -101,6 +103,7 @@ def measure(step: str, layers: int, seq: int, keys: int, threads: int, max_terms
     return {
         "step": step,
         "seconds": seconds,
+        "forward_seconds": forward,
         "peak_above_model_gib": (memory.peak - built) / GiB,
         "process_peak_gib": memory.peak / GiB,
         "components": len(component_names(model, layer)),
@@ -115,7 +118,7 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=8, help="keys of the K-keys step (default 8)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-terms", type=int, default=100_000)
-    parser.add_argument("--steps", nargs="+", default=list(STEPS[:4]), choices=STEPS)
+    parser.add_argument("--steps", nargs="+", default=list(STEPS[:3]), choices=STEPS)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # run one step in this process (the fresh process)
     args = parser.parse_args()
     if args.one:
@@ -131,13 +134,14 @@ def main() -> None:
         command += ["--keys", str(args.keys), "--threads", str(args.threads), "--max-terms", str(args.max_terms)]
         row = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
         rows.append(row)
-        base = rows[0]["seconds"] if rows[0]["step"] == "forward" else float("nan")
         name = f"{args.keys} keys" if step == "K keys" else step
-        extra = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in list(row.items())[5:])
+        extra = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in list(row.items())[6:])
+        base = row["forward_seconds"]
         print(
-            f"{name:>9}: {row['seconds']:7.2f} s ({row['seconds'] / base:5.2f}x the forward), peak RssAnon "
-            f"{row['peak_above_model_gib']:.2f} GiB above the model ({row['process_peak_gib']:.2f} GiB in all); "
-            f"{row['components']} components" + (f"; {extra}" if extra else ""),
+            f"{name:>9}: {row['seconds']:7.2f} s = {row['seconds'] / base:5.2f}x the forward ({base:.2f} s, same "
+            f"process), {row['seconds'] - base:6.2f} s beyond it; peak RssAnon {row['peak_above_model_gib']:.2f} GiB "
+            f"above the model ({row['process_peak_gib']:.2f} GiB in all); {row['components']} components"
+            + (f"; {extra}" if extra else ""),
             flush=True,
         )
 

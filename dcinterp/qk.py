@@ -21,8 +21,9 @@ compose's dynamic weights frozen at the run's values, head m's composed score is
 so the rows always add up to the score), the tables summed over heads and branches (component pairs) and over
 components (source head x branch), and the post-compose head loadings (head m's final pattern as
 sum_{n, b} W'_b[n, m] P_n[t, s]). `qk_contrast` explains a difference of two keys' scores (what moves the
-softmax). `check_terms` removes a component from a head's query (or key) input and measures the change, frozen
-(equal to the component's terms) and not. The dynamic weights' own inputs: `dcinterp.qk_weights`.
+softmax). `check_terms` (and `causal_checks`, for the top components) removes a component from a head's query (or
+key) input and measures the change, frozen (equal to the component's terms) and not. The dynamic weights' own
+inputs: `dcinterp.qk_weights`. docs/qk-attribution.md has the method, the measurements and what it finds.
 """
 
 from __future__ import annotations
@@ -66,9 +67,6 @@ def compose_branches(model: HookedDCFormer, stage: str = "pre") -> list[str]:
     if not cfg.use_dcmha or stage not in cfg.compose_stages:
         return ["skip"]
     return ["skip", *(b for b in BRANCHES[1:] if b in cfg.active_branches)]
-
-
-ATTENTION_ROWS = ("scores", "composed", "pattern", "composed_pattern")  # kept as the query's row [head, key]
 
 
 @torch.no_grad()
