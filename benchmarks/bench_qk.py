@@ -9,11 +9,12 @@ machine, while the activations, the hooks and every computation are those of a m
 explained sits in the last block, so its query and key sides have 1 + 32 x 33 = 1,057 senders (the count of every
 sender of the 32-layer model) and `bias`: 1,058 components, 32 source heads, 5 branches, 75 million terms per key.
 
-Each step runs in a fresh process, which first times the baseline, the forward of layers 0..L-1 with the hooks the
-attribution reads (`dcinterp.qk.layer_run`), and then the step (which runs that forward again inside), so that the
-two are timed back to back on a shared machine; it reports the step's time, its multiple of the forward's, the
-time beyond the forward, and its peak RssAnon above what the process held once the model was built
-(`dcinterp.memory.PeakAnonMemory`) beside the whole process's peak RssAnon:
+Each step runs in a fresh process, which times the forward of layers 0..L-1 with the hooks the attribution reads
+(`dcinterp.qk.layer_run`: the baseline, which every attribution runs first) and then the step on that run (its
+own forward replaced by the run just made, so the decomposition is timed alone: on a shared machine two runs of a
+33-block forward differ by more than the decomposition takes). It reports the step's time, its multiple of the
+forward's, and the peak RssAnon of forward and step above what the process held once the model was built
+(`dcinterp.memory.PeakAnonMemory`), beside the whole process's peak RssAnon:
   1 key       qk_attribution at one (query, key): every table exact, the top --max-terms terms kept
   K keys      qk_attribution at --keys keys of the query
   contrast    qk_contrast of two keys
@@ -68,7 +69,8 @@ def shared_model(n_layers: int):
 
 
 def measure(step: str, layers: int, seq: int, keys: int, threads: int, max_terms: int) -> dict:
-    """Run in a fresh process: build the model, then time `step` and sample its peak RssAnon."""
+    """Run in a fresh process: build the model, time the forward the step reads, then the step on that run."""
+    import dcinterp.qk
     from dcinterp.memory import PeakAnonMemory
     from dcinterp.qk import causal_checks, component_names, layer_run, qk_attribution, qk_contrast
 
@@ -76,29 +78,27 @@ def measure(step: str, layers: int, seq: int, keys: int, threads: int, max_terms
     model = shared_model(layers)
     tokens = torch.randint(0, model.cfg.d_vocab, (1, seq), generator=torch.Generator().manual_seed(1))
     layer, head, t = layers - 1, 11, seq - 1
-    start = time.perf_counter()
-    layer_run(model, tokens, layer, t, [t, 0])
-    forward = time.perf_counter() - start
+    key_positions = {"1 key": [0], "K keys": list(range(keys)), "contrast": [0, 1], "checks": [0]}[step]
     built = PeakAnonMemory.current()
-    work = {
-        "1 key": lambda: qk_attribution(model, tokens, layer, head, t, 0, max_terms=max_terms),
-        "K keys": lambda: qk_attribution(model, tokens, layer, head, t, list(range(keys)), max_terms=max_terms),
-        "contrast": lambda: qk_contrast(model, tokens, layer, head, t, 0, 1, max_terms=max_terms),
-    }
-    if step == "checks":
-        attribution = qk_attribution(model, tokens, layer, head, t, 0, max_terms=1000)
-        built = PeakAnonMemory.current()
-        work["checks"] = lambda: causal_checks(model, attribution)
     with PeakAnonMemory() as memory:
+        start = time.perf_counter()
+        run = layer_run(model, tokens, layer, t, [t, *key_positions])
+        forward = time.perf_counter() - start
+        if step != "checks":  # the step's own forward is this run: time the decomposition alone
+            dcinterp.qk.layer_run = lambda *args: run
+        work = {
+            "1 key": lambda: qk_attribution(model, tokens, layer, head, t, 0, max_terms=max_terms),
+            "K keys": lambda: qk_attribution(model, tokens, layer, head, t, key_positions, max_terms=max_terms),
+            "contrast": lambda: qk_contrast(model, tokens, layer, head, t, 0, 1, max_terms=max_terms),
+            "checks": lambda: causal_checks(model, qk_attribution(model, tokens, layer, head, t, 0, max_terms=1000)),
+        }
         start = time.perf_counter()
         result = work[step]()
         seconds = time.perf_counter() - start
     extra = {}
-    if step in ("1 key", "K keys"):
+    if step != "checks":
         extra = {"rows": len(result.terms), "relative_gap": result.relative_gap}
-    if step == "contrast":
-        extra = {"rows": len(result.terms), "relative_gap": result.relative_gap}
-    if step == "checks":
+    else:
         extra = {"largest frozen - estimate": float((result["frozen"] - result["estimate"]).abs().max())}
     return {
         "step": step,
@@ -138,9 +138,9 @@ def main() -> None:
         extra = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in list(row.items())[6:])
         base = row["forward_seconds"]
         print(
-            f"{name:>9}: {row['seconds']:7.2f} s = {row['seconds'] / base:5.2f}x the forward ({base:.2f} s, same "
-            f"process), {row['seconds'] - base:6.2f} s beyond it; peak RssAnon {row['peak_above_model_gib']:.2f} GiB "
-            f"above the model ({row['process_peak_gib']:.2f} GiB in all); {row['components']} components"
+            f"{name:>9}: {row['seconds']:7.2f} s after the forward it reads ({base:.2f} s, same process; "
+            f"{row['seconds'] / base:.2f}x); peak RssAnon of both {row['peak_above_model_gib']:.2f} GiB above the "
+            f"model ({row['process_peak_gib']:.2f} GiB in all); {row['components']} components"
             + (f"; {extra}" if extra else ""),
             flush=True,
         )

@@ -367,8 +367,8 @@ def _named(rows: pd.DataFrame, components: list[str]) -> pd.DataFrame:
     """Component indices as names (the rest row keeps its name)."""
     names = np.asarray([*components, REST], dtype=object)
     for column in ("query_component", "key_component"):
-        index = rows[column].map(lambda c: len(components) if c == REST else c).to_numpy(dtype=int)
-        rows[column] = names[index]
+        values = rows[column].to_numpy(dtype=object)
+        rows[column] = names[np.where(values == REST, len(components), values).astype(int)]
     return rows
 
 
