@@ -80,10 +80,10 @@ def hook_shape(model, name: str, batch: int, pos: int, past: int = 0) -> tuple[t
     H, E, D, R = cfg.n_heads, cfg.d_head, cfg.d_model, cfg.dcmha_rank
     if suffix in _RESIDUAL:
         return (batch, pos, D), dtype
-    if suffix == "hook_scale":  # a norm's [b, p, 1]; the QK-norm's (attn.q_norm, attn.k_norm) per head
-        return ((batch, pos, H, 1) if name.endswith(("q_norm.hook_scale", "k_norm.hook_scale")) else (batch, pos, 1)), (
-            torch.float32
-        )
+    if suffix == "hook_scale":
+        return (batch, pos, 1), torch.float32
+    if suffix == "hook_inv_scale":  # the QK-norm's, per head
+        return (batch, pos, H, 1), torch.float32
     if suffix in ("hook_pre", "hook_post", "hook_pre_linear"):
         return (batch, pos, cfg.d_mlp), dtype
     if suffix == "hook_mgate":

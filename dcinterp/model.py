@@ -91,22 +91,21 @@ class Norm(nn.Module):
 class HeadRMSNorm(nn.Module):
     """QK-norm: RMSNorm with a learned scale over the head dim (eps 1e-6).
 
-    `hook_scale` [batch, pos, head, 1] (float32) is what divides each head's q or k, as the norms' `hook_scale`:
-    a hook that returns the clean run's scale freezes the QK-norm (dcinterp.qk's causal checks). With nothing on
-    it, x * rsqrt(mean x² + eps) as the released code computes it (the last bit may differ from x / scale)."""
+    `hook_inv_scale` [batch, pos, head, 1] (float32) is rsqrt(mean x² + eps), what multiplies each head's q or k:
+    a hook that returns the clean run's value freezes the QK-norm (dcinterp.qk's causal checks). The inverse is
+    hooked, not the norms' `hook_scale` divisor, so that the arithmetic is the released code's whether or not
+    anything reads it."""
 
     def __init__(self, d_head: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.w = nn.Parameter(torch.ones(d_head))
-        self.hook_scale = HookPoint()
+        self.hook_inv_scale = HookPoint()
 
     def forward(self, x: Float[Tensor, "b p h e"]) -> Float[Tensor, "b p h e"]:
         xf = x.float()
-        mean_square = xf.pow(2).mean(-1, keepdim=True) + self.eps
-        if _hooked(self.hook_scale):
-            return (xf / self.hook_scale(mean_square.sqrt())).to(x.dtype) * self.w
-        return (xf * torch.rsqrt(mean_square)).to(x.dtype) * self.w
+        inv_scale = self.hook_inv_scale(torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))
+        return (xf * inv_scale).to(x.dtype) * self.w
 
 
 def apply_rotary(

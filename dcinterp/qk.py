@@ -914,7 +914,9 @@ class _Intervention:
         if freeze:
             hooks.append((f"{block}.ln1.hook_scale", _frozen(run["ln_scale"])))
             if model.cfg.use_qk_norm:
-                hooks += [(f"{block}.attn.{side}_norm.hook_scale", _frozen(run[f"{side}_scale"])) for side in "qk"]
+                hooks += [
+                    (f"{block}.attn.{side}_norm.hook_inv_scale", _frozen(1 / run[f"{side}_scale"])) for side in "qk"
+                ]
         if remove is not None:
             fork, p, heads, vector = remove
             if from_compose:  # out of the stream at p, then back into every fork but the removed heads'
