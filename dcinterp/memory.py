@@ -1,7 +1,7 @@
 """Memory: what a `run_with_cache` will hold, before it runs, and the guard that refuses an oversized one.
 
     from dcinterp import estimate_cache
-    estimate_cache(model, tokens)                                          # every hook: 1283 tensors, 106 GiB
+    estimate_cache(model, tokens)                                          # every hook: 1347 tensors, 106 GiB
     estimate_cache(model, tokens, lambda name: name.startswith("blocks.16.attn"))
 
 The estimate comes from the config and the input's shape alone (nothing runs); a test checks it against real
@@ -82,6 +82,8 @@ def hook_shape(model, name: str, batch: int, pos: int, past: int = 0) -> tuple[t
         return (batch, pos, D), dtype
     if suffix == "hook_scale":
         return (batch, pos, 1), torch.float32
+    if suffix == "hook_inv_scale":  # the QK-norm's, per head
+        return (batch, pos, H, 1), torch.float32
     if suffix in ("hook_pre", "hook_post", "hook_pre_linear"):
         return (batch, pos, cfg.d_mlp), dtype
     if suffix == "hook_mgate":

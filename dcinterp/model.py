@@ -89,16 +89,23 @@ class Norm(nn.Module):
 
 
 class HeadRMSNorm(nn.Module):
-    """QK-norm: RMSNorm with a learned scale over the head dim (eps 1e-6)."""
+    """QK-norm: RMSNorm with a learned scale over the head dim (eps 1e-6).
+
+    `hook_inv_scale` [batch, pos, head, 1] (float32) is rsqrt(mean x² + eps), what multiplies each head's q or k:
+    a hook that returns the clean run's value freezes the QK-norm (dcinterp.qk's causal checks). The inverse is
+    hooked, not the norms' `hook_scale` divisor, so that the arithmetic is the released code's whether or not
+    anything reads it."""
 
     def __init__(self, d_head: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.w = nn.Parameter(torch.ones(d_head))
+        self.hook_inv_scale = HookPoint()
 
     def forward(self, x: Float[Tensor, "b p h e"]) -> Float[Tensor, "b p h e"]:
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.w
+        inv_scale = self.hook_inv_scale(torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))
+        return (xf * inv_scale).to(x.dtype) * self.w
 
 
 def apply_rotary(

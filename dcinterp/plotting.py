@@ -16,6 +16,8 @@ figure that shows the same quantity; small heatmaps carry their numbers; each fi
     plot_composition_along_sequence  how far the composition map is from the identity, key by key
     plot_compose_breakdown           one attention vector through a Compose stage (Fig. 7 style)
     plot_attention_distributions     attention before/after composition and w_k1 along the sequence (Fig. 8)
+    plot_qk_attribution              why a head attends to a key: component pairs, source head x branch, checks
+    plot_qk_keys_plotly              the same for every key of a query, interactive
     plot_head_diversity              cumulative captured variance of QK / OV circuits, models compared (Fig. 5)
     plot_synthetic_eval              synthetic-task accuracy with intervals and chance (Table 5, Fig. 6)
 """
@@ -489,6 +491,212 @@ def plot_attention_distributions(
             else "Grey: the head's attention scores before pre-compose; blue: after it (scores, before the softmax). "
         )
         + "Top: the key-wise weight that gathers attention from each head, along the sequence.",
+    )
+    return fig
+
+
+# --------------------------------------------------------------------------------------------------
+# QK attribution (dcinterp.qk)
+QK_CAPTION = (
+    "Left: the score as a sum over (query component, key component) pairs, each pair summed over source heads and "
+    "branches; 'others' sums the pairs of the components not shown, so every cell together gives the score. "
+    "Middle: the same score by source head n and compose branch b (W_b[n, m] times head n's pre-compose score), "
+    "summed over components, and each source head's total. Right: each component's terms on the query side and "
+    "on the key side (bars); where it was checked, the score lost when it is removed from every head's query (or "
+    "key) input with ln1, the QK-norm and the dynamic weights frozen (x: sits on the bar end), with the norms "
+    "free (o), and with the dynamic weights free too (^: the component also leaves what the compose weights read)."
+)
+
+
+def _top_pairs(pairs, top: int) -> tuple[np.ndarray, list[str], list[str]]:
+    """The top rows and columns (by sum of |values|) of a [query x key component] table, with an 'others' row and
+    column holding the rest, so that the cells still add up to the total."""
+    values = pairs.to_numpy(dtype=float)
+    rows = list(np.argsort(-np.abs(values).sum(1), kind="stable")[:top])
+    cols = list(np.argsort(-np.abs(values).sum(0), kind="stable")[:top])
+    other_rows = [i for i in range(values.shape[0]) if i not in rows]
+    other_cols = [j for j in range(values.shape[1]) if j not in cols]
+    shown = values[np.ix_(rows, cols)]
+    row_names, col_names = [str(pairs.index[i]) for i in rows], [str(pairs.columns[j]) for j in cols]
+    if other_cols:
+        shown = np.hstack([shown, values[np.ix_(rows, other_cols)].sum(1, keepdims=True)])
+        col_names.append("others")
+    if other_rows:
+        last = values[np.ix_(other_rows, cols)].sum(0)
+        if other_cols:
+            last = np.append(last, values[np.ix_(other_rows, other_cols)].sum())
+        shown = np.vstack([shown, last])
+        row_names.append("others")
+    return shown, row_names, col_names
+
+
+def plot_qk_attribution(
+    pairs,
+    head_branch,
+    components=None,
+    checks=None,
+    layer: int | None = None,
+    top: int = 12,
+    title: str | None = None,
+    caption: str | None = None,
+    contrast: Mapping | None = None,
+    label: str = "the score",
+) -> Figure:
+    """Why a head attends to a key (`dcinterp.qk`), from the result's tables: `pairs` [query component x key
+    component] (`pair_table()`), `head_branch` [source head x branch] (`head_branch_table()`), `components`
+    (`component_table()`: component, query, key) and `checks` (`causal_checks()`: component, side, source_head,
+    estimate, frozen, norms, weights). Means over samples work the same way. `layer` labels the source heads
+    L{layer}H{n}. `contrast`: the same tables of a `QKContrast` (keys pairs, head_branch, components, checks,
+    label), drawn as a second row."""
+    rows = [dict(pairs=pairs, head_branch=head_branch, components=components, checks=checks, label=label)]
+    if contrast is not None:
+        rows.append(dict(contrast))
+    shown = [_top_pairs(row["pairs"], top) for row in rows]
+    n_cols = max(len(names) for _, _, names in shown)
+    n_rows = max(len(names) for _, names, _ in shown)
+    B = rows[0]["head_branch"].shape[1]
+    width = 4.5 + 0.5 * n_cols + 1.2 + 0.7 * B + (5.0 if components is not None else 0)
+    height = max(5.5, 0.36 * n_rows + 3.2)
+    fig = Figure(figsize=(max(12.0, width), height * len(rows)), layout="constrained")
+    panels = fig.subfigures(len(rows), 1) if len(rows) > 1 else [fig]
+    for panel, row, (values, row_names, col_names) in zip(panels, rows, shown, strict=True):
+        _draw_qk_row(panel, row, values, row_names, col_names, layer, top)
+    fig.suptitle(title or "QK attribution: the head's composed score at one (query, key)")
+    _caption(fig, caption or QK_CAPTION)
+    return fig
+
+
+def _draw_qk_row(fig, row: Mapping, shown, row_names, col_names, layer, top: int) -> None:
+    """One row of `plot_qk_attribution`: component pairs, source head x branch, and per-component bars."""
+    table = row["head_branch"]
+    table = table[(table != 0).any(axis=1)] if (table != 0).any(axis=None) else table  # plain MHA: the head alone
+    hb = table.to_numpy(dtype=float)
+    hb = np.hstack([hb, hb.sum(1, keepdims=True)])  # and each source head's total
+    components, checks = row.get("components"), row.get("checks")
+    ratios = [len(col_names) + 2, hb.shape[1] + 1.5] + ([5] if components is not None else [])
+    axes = fig.subplots(1, len(ratios), gridspec_kw={"width_ratios": ratios})
+    limit = _symmetric_limit(shown, hb)  # one scale: both panels show shares of the same score
+    image = _diverging(axes[0], shown, limit)
+    _annotate(axes[0], shown, fontsize=7, limit=limit)
+    axes[0].set_xticks(range(len(col_names)), col_names, rotation=90)
+    axes[0].set_yticks(range(len(row_names)), row_names)
+    axes[0].set_xlabel("key component j")
+    axes[0].set_ylabel("query component i")
+    axes[0].set_title(f"{row['label']}: component pairs (i, j)", fontsize=10)
+
+    _diverging(axes[1], hb, limit)
+    _annotate(axes[1], hb, fontsize=7, limit=limit)
+    axes[1].axvline(hb.shape[1] - 1.5, color="black", linewidth=1.5)
+    heads = [f"L{layer}H{n}" if layer is not None else str(n) for n in table.index]
+    axes[1].set_xticks(range(hb.shape[1]), [*table.columns, "= sum"])
+    axes[1].set_yticks(range(hb.shape[0]), heads)
+    axes[1].set_xlabel("compose branch b")
+    axes[1].set_ylabel("source head n")
+    axes[1].set_title("source head x branch", fontsize=10)
+    fig.colorbar(image, ax=axes[:2].tolist(), location="bottom", shrink=0.6, label=f"share of {row['label']}")
+    if components is None:
+        return
+    ax = axes[2]
+    table = components.set_index("component")
+    order = list((table["query"].abs() + table["key"].abs()).sort_values(ascending=False).index[:top])
+    y = np.arange(len(order))
+    ax.barh(y - 0.2, table.loc[order, "query"], height=0.4, color="tab:orange", label="query side (terms)")
+    ax.barh(y + 0.2, table.loc[order, "key"], height=0.4, color="tab:blue", label="key side (terms)")
+    if checks is not None and len(checks):
+        every_head = checks[checks["source_head"].isna() & checks["component"].isin(order)]
+        markers = [("frozen", "x", "removed: norms, weights frozen"), ("norms", "o", "removed: norms free")]
+        if "weights" in every_head and every_head["weights"].notna().any():
+            markers.append(("weights", "^", "removed: norms, weights free"))
+        for side, dy in (("query", -0.2), ("key", 0.2)):
+            side_rows = every_head[every_head["side"] == side]
+            where = [order.index(c) + dy for c in side_rows["component"]]
+            for column, marker, name in markers:
+                ax.scatter(
+                    side_rows[column],
+                    where,
+                    marker=marker,
+                    color="black" if marker == "x" else None,
+                    facecolor="none" if marker != "x" else None,
+                    edgecolor="black" if marker != "x" else None,
+                    zorder=3,
+                    s=42,
+                    label=name if side == "query" else None,
+                )
+    ax.axvline(0, color="black", linewidth=0.6)
+    ax.set_yticks(y, order)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"share of {row['label']}")
+    ax.set_title("by component, with causal checks", fontsize=10)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    ax.grid(alpha=0.3, axis="x")
+
+
+def plot_qk_keys_plotly(attribution, top: int = 10, title: str | None = None) -> go.Figure:
+    """Every key of a `QKAttribution` in one interactive page: the composed score at each key (top row), then, per
+    key, the score by source head and branch, by query component and by key component (the `top` components with
+    the largest shares over the keys). Hover shows the values; one diverging scale per row."""
+    from plotly.subplots import make_subplots
+
+    a = attribution
+    tokens = [token_label(a.str_tokens[s]) if a.str_tokens else "" for s in a.key_pos]
+    x = [f"{s} {t}".strip() for s, t in zip(a.key_pos, tokens, strict=True)]
+    hb = _np(a.head_branch)  # [key, branch, head]
+    present = np.abs(hb).sum(0) > 0  # [branch, head]
+    rows_hb = [(b, n) for n in range(hb.shape[2]) for b in range(hb.shape[1]) if present[b, n]]
+    hb_values = np.stack([hb[:, b, n] for b, n in rows_hb]) if rows_hb else np.zeros((0, len(x)))
+    hb_names = [f"L{a.layer}H{n} {a.branches[b]}" for b, n in rows_hb]
+    query, key = _np(a.query_marginal.sum(1)), _np(a.key_marginal.sum(1))  # [key, component]
+    parts = []
+    for values in (query, key):
+        order = np.argsort(-np.abs(values).sum(0), kind="stable")[:top]
+        parts.append((values[:, order].T, [a.components[i] for i in order]))
+    fig = make_subplots(
+        rows=4,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.04,
+        row_heights=[0.16, 0.28, 0.28, 0.28],
+        subplot_titles=(
+            "composed score (bars) and composed pattern (line)",
+            "by source head and branch",
+            "by query component (summed over key components)",
+            "by key component (summed over query components)",
+        ),
+    )
+    fig.add_trace(go.Bar(x=x, y=_np(a.composed), name="composed score", marker_color="#4c72b0"), row=1, col=1)
+    fig.add_trace(
+        go.Scatter(x=x, y=_np(a.composed_pattern), name="composed pattern", mode="lines+markers", line_color="#c44e52"),
+        row=1,
+        col=1,
+    )
+    for row, (values, names, label) in enumerate(
+        [(hb_values, hb_names, "source head, branch"), (*parts[0], "query component"), (*parts[1], "key component")],
+        start=2,
+    ):
+        limit = _symmetric_limit(values)
+        fig.add_trace(
+            go.Heatmap(
+                z=values,
+                x=x,
+                y=names,
+                colorscale="RdBu",
+                reversescale=True,
+                zmin=-limit,
+                zmax=limit,
+                zmid=0,
+                showscale=False,
+                hovertemplate="key %{x}<br>" + label + " %{y}: %{z:.4g}<extra></extra>",
+            ),
+            row=row,
+            col=1,
+        )
+        fig.update_yaxes(autorange="reversed", row=row, col=1)
+    query = a.str_tokens[a.query_pos] if a.str_tokens else ""
+    fig.update_layout(
+        title=title or f"L{a.layer}H{a.head}: why it attends where it does from query {a.query_pos} {query}",
+        height=1000,
+        width=max(900, 22 * len(x) + 300),
+        legend=dict(orientation="h", y=1.02, x=1, xanchor="right"),
     )
     return fig
 

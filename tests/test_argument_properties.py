@@ -32,6 +32,8 @@ from dcinterp.patching import (
     branch_components,
     sites,
 )
+from dcinterp.qk import qk_attribution, qk_contrast
+from dcinterp.qk_weights import weight_attribution
 from dcinterp.synth import contrast_pairs, tokenize_pairs
 from dcinterp.synth.contrast import PairTokens
 
@@ -314,6 +316,50 @@ def test_composition(valid, data):
 @given(data=st.data())
 @SETTINGS
 @seed(0)  # fixed draws that do not depend on the test's source text (derandomize's would)
+def test_qk(valid, data):
+    # query POS - 1 sees keys 2..5 in every layer (layer 0 is local, 4 keys)
+    args = combination(
+        data,
+        valid,
+        core=["tokens", "layer", "head", "query_pos", "batch_index"],  # what all three functions take
+        tokens=arg([TOKENS, TOKENS[0]], [TOKENS[:0], TOKENS.float(), TOKENS[None], "x"]),
+        layer=arg([0, 2, -1], [L, -L - 1, 0.5, "0"]),
+        head=arg([0, H - 1, -1], [H, 1.5, None]),
+        query_pos=arg([POS - 1, -1], [POS, 2.5]),
+        key_pos=arg([2, 5, None, [3, 5], torch.tensor([2, 4])], [POS + 1, -POS - 1, "xyzzy", []]),
+        batch_index=arg([0, 1, -1], [2, -3]),
+        max_terms=arg([100, 10_000], [0, 1.5, "10"]),
+    )
+    if args["tokens"][1] and args["batch_index"][1] and torch.as_tensor(args["tokens"][0]).ndim == 1:
+        args["batch_index"] = (0, True)  # a 1-d prompt is a batch of one: index 0 is its only valid index
+
+    def check(result, kwargs):
+        assert finite(result.composed) and table_is_finite(result.terms, "value") and result.relative_gap < 1e-4
+
+    outcome(lambda **kw: qk_attribution(MODEL, **kw), args, check)
+    single = {name: value for name, value in args.items() if name != "key_pos"}
+    single |= combination(
+        data,
+        valid,
+        key_pos=arg([2, 5], [POS + 1, "xyzzy", None, [2, 3]]),
+        other_key_pos=arg([4], [POS, -POS - 1, None]),
+    )
+    outcome(lambda **kw: qk_contrast(MODEL, **kw), single, lambda c, kw: abs(c.gap) < 1e-4 * c.scale)
+    weights = {name: value for name, value in single.items() if name not in ("other_key_pos", "max_terms")}
+    weights |= combination(
+        data,
+        valid,
+        stage=arg(["pre", "post"], ["mid", None]),
+        method=arg(["ig", "linear"], ["saliency"]),
+        n_steps=arg([4, 16], [0, 2.5]),
+    )
+    outcome(lambda **kw: weight_attribution(MODEL, **kw), weights, lambda w, kw: table_is_finite(w.scores, "query"))
+
+
+@VALIDITY
+@given(data=st.data())
+@SETTINGS
+@seed(0)  # fixed draws that do not depend on the test's source text (derandomize's would)
 def test_circuits(valid, data):
     args = combination(
         data,
@@ -379,7 +425,7 @@ def test_synth_pairs(valid, data):
 
 def test_every_function_met_valid_and_invalid_combinations():
     """The draws are not all refused (or all accepted): each function ran valid and invalid combinations."""
-    if len(TRIED) < 14:
+    if len(TRIED) < 17:
         pytest.skip("run with the whole file")
     few = {key: dict(counts) for key, counts in TRIED.items() if counts["valid"] < 3 or counts["invalid"] < 3}
     assert not few, few

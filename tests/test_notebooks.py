@@ -17,6 +17,9 @@ NOTEBOOKS = {
             "case_study_breakdown.png",
             "case_study_attention.png",
             "case_study_attention_heads.html",
+            "case_study_qk.png",
+            "case_study_qk_twin.png",
+            "case_study_qk_keys.html",
         ],
     ),
     "synthetic_eval": ({"limit": 74}, ["synthetic_eval.png"]),
@@ -48,6 +51,7 @@ NOTEBOOKS = {
             "circuit_faithfulness_dcpythia-synth.png",
             "circuit_pythia-synth.png",
             "circuit_faithfulness_pythia-synth.png",
+            "circuit_edge_terms_dcpythia-synth.png",
         ],
     ),
 }

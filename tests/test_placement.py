@@ -145,9 +145,10 @@ def test_estimate_for_dcpythia_6_9b_at_2048_tokens():
         model = HookedDCFormer(config_from_official(DCPYTHIA_6_9B, "config.json"), init=False)
     model.cfg.dtype = "bfloat16"
     full = estimate_cache(model, (1, 2048))
-    # 12 attention-sized hooks per layer: 4 score/pattern hooks and 4 branch outputs in each of the 2 stages.
+    # 42 hooks per layer (the QK-norm scales among them); 12 attention-sized: 4 score/pattern hooks and 4 branch
+    # outputs in each of the 2 stages.
     attention_sized = 32 * 12 * 32 * 2048 * 2048 * 2
-    assert full.n_tensors == 32 * 40 + 3 and full.nbytes > attention_sized
+    assert full.n_tensors == 32 * 42 + 3 and full.nbytes > attention_sized
     one_layer = estimate_cache(model, (1, 2048), lambda name: name.startswith("blocks.16.attn"))
     assert one_layer.nbytes < full.nbytes / 30
 

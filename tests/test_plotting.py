@@ -318,3 +318,29 @@ def test_circuit_figure_says_which_input_an_edge_feeds_and_its_captions_fit(rand
         figure.canvas.draw()
         caption = figure._supxlabel.get_window_extent()
         assert caption.y0 >= 0 and caption.x0 >= 0 and caption.x1 <= figure.bbox.width, "caption cut at an edge"
+
+
+@pytest.mark.parametrize("which", ["random", "fixture"])
+def test_qk_figures(which, random_model, fixture_model, prompt):
+    from dcinterp.qk import causal_checks, qk_attribution, qk_contrast
+
+    model = random_model if which == "random" else fixture_model
+    qk = qk_attribution(model, prompt, 1, 2, QUERY, KEY)
+    contrast = qk_contrast(model, prompt, 1, 2, QUERY, KEY, 0)
+    checks = causal_checks(model, qk, k=2)
+    fig = plotting.plot_qk_attribution(
+        qk.pair_table(),
+        qk.head_branch_table(),
+        qk.component_table(),
+        checks,
+        layer=1,
+        top=4,
+        label="score(burger)",
+        contrast=dict(pairs=contrast.pair_table(), head_branch=contrast.head_branch_table(), label="difference"),
+    )
+    check(fig, f"qk_{which}", ["query component i", "key component j", "L1H2", "kp", "= sum", "others", "difference"])
+    heatmap = next(ax for ax in fig.axes if ax.get_title().startswith("score(burger): component pairs"))
+    shown = heatmap.images[0].get_array()
+    assert np.isclose(shown.sum(), float(qk.composed[0]), atol=1e-4)  # 'others' keeps the cells' sum the score
+    page = plotting.plot_qk_keys_plotly(qk_attribution(model, prompt, 1, 2, QUERY))
+    assert isinstance(page, go.Figure) and len(page.data) == 5 and page.layout.title.text

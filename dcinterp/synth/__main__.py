@@ -7,6 +7,7 @@
                                   [--device D] [--dtype T] [--batch-size N] [--tasks IDS] [--limit N]
     python -m dcinterp.synth ablate [--checkpoint PATH] [--data released|FILE] [--out DIR] [...as eval]
     python -m dcinterp.synth circuit [--checkpoint PATH] [--tasks IDS] [--pairs N] [--method eap|eap-ig] --out DIR
+    python -m dcinterp.synth qk --layer L --head H [--checkpoint PATH] [--tasks IDS] [--query WORD --key WORD] --out DIR
 
 Exit status: 0 success, 1 the check found problems, 2 bad arguments or unreadable input (one line on stderr,
 checked before any work, nothing written).
@@ -145,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     circuit_parser = commands.add_parser("circuit", help="edge-level circuit discovery (EAP, EAP-IG) on contrast pairs")
     _add_circuit_arguments(circuit_parser)
     circuit_parser.set_defaults(run=_run_circuit)
+
+    qk_parser = commands.add_parser("qk", help="why a head attends where it does: QK attribution through the compose")
+    _add_qk_arguments(qk_parser)
+    qk_parser.set_defaults(run=_run_qk)
     return parser
 
 
@@ -170,6 +175,18 @@ def _run_circuit(args: argparse.Namespace) -> int:
     from .circuit import run_circuit
 
     return run_circuit(args)
+
+
+def _add_qk_arguments(parser: argparse.ArgumentParser) -> None:
+    from .qk import add_qk_arguments
+
+    add_qk_arguments(parser)
+
+
+def _run_qk(args: argparse.Namespace) -> int:
+    from .qk import run_qk
+
+    return run_qk(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,6 +56,12 @@ class ContrastPair:
     clean_answer: str
     corrupt_answer: str
     sample: int  # the generator's sample index the pair was drawn from
+    # Where the answers come from, for the tasks that answer from an item (None elsewhere): the clean line's
+    # source item, the corrupted line's (for a person corruption, another person's item of the same line), and
+    # the person the clean line asks about.
+    clean_source: str | None = None
+    corrupt_source: str | None = None
+    query_person: str | None = None
 
 
 def contrast_pairs(
@@ -192,7 +198,18 @@ def _pair_of_sample(
     for corrupted, corrupt_answer in _corruptions(catalog, task, sampler, query, kind, rng):
         corrupt = prompt(corrupted)
         if corrupt_answer != clean_answer and same_shape(clean, corrupt, clean_answer, corrupt_answer):
-            return ContrastPair(task.id, kind, clean, corrupt, clean_answer, corrupt_answer, index)
+            return ContrastPair(
+                task.id,
+                kind,
+                clean,
+                corrupt,
+                clean_answer,
+                corrupt_answer,
+                index,
+                query.source_item,
+                corrupted.source_item,
+                query.query_person,
+            )
     return None
 
 
