@@ -475,7 +475,7 @@ class QKAttribution:
     """Head `head`'s composed score at (query_pos, s), for each s in key_pos, as a sum of terms (module docstring).
 
     `terms`: one row per term, columns key_pos, query_component, key_component, source_head, branch, value; past
-    `max_terms` the largest terms and one `rest` row per key (source_head <NA>). Its values add up, per key, to
+    `max_terms` the largest terms and one `rest` row per key (source_head `<NA>`). Its values add up, per key, to
     `composed` (the model's `hook_composed_scores`, or `hook_attn_scores` for plain MHA): `gap`.
     `loadings`: the post-compose head loadings, one row per (key_pos, source_head, branch): pattern P_n[t, s],
     weight W'_b[n, head], value = weight x pattern, adding up to `composed_pattern`; each source head's own score
