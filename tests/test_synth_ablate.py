@@ -129,3 +129,13 @@ def test_a_bad_out_or_device_is_refused_before_any_work(tmp_path, capsys, monkey
     if not torch.cuda.is_available():
         assert main(["ablate", "--device", "cuda", "--limit", "2"]) == 2
         assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_given_components_are_checked_before_any_forward(model, samples):
+    from dcinterp.patching import Component
+
+    assert list(ablation_table(model, samples[:1], components=[None], progress=False)["ablated"]) == ["none"]
+    with pytest.raises(ValueError, match="components is empty"):
+        ablation_table(model, samples[:1], components=[], progress=False)
+    with pytest.raises(ValueError, match="has no sites"):
+        ablation_table(model, samples[:1], components=[Component((), 0, "pre", "qp")], progress=False)

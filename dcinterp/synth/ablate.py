@@ -76,9 +76,16 @@ def ablation_table(model, samples, batch_size: int = 8, progress: bool = True, c
     from tqdm import tqdm
 
     from ..distributed import gather, in_order, my_batches
+    from ..patching import check_components
     from .evaluate import encode_all, pad_token_id, padded_tokens, results_frame, sample_batches, score_batch, summarize
 
-    components = ablations(model) if components is None else list(components)
+    if components is None:
+        components = ablations(model)
+    else:
+        components = list(components)
+        given = [component for component in components if component is not None]
+        if given or not components:  # None alone is the full model
+            check_components(model, given)
     encoded = encode_all(model, samples, model.cfg.model_name)
     batches = sample_batches(encoded, batch_size)
     mine = my_batches(len(batches))
