@@ -3,6 +3,7 @@ command ran before, against `ablation_table` (dynamic weights zeroed on the comp
 started from the unablated stream entering its first ablated layer).
 
     python benchmarks/bench_ablate.py [--checkpoint dcpythia-synth] [--limit N] [--batch-size 8] [--threads N]
+                                      [--layers L]
 
 The samples (default: the 888 released ones) are cut into the batches `evaluate` forms (longest first). Batch by
 batch, in turns whose order rotates, the same batch is scored three ways: one unhooked `evaluate` (what one plain
@@ -10,11 +11,14 @@ evaluation costs, so that 15 ablations read against 15 evaluations), the table a
 (`evaluate` under `ablation_hooks`, one ablation after the other) and `ablation_table`. Taking turns batch by batch
 keeps a shared machine's load out of the ratios. Each batch's two tables are compared: which rows are equal bit for
 bit, and the largest differences of accuracy and perplexity (float32 rounding of the compose's sum in another order).
+`--layers L`: a random model of the checkpoint's shape and tokenizer with L layers instead (its scores mean nothing,
+its time does: on a deep model the L per-layer ablations start further in, so they cost about (L + 1) / 2 forwards).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 
@@ -48,17 +52,22 @@ def main() -> None:
     parser.add_argument("--limit", type=int, help="only the first N released samples (default: all 888)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own choice)")
+    parser.add_argument("--layers", type=int, help="a random model of the checkpoint's shape with this many layers")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     model = HookedDCFormer.from_pretrained(args.checkpoint).eval()
+    if args.layers:
+        torch.manual_seed(0)
+        cfg = dataclasses.replace(model.cfg, n_layers=args.layers, model_name=f"random, {args.layers} layers")
+        model = HookedDCFormer(cfg, model.tokenizer).eval()
     samples = load_samples(resolve_data_path("released"))[: args.limit]
     batches = [
         [samples[i] for i in batch] for batch in sample_batches(encode_all(model, samples, "-"), args.batch_size)
     ]
     n_ablations = len(ablations(model))
     print(
-        f"{args.checkpoint}: {len(samples)} samples in {len(batches)} batches of {args.batch_size}, {n_ablations} "
+        f"{model.cfg.model_name}: {len(samples)} samples in {len(batches)} batches of {args.batch_size}, {n_ablations} "
         f"ablations (the full model included), {torch.get_num_threads()} threads; load {os.getloadavg()[0]:.1f}"
     )
     ways = {
