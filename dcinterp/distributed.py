@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # torch is imported where it is used, so that the command lin
     from torch import Tensor
 
 T = TypeVar("T")
+_started_here = False  # whether `start` created the process group (a group set up before it is not ours to end)
 
 
 def rank_and_size() -> tuple[int, int]:
@@ -42,6 +43,7 @@ def start() -> tuple[int, int, str | None]:
 
     Returns (rank, world size, this process's device: `cuda:LOCAL_RANK` or `cpu`); (0, 1, None) when not launched
     that way (WORLD_SIZE unset or 1)."""
+    global _started_here
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return 0, 1, None
     import torch
@@ -55,21 +57,19 @@ def start() -> tuple[int, int, str | None]:
         backend, device = "gloo", "cpu"
     if not dist.is_initialized():
         dist.init_process_group(backend)
-        _STARTED.append(True)
+        _started_here = True
     return dist.get_rank(), dist.get_world_size(), device
-
-
-_STARTED: list[bool] = []  # whether `start` created the process group (not someone before it)
 
 
 def finish(world_size: int) -> None:
     """Leave the process group if `start` created it (a group someone else set up stays theirs); nothing for one
     process."""
+    global _started_here
     import torch.distributed as dist
 
-    if world_size > 1 and _STARTED and dist.is_initialized():
+    if world_size > 1 and _started_here and dist.is_initialized():
         dist.destroy_process_group()
-        _STARTED.clear()
+        _started_here = False
 
 
 def process_device(device: str, rank_device: str | None) -> str:
