@@ -262,8 +262,11 @@ def _integrate(forward: Callable, ones: Tensor, args: tuple, n_steps: int, metho
     )
 
 
-def warn_incomplete(total_score: Tensor, total_effect: Tensor, n_steps: int, method: str, dtype) -> None:
-    """Warn, with the numbers, where the scores miss more than COMPLETENESS_SHARE of the total effect."""
+def warn_incomplete(
+    total_score: Tensor, total_effect: Tensor, n_steps: int, method: str, dtype, stacklevel: int = 3
+) -> None:
+    """Warn, with the numbers, where the scores miss more than COMPLETENESS_SHARE of the total effect (pointing
+    `stacklevel` frames up: the caller of the function that calls this one)."""
     gap = (total_score - total_effect).abs()
     share = gap / total_effect.abs()
     over = (share > COMPLETENESS_SHARE) & (gap > 1e-4)
@@ -280,7 +283,7 @@ def warn_incomplete(total_score: Tensor, total_effect: Tensor, n_steps: int, met
                 else " (more steps do not lower half precision's rounding floor: load the model in float32 for that)"
             )
             + "; docs/conventions.md, 'Half precision and IG completeness'",
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
 
 
@@ -322,8 +325,20 @@ def head_attribution(
     n_steps, internal_batch_size, method: as in captum's `IntegratedGradients.attribute`. The cost is about
         n_steps forward+backward passes over the batch, all in one pass by default (batch * n_steps rows);
         internal_batch_size caps the rows per pass (at least one step, i.e. the whole batch): set it on
-        large models.
+        large models. Many prompts: `head_attribution_sweep` takes them a batch at a time, across processes.
     """
+    _check_ig_arguments(n_steps, method, internal_batch_size, path)
+    tokens, target, position = _prepare(model, tokens, target, position, target_type)
+    if tasks is not None and len(tasks) != tokens.shape[0]:
+        raise ValueError(f"tasks has {len(tasks)} labels for {tokens.shape[0]} prompts")
+    base = head_baseline(model, baseline, reference_tokens)
+    result = _attribute(model, tokens, target, position, target_type, base, n_steps, internal_batch_size, method, path)
+    _warn_if_incomplete(result, n_steps, method, model.cfg.dtype)
+    result.by_task = mean_by_task(result.per_prompt, tasks)
+    return result
+
+
+def _check_ig_arguments(n_steps, method, internal_batch_size, path) -> None:
     if path not in ("joint", "per-layer"):
         raise ValueError(f"path must be 'joint' or 'per-layer', not {path!r}")
     if not isinstance(n_steps, int) or isinstance(n_steps, bool) or n_steps < 1:
@@ -332,11 +347,22 @@ def head_attribution(
         raise ValueError(f"method must be one of {IG_METHODS}, not {method!r}")
     if internal_batch_size is not None and (not isinstance(internal_batch_size, int) or internal_batch_size < 1):
         raise ValueError(f"internal_batch_size must be a positive integer or None, not {internal_batch_size!r}")
-    tokens, target, position = _prepare(model, tokens, target, position, target_type)
+
+
+def _attribute(
+    model: HookedDCFormer,
+    tokens: Tensor,
+    target,
+    position,
+    target_type: str,
+    base: Tensor | None,
+    n_steps: int,
+    internal_batch_size: int | None,
+    method: str,
+    path: str,
+) -> HeadAttribution:
+    """`head_attribution` of checked inputs, without tasks and without the completeness warning."""
     batch, device = tokens.shape[0], tokens.device
-    if tasks is not None and len(tasks) != batch:
-        raise ValueError(f"tasks has {len(tasks)} labels for {batch} prompts")
-    base = head_baseline(model, baseline, reference_tokens)
     position_t = torch.as_tensor(position, device=device).expand(batch).contiguous()
     answer_t = torch.as_tensor(0 if callable(target) else target, device=device).expand(batch).contiguous()
     forward = _gated_target(model, target, target_type, base)
@@ -377,17 +403,95 @@ def head_attribution(
         model, {"an attribution": per_prompt, "f(input)": f_input, "f(baseline)": f_baseline}, "head_attribution", rerun
     )
     delta = per_prompt.sum((1, 2)) - (f_input - f_baseline)
-    if path == "joint":
-        warn_incomplete(per_prompt.sum((1, 2)), f_input - f_baseline, n_steps, method, model.cfg.dtype)
+    return HeadAttribution(
+        per_prompt.mean(0), per_prompt, delta, f_input, f_baseline, {}, target_type, path, f_layer_baseline
+    )
+
+
+def _warn_if_incomplete(result: HeadAttribution, n_steps: int, method: str, dtype) -> None:
+    """`warn_incomplete` for a result, pointing at the code that called `head_attribution` (or the sweep)."""
+    if result.path == "joint":
+        total_score, total_effect = result.per_prompt.sum((1, 2)), result.f_input - result.f_baseline
     else:
-        warn_incomplete(per_prompt.sum(2), f_input[:, None] - f_layer_baseline, n_steps, method, model.cfg.dtype)
+        total_score, total_effect = result.per_prompt.sum(2), result.f_input[:, None] - result.f_layer_baseline
+    warn_incomplete(total_score, total_effect, n_steps, method, dtype, stacklevel=4)
+
+
+def mean_by_task(per_prompt: Tensor, tasks: Sequence[Hashable] | None) -> dict[Hashable, Tensor]:
+    """The mean scores of each task's prompts ([layer, head] per label), in the order the labels first appear."""
     by_task = {}
     for task in dict.fromkeys(tasks or ()):
         rows = torch.tensor([t == task for t in tasks], device=per_prompt.device)
         by_task[task] = per_prompt[rows].mean(0)
-    return HeadAttribution(
-        per_prompt.mean(0), per_prompt, delta, f_input, f_baseline, by_task, target_type, path, f_layer_baseline
+    return by_task
+
+
+def head_attribution_sweep(
+    model: HookedDCFormer,
+    tokens: Int[Tensor, "batch pos"],
+    target: Target,
+    position: int | Int[Tensor, " batch"] = -1,
+    target_type: TargetType = "logit",
+    baseline: Baseline = "zero",
+    reference_tokens: Int[Tensor, "ref pos"] | None = None,
+    tasks: Sequence[Hashable] | None = None,
+    n_steps: int = 50,
+    internal_batch_size: int | None = None,
+    method: str = "gausslegendre",
+    path: Path = "joint",
+    batch_size: int = 8,
+) -> HeadAttribution:
+    """`head_attribution` over many prompts, `batch_size` prompts per call, shared between processes under
+    `torchrun`. Same arguments and result, on the CPU.
+
+    A prompt's scores depend on that prompt alone, so the result is `head_attribution` of all the prompts at once
+    up to float32 rounding (a batch's shapes change the order of some sums), and each prompt's row is what
+    `head_attribution` gives on its batch, bit for bit. A "mean" baseline is computed once, from
+    `reference_tokens`, for every batch. Under `torchrun` (an initialised torch.distributed group) each process
+    attributes every world_size-th batch; the rows are gathered, so every process returns what one process
+    computes, bit for bit (`dcinterp.distributed`). The completeness warning, if any, comes once, over every prompt.
+    """
+    from . import distributed
+
+    _check_ig_arguments(n_steps, method, internal_batch_size, path)
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, not {batch_size!r}")
+    tokens, target, position = _prepare(model, tokens, target, position, target_type)
+    n = tokens.shape[0]
+    if tasks is not None and len(tasks) != n:
+        raise ValueError(f"tasks has {len(tasks)} labels for {n} prompts")
+    base = head_baseline(model, baseline, reference_tokens)
+    positions = torch.as_tensor(position, device=tokens.device).expand(n)
+    targets = None if callable(target) else torch.as_tensor(target, device=tokens.device).expand(n)
+    batches = [slice(start, min(start + batch_size, n)) for start in range(0, n, batch_size)]
+    parts = {}
+    for i in distributed.my_batches(len(batches)):
+        rows = batches[i]
+        part = _attribute(
+            model,
+            tokens[rows],
+            target if targets is None else targets[rows],
+            positions[rows],
+            target_type,
+            base,
+            n_steps,
+            internal_batch_size,
+            method,
+            path,
+        )
+        parts[i] = distributed.to_cpu(
+            (part.per_prompt, part.delta, part.f_input, part.f_baseline, part.f_layer_baseline)
+        )
+    gathered = distributed.in_order(distributed.gather(parts), len(batches))
+    per_prompt, delta, f_input, f_baseline = (torch.cat([part[k] for part in gathered]) for k in range(4))
+    f_layer_baseline = None if path == "joint" else torch.cat([part[4] for part in gathered])
+    result = HeadAttribution(
+        per_prompt.mean(0), per_prompt, delta, f_input, f_baseline, {}, target_type, path, f_layer_baseline
     )
+    if distributed.rank_and_size()[0] == 0:  # every process holds the same numbers: one warning
+        _warn_if_incomplete(result, n_steps, method, model.cfg.dtype)
+    result.by_task = mean_by_task(per_prompt, tasks)
+    return result
 
 
 @dataclass

@@ -52,6 +52,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from . import distributed
 from .attribution import answer_log_probs, answer_logits, final_normed
 from .model import HookedDCFormer, attention_mask, visible_keys
 from .synth.contrast import PairTokens
@@ -548,6 +549,11 @@ class CircuitEvaluator:
 
     `evaluator(circuit)` is the mean metric with the edges outside `circuit` (a bool [edge] mask) corrupted;
     `faithfulness(circuit)` is (m(circuit) - m(corrupted)) / (m(clean) - m(corrupted)).
+
+    Under `torchrun` (an initialised torch.distributed group) each process keeps the corrupted runs of every
+    world_size-th batch of pairs and computes only those; every call gathers each pair's metric and averages them
+    as one process does, so every process returns what one process returns, bit for bit (`dcinterp.distributed`).
+    Every process must then make the same calls, on the same pairs.
     """
 
     model: HookedDCFormer
@@ -559,10 +565,13 @@ class CircuitEvaluator:
     def __post_init__(self):
         self.clean, self.corrupt, self._metric = _pairs_on(self.model, self.pairs, self.metric)
         self.batches = _batches(self.clean.shape[0], self.batch_size)
+        self.mine = distributed.my_batches(len(self.batches))  # the batches this process computes
         with torch.no_grad():
-            self.corrupted = [graph_forward(self.model, self.graph, self.corrupt[i]) for i in self.batches]
+            self.corrupted = {
+                i: graph_forward(self.model, self.graph, self.corrupt[self.batches[i]]) for i in self.mine
+            }
             self.m_corrupt = self._mean(
-                [self._metric.rows(i)(self.model, r.final) for i, r in zip(self.batches, self.corrupted, strict=True)]
+                {i: self._metric.rows(self.batches[i])(self.model, run.final) for i, run in self.corrupted.items()}
             )
             self.m_clean = self(torch.ones(len(self.graph), dtype=torch.bool))
         if abs(self.m_clean - self.m_corrupt) < 1e-6:
@@ -571,8 +580,10 @@ class CircuitEvaluator:
                 f"({self.m_clean:.4g}); there is nothing to restore"
             )
 
-    def _mean(self, values: list[Tensor]) -> float:
-        return torch.cat(values).mean().item()
+    def _mean(self, values: dict[int, Tensor]) -> float:
+        """The mean over every pair of the per-pair values of each batch (gathered from every process)."""
+        gathered = distributed.in_order(distributed.gather(distributed.to_cpu(values)), len(self.batches))
+        return torch.cat([v.to(self.clean.device) for v in gathered]).mean().item()
 
     @torch.no_grad()
     def __call__(self, circuit: Bool[Tensor, " edge"]) -> float:
@@ -581,10 +592,10 @@ class CircuitEvaluator:
             raise ValueError(
                 f"circuit: expected a bool mask of {len(self.graph)} edges, got shape {tuple(circuit.shape)}"
             )
-        values = []
-        for index, corrupted in zip(self.batches, self.corrupted, strict=True):
-            run = graph_forward(self.model, self.graph, self.clean[index], circuit, corrupted)
-            values.append(self._metric.rows(index)(self.model, run.final))
+        values = {}
+        for i, corrupted in self.corrupted.items():
+            run = graph_forward(self.model, self.graph, self.clean[self.batches[i]], circuit, corrupted)
+            values[i] = self._metric.rows(self.batches[i])(self.model, run.final)
         return self._mean(values)
 
     def faithfulness(self, circuit: Bool[Tensor, " edge"]) -> float:
@@ -682,8 +693,11 @@ def edge_scores(
     graph = graph or build_graph(model)
     clean, corrupt, full_metric = _pairs_on(model, pairs, metric)
     n = clean.shape[0]
-    scores = {g.key: torch.zeros(g.shape, device=model.input_device) for g in graph.groups}
-    for index in _batches(n, batch_size):
+    batches = _batches(n, batch_size)
+    partials = {}  # batch -> its pairs' share of every edge's score
+    for i in distributed.my_batches(len(batches)):
+        index = batches[i]
+        scores = {g.key: torch.zeros(g.shape, device=model.input_device) for g in graph.groups}
         with torch.no_grad():
             corrupted = graph_forward(model, graph, corrupt[index])
             clean_run = graph_forward(model, graph, clean[index])
@@ -718,7 +732,9 @@ def edge_scores(
             grads = {key: torch.zeros_like(run.offsets[key]) if g is None else g.detach() for key, g in grads.items()}
             _accumulate_scores(model, graph, scores, run, grads, delta, delta_A)
             del run, grads
-    return graph.flatten(scores).cpu()
+        partials[i] = graph.flatten(scores).cpu()
+    # Every batch's part added in batch order, whichever process computed it: one process's sum, bit for bit.
+    return distributed.sum_in_order(partials, len(batches), torch.zeros(len(graph)))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -5,7 +5,13 @@ import pytest
 import torch
 
 from dcinterp import DCFormerConfig, HookedDCFormer
-from dcinterp.attribution import head_ablation, head_attribution, head_baseline, target_value
+from dcinterp.attribution import (
+    head_ablation,
+    head_attribution,
+    head_attribution_sweep,
+    head_baseline,
+    target_value,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests/fixtures/dcpythia-tiny"
@@ -84,6 +90,34 @@ def test_padded_batch_positions_tasks_and_internal_batch(fixture_model):
     torch.testing.assert_close(together.scores, together.per_prompt.mean(0))
     frame = together.to_frame()
     assert list(frame.columns) == ["layer", "head", "score", "score[x]", "score[y]"] and len(frame) == 16
+
+
+@pytest.mark.parametrize("path", ["joint", "per-layer"])
+def test_a_sweep_is_head_attribution_of_each_batch_bit_for_bit_and_of_all_at_once_to_rounding(fixture_model, path):
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(3, 97, (5, 10), generator=generator)
+    answers, positions = torch.tensor([10, 20, 30, 40, 50]), torch.tensor([9, 7, 9, 8, 9])
+    tasks = ["a", "b", "a", "b", "a"]
+    kwargs = dict(n_steps=8, path=path, baseline="mean", reference_tokens=tokens)
+    sweep = head_attribution_sweep(
+        fixture_model, tokens, answers, position=positions, tasks=tasks, batch_size=2, **kwargs
+    )
+    mean = head_baseline(fixture_model, "mean", tokens)
+    for rows in (slice(0, 2), slice(2, 4), slice(4, 5)):  # each batch as head_attribution computes it
+        alone = head_attribution(
+            fixture_model, tokens[rows], answers[rows], position=positions[rows], n_steps=8, path=path, baseline=mean
+        )
+        for field in ("per_prompt", "delta", "f_input", "f_baseline") + (("f_layer_baseline",) * (path != "joint")):
+            assert torch.equal(getattr(sweep, field)[rows], getattr(alone, field)), field
+    together = head_attribution(fixture_model, tokens, answers, position=positions, tasks=tasks, **kwargs)
+    torch.testing.assert_close(sweep.per_prompt, together.per_prompt, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sweep.scores, together.scores, atol=1e-5, rtol=1e-5)
+    assert list(sweep.by_task) == ["a", "b"]
+    torch.testing.assert_close(sweep.by_task["b"], together.by_task["b"], atol=1e-5, rtol=1e-5)
+    if path == "joint":  # per layer, completeness holds against each layer's own baseline
+        assert_complete(sweep, rel=0.05)
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        head_attribution_sweep(fixture_model, tokens, answers, batch_size=0)
 
 
 def test_plain_mha_and_half_precision():

@@ -29,6 +29,7 @@ from dcinterp.patching import (
     site_gradients,
     sites,
     stage_components,
+    zero_weight_hooks,
 )
 from dcinterp.synth import contrast_pairs, tokenize_pairs
 
@@ -86,6 +87,45 @@ def test_zeroing_a_stage_or_all_compose_is_the_model_built_without_it(model, pai
         ]:
             hooked = model.run_with_hooks(pairs.clean, fwd_hooks=ablation_hooks(component))
             torch.testing.assert_close(hooked, switched(model, **changes)(pairs.clean), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("branch", ["qp", "kp", "qg", "kg"])
+def test_zeroing_a_branch_through_its_dynamic_weights_is_the_model_built_without_it_bit_for_bit(model, pairs, branch):
+    without = switched(model, compose_branches=tuple(b for b in ("qp", "kp", "qg", "kg") if b != branch))
+    component = Component(
+        tuple(site for site in sites(model, BRANCH_OUTPUTS) if site.branch == branch), "all", "all", branch
+    )
+    with torch.no_grad():
+        by_weights = model.run_with_hooks(pairs.clean, fwd_hooks=zero_weight_hooks(component))
+        by_outputs = model.run_with_hooks(pairs.clean, fwd_hooks=ablation_hooks(component))
+        assert torch.equal(by_weights, without(pairs.clean))  # every term the zero weights feed is an exact 0
+    torch.testing.assert_close(by_weights, by_outputs, atol=1e-4, rtol=1e-5)  # the branch sum in another order
+
+
+def test_zeroing_stages_layers_and_heads_through_the_weights(model, pairs):
+    pre, post, everything = everywhere_components(model)[-3:]
+    with torch.no_grad():
+        for component, changes in [
+            (pre, {"compose_stages": ("post",)}),
+            (post, {"compose_stages": ("pre",)}),
+            (everything, {"use_dcmha": False}),
+        ]:
+            expected = switched(model, **changes)(pairs.clean)
+            assert torch.equal(model.run_with_hooks(pairs.clean, fwd_hooks=zero_weight_hooks(component)), expected)
+        for component in layer_components(model):  # a whole stage off: A + 0 either way
+            assert torch.equal(
+                model.run_with_hooks(pairs.clean, fwd_hooks=zero_weight_hooks(component)),
+                model.run_with_hooks(pairs.clean, fwd_hooks=ablation_hooks(component)),
+            )
+        for component in branch_components(model, per_head=True, layers=[1]):
+            torch.testing.assert_close(
+                model.run_with_hooks(pairs.clean, fwd_hooks=zero_weight_hooks(component)),
+                model.run_with_hooks(pairs.clean, fwd_hooks=ablation_hooks(component)),
+                atol=1e-4,
+                rtol=1e-5,
+            )
+    with pytest.raises(ValueError, match="hook_qw1 is not a branch output"):
+        zero_weight_hooks(Component((Site(0, "pre", "qw1"),), 0, "pre", "qp"))
 
 
 @pytest.mark.parametrize("output, weight", [("o_qp", "qw2"), ("o_kp", "kw2"), ("o_qg", "qg"), ("o_kg", "kg")])

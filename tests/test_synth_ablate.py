@@ -8,8 +8,9 @@ import pandas as pd
 import pytest
 
 from dcinterp import HookedDCFormer
+from dcinterp.patching import ablation_hooks
 from dcinterp.synth.__main__ import main
-from dcinterp.synth.ablate import ablation_table
+from dcinterp.synth.ablate import ablation_table, ablations, label
 from dcinterp.synth.evaluate import evaluate, load_samples, resolve_data_path
 
 LIMIT = 6  # released samples of task0 (other-person, superclass)
@@ -63,6 +64,19 @@ def test_a_branch_switched_off_scores_as_the_model_built_without_it(model, sampl
     assert row["ppl"] > table.iloc[0]["ppl"]  # switching post-compose off costs this model
 
 
+def test_the_table_is_one_evaluation_per_ablation_with_the_branch_outputs_zeroed(model, samples, table):
+    """What `synth ablate` computed before it shared work: the same rows, whole stages and layers bit for bit."""
+    for component, row in zip(ablations(model), table.to_dict("records"), strict=True):
+        with model.hooks(fwd_hooks=[] if component is None else ablation_hooks(component)):
+            results = evaluate(model, samples, name=label(component), progress=False)
+        assert row["accuracy"] == results["correct"].mean(), row["ablated"]
+        ppl = math.exp(results["nll"].sum() / results["n_tokens"].sum())
+        if component is None or component.branch == "all":
+            assert row["ppl"] == ppl, row["ablated"]
+        else:  # one branch: the fused compose adds the branches in another order
+            assert row["ppl"] == pytest.approx(ppl, rel=1e-5), row["ablated"]
+
+
 def test_cli_writes_csv_json_and_figure(tmp_path, capsys):
     assert main(["ablate", "--limit", "2", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -70,7 +84,7 @@ def test_cli_writes_csv_json_and_figure(tmp_path, capsys):
     table = pd.read_csv(tmp_path / "ablation.csv")
     assert len(table) == 15
     summary = json.loads((tmp_path / "ablation.json").read_text())
-    assert summary["checkpoint"] == "dcpythia-synth"
+    assert summary["checkpoint"] == "dcpythia-synth" and summary["world_size"] == 1
     assert [row["ablated"] for row in summary["ablations"]] == list(table["ablated"])
     assert summary["ablations"][0]["by_qk_pattern"] == {"other-person": table.iloc[0]["qk:other-person"]}
     assert (tmp_path / "ablation.png").stat().st_size > 10_000
@@ -115,3 +129,13 @@ def test_a_bad_out_or_device_is_refused_before_any_work(tmp_path, capsys, monkey
     if not torch.cuda.is_available():
         assert main(["ablate", "--device", "cuda", "--limit", "2"]) == 2
         assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_given_components_are_checked_before_any_forward(model, samples):
+    from dcinterp.patching import Component
+
+    assert list(ablation_table(model, samples[:1], components=[None], progress=False)["ablated"]) == ["none"]
+    with pytest.raises(ValueError, match="components is empty"):
+        ablation_table(model, samples[:1], components=[], progress=False)
+    with pytest.raises(ValueError, match="has no sites"):
+        ablation_table(model, samples[:1], components=[Component((), 0, "pre", "qp")], progress=False)

@@ -26,6 +26,7 @@ def test_cli_writes_the_edges_curves_summary_and_figures(tmp_path, capsys, check
     assert summary["faithfulness_full_graph"] == pytest.approx(1.0, abs=1e-5)
     assert summary["faithfulness_empty_graph"] == pytest.approx(0.0, abs=1e-5)
     assert set(summary["spearman_score_vs_exact"]) == {"eap", "eap-ig"}
+    assert summary["world_size"] == 1
     kinds = set(edges["kind"])
     assert kinds == ({"residual", "compose"} if checkpoint == "dcpythia-synth" else {"residual"})
     curve = pd.read_csv(tmp_path / "faithfulness.csv")

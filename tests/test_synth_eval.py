@@ -235,7 +235,9 @@ def test_cli_writes_results_and_summary_for_each_checkpoint(checkpoints, tmp_pat
             "by_task",
             "by_qk_pattern",
             "by_ov_transformation",
+            "world_size",
         ]
+        assert entry["world_size"] == 1
         assert list(entry["by_k"]) == ["2", "3", "4", "5", "6", "7"]
         assert list(entry["by_task"]) == ["task5", "task60"]
     assert sorted(p.name for p in out.iterdir()) == ["results.csv", "summary.json"]

@@ -8,6 +8,10 @@
     python -m dcinterp.synth ablate [--checkpoint PATH] [--data released|FILE] [--out DIR] [...as eval]
     python -m dcinterp.synth circuit [--checkpoint PATH] [--tasks IDS] [--pairs N] [--method eap|eap-ig] --out DIR
     python -m dcinterp.synth qk --layer L --head H [--checkpoint PATH] [--tasks IDS] [--query WORD --key WORD] --out DIR
+    python -m dcinterp.synth attribute [--checkpoint PATH] [--tasks IDS] [--prompts N] [--n-steps K] --out DIR
+
+Under `torchrun --nproc-per-node N`, eval, ablate, circuit and attribute share their batches between the N
+processes; rank 0 writes what one process writes, and records world_size (`dcinterp.distributed`).
 
 Exit status: 0 success, 1 the check found problems, 2 bad arguments or unreadable input (one line on stderr,
 checked before any work, nothing written).
@@ -18,6 +22,7 @@ Parsing the arguments imports neither torch nor transformer_lens (`--help` is fa
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -150,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     qk_parser = commands.add_parser("qk", help="why a head attends where it does: QK attribution through the compose")
     _add_qk_arguments(qk_parser)
     qk_parser.set_defaults(run=_run_qk)
+
+    attribute_parser = commands.add_parser(
+        "attribute", help="head attribution (integrated gradients) of the answers of many prompts"
+    )
+    _add_attribute_arguments(attribute_parser)
+    attribute_parser.set_defaults(run=_run_attribute)
     return parser
 
 
@@ -189,12 +200,25 @@ def _run_qk(args: argparse.Namespace) -> int:
     return run_qk(args)
 
 
+def _add_attribute_arguments(parser: argparse.ArgumentParser) -> None:
+    from .attribute import add_attribute_arguments
+
+    add_attribute_arguments(parser)
+
+
+def _run_attribute(args: argparse.Namespace) -> int:
+    from .attribute import run_attribute
+
+    return run_attribute(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
     except (DatasetError, CatalogError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun, one line from rank 0
+            print(f"error: {error}", file=sys.stderr)
         return 2
 
 

@@ -3,14 +3,18 @@
 The paper values each part of DCMHA by training models without it (Table 9). On a trained checkpoint the
 question can be asked directly: score it with each (stage, branch) zeroed in every layer, each stage zeroed in
 every layer, the whole compose zeroed, and each layer's compose zeroed, through the model's hooks
-(`dcinterp.patching.everywhere_components`, `layer_components`). Zeroing a branch output is the model built
-without that branch, the same weights loaded (the reading of Table 9; tested).
+(`dcinterp.patching.everywhere_components`, `layer_components`). Zeroing a branch is the model built without that
+branch, the same weights loaded (the reading of Table 9; tested). The ablations share work (`ablation_table`):
+branches are zeroed through their dynamic weights, on the compose's fused path, and each ablation starts from the
+unablated stream entering its first ablated layer. Under `torchrun` the processes share the batches of samples
+(docs/synthetic-tasks.md, "Several GPUs").
 
     python -m dcinterp.synth ablate [--checkpoint PATH] [--data released|FILE] [--out DIR] [--device D]
                                     [--dtype T] [--batch-size N] [--tasks IDS] [--limit N]
 
 Writes `ablation.csv` (one row per ablation: accuracy and perplexity overall, accuracy by QK pattern and by OV
-transformation), `ablation.json` (the same, nested) and `ablation.png` (accuracy change against the full model).
+transformation), `ablation.json` (the same, nested, with `world_size`) and `ablation.png` (accuracy change against
+the full model).
 Exit status 0, or 2 with one line on stderr for bad input, before anything is written.
 """
 
@@ -54,21 +58,51 @@ def label(component: Component | None) -> str:
     return component.stage if component.branch == "all" else f"{component.stage}.{component.branch}"
 
 
-def ablation_table(model, samples, batch_size: int = 8, progress: bool = True) -> pd.DataFrame:
-    """One row per ablation: which part is off, accuracy, perplexity, accuracy by QK pattern and OV transformation."""
+def ablation_table(model, samples, batch_size: int = 8, progress: bool = True, components=None) -> pd.DataFrame:
+    """One row per ablation: which part is off, accuracy, perplexity, accuracy by QK pattern and OV transformation.
+
+    components: default `ablations(model)` (None in the list is the full model). Each batch of samples runs once
+    unablated, keeping the residual stream entering every layer; an ablation starts at its first ablated layer
+    from there (nothing before it changes), and switches its branches off through their dynamic weights
+    (`patching.zero_weight_hooks`: the model built without the branch, on the compose's fused path). The rows are
+    those of `evaluate` under `ablation_hooks` (zeroed branch outputs) for each ablation in turn, up to float32
+    rounding (whole stages, layers and the full model bit for bit).
+
+    Under `torchrun` each process takes every world_size-th batch of the batches one process forms, with every
+    ablation; the scores are gathered, so every process returns the table one process computes, bit for bit.
+    """
     import pandas as pd
+    import torch
     from tqdm import tqdm
 
-    from ..patching import ablation_hooks
-    from .evaluate import evaluate, summarize
+    from ..distributed import gather, in_order, my_batches
+    from ..patching import check_components
+    from .evaluate import encode_all, pad_token_id, padded_tokens, results_frame, sample_batches, score_batch, summarize
 
+    if components is None:
+        components = ablations(model)
+    else:
+        components = list(components)
+        given = [component for component in components if component is not None]
+        if given or not components:  # None alone is the full model
+            check_components(model, given)
+    encoded = encode_all(model, samples, model.cfg.model_name)
+    batches = sample_batches(encoded, batch_size)
+    mine = my_batches(len(batches))
+    scores = {}  # (ablation, sample) -> the sample's answer scores
+    total = sum(len(batches[i]) for i in mine) * len(components)
+    with torch.inference_mode(), tqdm(total=total, desc="ablations", unit="sample", disable=not progress) as bar:
+        for i in mine:
+            tokens = padded_tokens([encoded[j].token_ids for j in batches[i]], pad_token_id(model))
+            for c, logits in enumerate(ablated_logits(model, tokens, components)):
+                for j, sample_scores in score_batch(model, encoded, batches[i], logits).items():
+                    scores[(c, j)] = sample_scores
+                bar.update(len(batches[i]))
+    scores = gather(scores)
     rows = []
-    components = ablations(model)
-    for component in tqdm(components, desc="ablations", unit="ablation", disable=not progress):
-        hooks = [] if component is None else ablation_hooks(component)
-        with model.hooks(fwd_hooks=hooks):
-            results = evaluate(model, samples, batch_size=batch_size, name=label(component), progress=False)
-        (summary,) = summarize(results).values()
+    for c, component in enumerate(components):
+        by_sample = in_order({j: scores[(c, j)] for j in range(len(encoded)) if (c, j) in scores}, len(encoded))
+        (summary,) = summarize(results_frame(label(component), encoded, by_sample)).values()
         row = {
             "ablated": label(component),
             "layer": "-" if component is None else component.layer,
@@ -83,7 +117,28 @@ def ablation_table(model, samples, batch_size: int = 8, progress: bool = True) -
     return pd.DataFrame(rows)
 
 
-def table_json(table: pd.DataFrame, checkpoint: str, data: Path) -> dict:
+def ablated_logits(model, tokens, components):
+    """The logits [batch, pos, vocab] of `tokens` with each component switched off (None: the full model), in
+    order. The unablated run goes layer by layer, keeping the stream entering each layer; each ablation starts
+    from the stream entering its first ablated layer."""
+    from ..patching import zero_weight_hooks
+
+    n_layers = model.cfg.n_layers
+    streams = [model(tokens, stop_at_layer=0)]
+    for layer in range(n_layers):
+        streams.append(model(streams[layer], start_at_layer=layer, stop_at_layer=layer + 1))
+    for component in components:
+        if component is None:
+            logits = model(streams[n_layers], start_at_layer=n_layers)
+        else:
+            first = min(site.layer for site in component.sites)
+            with model.hooks(fwd_hooks=zero_weight_hooks(component)):
+                logits = model(streams[first], start_at_layer=first)
+        yield logits
+
+
+def table_json(table: pd.DataFrame, checkpoint: str, data: Path, world_size: int = 1) -> dict:
+    """The table nested per ablation, with the checkpoint, the data file and how many processes shared the work."""
     rows = []
     for record in table.to_dict("records"):
         rows.append(
@@ -93,7 +148,7 @@ def table_json(table: pd.DataFrame, checkpoint: str, data: Path) -> dict:
                 "by_ov_transformation": {k[3:]: v for k, v in record.items() if k.startswith("ov:")},
             }
         )
-    return {"checkpoint": checkpoint, "data": str(data), "ablations": rows}
+    return {"checkpoint": checkpoint, "data": str(data), "world_size": world_size, "ablations": rows}
 
 
 def write_outputs(table: pd.DataFrame, summary: dict, figure, out_dir: Path) -> None:
@@ -152,11 +207,44 @@ def add_ablate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 
 def run_ablate(args: argparse.Namespace) -> int:
-    """The `ablate` command: 0 on success, 2 (and one line on stderr) for bad input."""
-    from ..plotting import plot_ablation_table
-    from .catalog import CatalogError
+    """The `ablate` command: 0 on success, 2 (and one line on stderr) for bad input.
+
+    Under `torchrun --nproc-per-node N` the N processes share the batches of samples (each runs every ablation on
+    its batches); rank 0 writes what one process writes, and ablation.json records `world_size`."""
+    from ..distributed import finish, start
+    from .evaluate import EvalError, agreed
+
+    rank, world_size, rank_device = start()
+    try:
+        model, data_path, samples = agreed(lambda: ablate_inputs(args, rank_device))
+        table = ablation_table(model, samples, batch_size=args.batch_size, progress=rank == 0)
+        if args.out is not None and rank == 0:
+            from ..plotting import plot_ablation_table
+
+            figure = plot_ablation_table(
+                table, title=f"{args.checkpoint}: compose switched off, {len(samples)} samples"
+            )
+            write_outputs(table, table_json(table, args.checkpoint, data_path, world_size), figure, args.out)
+    except EvalError as error:
+        if rank == 0:
+            print(f"error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        finish(world_size)
+    if rank == 0:
+        processes = f" ({world_size} processes)" if world_size > 1 else ""
+        print(f"{data_path}: {len(samples)} samples, checkpoint {args.checkpoint}{processes}")
+        shown = table[["ablated", "accuracy", "ppl", *[c for c in table.columns if c.startswith("qk:")]]]
+        print(shown.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        if args.out is not None:
+            print("wrote " + ", ".join(str(args.out / name) for name in OUTPUTS))
+    return 0
+
+
+def ablate_inputs(args: argparse.Namespace, rank_device: str | None):
+    """The checked checkpoint (loaded on this process's device, with DCMHA), data file and samples."""
+    from ..distributed import process_device
     from .evaluate import (
-        EvalError,
         check_out_dir,
         eval_device,
         load_checkpoint,
@@ -166,27 +254,13 @@ def run_ablate(args: argparse.Namespace) -> int:
         select_samples,
     )
 
-    try:
-        if args.out is not None:
-            check_out_dir(args.out)
-        device = eval_device(args.device)
-        data_path = resolve_data_path(args.data)
-        samples = select_samples(load_samples(data_path), args.tasks, args.limit, data_path)
-        for sample in samples:
-            parse_sample(sample)  # structural errors before the checkpoint is loaded
-        model = load_checkpoint(args.checkpoint, args.dtype, device)
-        table = ablation_table(model, samples, batch_size=args.batch_size)
-        if args.out is not None:
-            figure = plot_ablation_table(
-                table, title=f"{args.checkpoint}: compose switched off, {len(samples)} samples"
-            )
-            write_outputs(table, table_json(table, args.checkpoint, data_path), figure, args.out)
-    except (EvalError, CatalogError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(f"{data_path}: {len(samples)} samples, checkpoint {args.checkpoint}")
-    shown = table[["ablated", "accuracy", "ppl", *[c for c in table.columns if c.startswith("qk:")]]]
-    print(shown.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     if args.out is not None:
-        print("wrote " + ", ".join(str(args.out / name) for name in OUTPUTS))
-    return 0
+        check_out_dir(args.out)
+    device = process_device(eval_device(args.device), rank_device)
+    data_path = resolve_data_path(args.data)
+    samples = select_samples(load_samples(data_path), args.tasks, args.limit, data_path)
+    for sample in samples:
+        parse_sample(sample)  # structural errors before the checkpoint is loaded
+    model = load_checkpoint(args.checkpoint, args.dtype, device)
+    ablations(model)  # EvalError for a checkpoint without DCMHA
+    return model, data_path, samples

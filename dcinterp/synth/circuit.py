@@ -25,12 +25,15 @@ OUTPUTS = ("edges.csv", "faithfulness.csv", "summary.json", "faithfulness.png", 
 MAX_DRAWN_EDGES = 300
 
 
-def add_circuit_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from .evaluate import parse_task_selection, positive_int
+def task_list(text: str) -> list[str]:
+    """ "2,3" or "0-7" -> ["task2", "task3"], in task order (an argparse type)."""
+    from .evaluate import parse_task_selection
 
-    def tasks(text: str) -> list[str]:
-        selected = parse_task_selection(text)
-        return sorted(selected, key=lambda t: int(t.removeprefix("task")))
+    return sorted(parse_task_selection(text), key=lambda t: int(t.removeprefix("task")))
+
+
+def add_circuit_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from .evaluate import positive_int
 
     parser.add_argument(
         "--checkpoint",
@@ -40,7 +43,7 @@ def add_circuit_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     )
     parser.add_argument(
         "--tasks",
-        type=tasks,
+        type=task_list,
         default=DEFAULT_TASKS,
         metavar="IDS",
         help="tasks whose contrast pairs are used, e.g. 2,3 or 0-7 (default: %(default)s, same-person : superclass)",
@@ -109,6 +112,7 @@ def discover(
         smallest_faithful_circuit,
         spearman,
     )
+    from ..distributed import rank_and_size
 
     def say(text: str) -> None:
         if progress:
@@ -156,6 +160,7 @@ def discover(
             name: spearman(filled[f"score_{name.replace('-', '_')}"], filled["exact"]) for name in scores
         },
         "exact_rows": len(filled),
+        "world_size": rank_and_size()[1],  # how many processes shared the pairs
     }
     return {"graph": graph, "scores": scores, "edges": edges, "curve": curve, "summary": summary}
 
@@ -194,40 +199,88 @@ def write_outputs(result: dict, curve_figure, circuit_figure, out_dir: Path) -> 
 
 
 def run_circuit(args: argparse.Namespace) -> int:
-    """The `circuit` command: 0 on success, 2 (and one line on stderr) for bad input."""
-    from .catalog import CatalogError
-    from .contrast import contrast_pairs, tokenize_pairs
+    """The `circuit` command: 0 on success, 2 (and one line on stderr) for bad input.
+
+    Under `torchrun --nproc-per-node N` the N processes share the contrast pairs (every N-th batch of
+    `--batch-size` pairs each): scores and metrics are gathered batch by batch and combined as one process does,
+    so rank 0 writes the files one process writes, and summary.json records `world_size`."""
+    from ..distributed import finish, start
+    from .evaluate import EvalError, agreed
+
+    rank, world_size, rank_device = start()
+    try:
+        model, tokens = agreed(lambda: circuit_inputs(args, rank_device))
+        metric = args.metric.replace("-", "_")
+        result = discover(
+            model,
+            tokens,
+            args.method,
+            args.n_steps,
+            metric,
+            args.exact_top,
+            args.batch_size,
+            args.seed,
+            progress=rank == 0,
+        )
+        if rank == 0:
+            curve_figure, circuit_figure = figures(result, args.method, Path(str(args.checkpoint)).name)
+            write_outputs(result, curve_figure, circuit_figure, args.out)
+    except EvalError as error:
+        if rank == 0:
+            print(f"error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        finish(world_size)
+    if rank == 0:
+        print_summary(args, result["summary"])
+    return 0
+
+
+def circuit_inputs(args: argparse.Namespace, rank_device: str | None):
+    """The checked checkpoint (loaded, frozen, on this process's device) and the tokenized contrast pairs."""
+    model = checked_model(args, rank_device)
+    return model, pairs_of(model, args.tasks, args.pairs, args.seed, args.kind)[1]
+
+
+def checked_model(args: argparse.Namespace, rank_device: str | None):
+    """`--out`, `--device` and `--kind` checked, then the checkpoint loaded on this process's device, in eval mode
+    with frozen weights; EvalError where a check fails or the checkpoint has no tokenizer."""
+    from ..distributed import process_device
     from .evaluate import EvalError, check_out_dir, eval_device, load_checkpoint
 
+    check_out_dir(args.out)
+    device = process_device(eval_device(args.device), rank_device)
+    check_kind(args.tasks, args.kind)
+    model = load_checkpoint(args.checkpoint, args.dtype, device)
+    if model.tokenizer is None:
+        raise EvalError(f"{args.checkpoint}: the checkpoint has no tokenizer; contrast pairs need one")
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def pairs_of(model, tasks: list[str], n: int, seed: int, kind: str | None):
+    """n contrast pairs of each task and their tokens (`contrast_pairs`, `tokenize_pairs`); EvalError naming
+    --tasks where a task gives none."""
+    from .contrast import contrast_pairs, tokenize_pairs
+    from .evaluate import EvalError
+
     try:
-        check_out_dir(args.out)
-        device = eval_device(args.device)
-        check_kind(args.tasks, args.kind)
-        model = load_checkpoint(args.checkpoint, args.dtype, device)
-        if model.tokenizer is None:
-            raise EvalError(f"{args.checkpoint}: the checkpoint has no tokenizer; contrast pairs need one")
-        model.eval()
-        model.requires_grad_(False)
-        try:
-            pairs = [
-                pair
-                for task in args.tasks
-                for pair in contrast_pairs(
-                    task, n=args.pairs, seed=args.seed, kind=args.kind, tokenizer=model.tokenizer
-                )
-            ]
-            tokens = tokenize_pairs(pairs, model.tokenizer)
-        except ValueError as error:
-            raise EvalError(f"--tasks: {error}") from None
-        metric = args.metric.replace("-", "_")
-        result = discover(model, tokens, args.method, args.n_steps, metric, args.exact_top, args.batch_size, args.seed)
-        curve_figure, circuit_figure = figures(result, args.method, Path(str(args.checkpoint)).name)
-        write_outputs(result, curve_figure, circuit_figure, args.out)
-    except (EvalError, CatalogError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    summary = result["summary"]
-    print(f"{args.checkpoint}: {summary['pairs']} pairs of {', '.join(args.tasks)}; graph {summary['graph']}")
+        pairs = [
+            pair
+            for task in tasks
+            for pair in contrast_pairs(task, n=n, seed=seed, kind=kind, tokenizer=model.tokenizer)
+        ]
+        return pairs, tokenize_pairs(pairs, model.tokenizer)
+    except ValueError as error:
+        raise EvalError(f"--tasks: {error}") from None
+
+
+def print_summary(args: argparse.Namespace, summary: dict) -> None:
+    processes = f" ({summary['world_size']} processes)" if summary["world_size"] > 1 else ""
+    print(
+        f"{args.checkpoint}: {summary['pairs']} pairs of {', '.join(args.tasks)}; graph {summary['graph']}{processes}"
+    )
     print(
         f"metric clean {summary['metric_clean']:.3f}, corrupted {summary['metric_corrupted']:.3f}; "
         f"faithfulness full graph {summary['faithfulness_full_graph']:.3f}, "
@@ -238,4 +291,3 @@ def run_circuit(args: argparse.Namespace) -> int:
     for key, value in summary["spearman_score_vs_exact"].items():
         print(f"  Spearman {key} score vs exact ({summary['exact_rows']} edges): {value:.3f}")
     print("wrote " + ", ".join(str(args.out / name) for name in OUTPUTS))
-    return 0

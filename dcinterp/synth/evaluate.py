@@ -27,9 +27,10 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import pandas as pd
 from tqdm import tqdm
@@ -45,6 +46,7 @@ if TYPE_CHECKING:  # torch and the model are imported where they are used, so th
 
     from ..model import HookedDCFormer
 
+T = TypeVar("T")
 K_SHOTS = tuple(range(2, 8))  # answers on lines 3..8 see 2..7 earlier lines
 DEFAULT_CHECKPOINTS = ("dcpythia-synth", "pythia-synth")
 RELEASED_DATA = "synthetic_dataset.jsonl"
@@ -226,65 +228,50 @@ def evaluate(
 
     Under `torchrun` / `accelerate launch` (an initialised torch.distributed group), each process scores every
     world_size-th batch and all of them return the whole frame: the batches are the ones a single process
-    forms, so the rows are those one process computes.
+    forms, so the rows are those one process computes (`dcinterp.distributed`).
     """
     import torch
 
+    from ..distributed import gather, in_order, my_batches
+
     name = name or model.cfg.model_name
     encoded = encode_all(model, records, name)
-    pad_id = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
-    # Longest first, so that each batch pads little and a too-large batch fails at once.
-    by_length = sorted(range(len(encoded)), key=lambda i: -len(encoded[i].token_ids))
-    batches = [by_length[start : start + batch_size] for start in range(0, len(by_length), batch_size)]
-    rank, world_size = distributed_rank_and_size()
-    mine = batches[rank::world_size]
+    pad_id = pad_token_id(model)
+    batches = sample_batches(encoded, batch_size)
+    mine = my_batches(len(batches))
     scores: dict[int, list[AnswerScore]] = {}
-    with torch.inference_mode(), tqdm(total=sum(map(len, mine)), desc=name, unit="sample", disable=not progress) as bar:
-        for batch in mine:
-            logits = model(padded_tokens([encoded[i].token_ids for i in batch], pad_id))
-            for row, i in enumerate(batch):
-                sample = encoded[i]
-                scores[i] = [
-                    score_answer(logits[row], sample.token_ids, positions, model.tokenizer)
-                    for positions in sample.answer_tokens
-                ]
-            bar.update(len(batch))
-    if world_size > 1:
-        import torch.distributed as dist
-
-        gathered: list[dict] = [{} for _ in range(world_size)]
-        dist.all_gather_object(gathered, scores)
-        scores = {i: s for shard in gathered for i, s in shard.items()}
-    return results_frame(name, encoded, [scores[i] for i in range(len(encoded))])
+    total = sum(len(batches[i]) for i in mine)
+    with torch.inference_mode(), tqdm(total=total, desc=name, unit="sample", disable=not progress) as bar:
+        for i in mine:
+            logits = model(padded_tokens([encoded[j].token_ids for j in batches[i]], pad_id))
+            scores.update(score_batch(model, encoded, batches[i], logits))
+            bar.update(len(batches[i]))
+    return results_frame(name, encoded, in_order(gather(scores), len(encoded), "sample"))
 
 
-def distributed_rank_and_size() -> tuple[int, int]:
-    """(rank, world size) of an initialised torch.distributed group, else (0, 1)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+def sample_batches(encoded: list[EncodedSample], batch_size: int) -> list[list[int]]:
+    """The samples' indices in batches of `batch_size`, longest first, so that each batch pads little and a
+    too-large batch fails at once. Every process of a distributed run forms the same batches."""
+    by_length = sorted(range(len(encoded)), key=lambda i: -len(encoded[i].token_ids))
+    return [by_length[start : start + batch_size] for start in range(0, len(by_length), batch_size)]
 
 
-def start_distributed() -> tuple[int, int, str | None]:
-    """Join the process group that `torchrun` / `accelerate launch` set up (NCCL on GPUs, gloo on the CPU).
+def pad_token_id(model: HookedDCFormer) -> int:
+    return model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
 
-    Returns (rank, world size, this process's device); (0, 1, None) when not launched that way."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return 0, 1, None
-    import torch
-    import torch.distributed as dist
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        backend, device = "nccl", f"cuda:{local_rank}"
-    else:
-        backend, device = "gloo", "cpu"
-    if not dist.is_initialized():
-        dist.init_process_group(backend)
-    return dist.get_rank(), dist.get_world_size(), device
+def score_batch(
+    model: HookedDCFormer, encoded: list[EncodedSample], batch: list[int], logits: torch.Tensor
+) -> dict[int, list[AnswerScore]]:
+    """Each sample's answers scored from its row of a batch's logits [batch, pos, vocab]."""
+    scores = {}
+    for row, i in enumerate(batch):
+        sample = encoded[i]
+        scores[i] = [
+            score_answer(logits[row], sample.token_ids, positions, model.tokenizer)
+            for positions in sample.answer_tokens
+        ]
+    return scores
 
 
 def evaluate_naive(model: HookedDCFormer, records, name: str | None = None) -> pd.DataFrame:
@@ -479,19 +466,14 @@ def run_eval(args: argparse.Namespace) -> int:
     """The `eval` command: 0 on success, 2 (and one line on stderr) for bad input.
 
     Launched with `torchrun --nproc-per-node N` (or `accelerate launch`), the N processes share the samples of
-    each checkpoint; rank 0 prints and writes the same files as one process would."""
-    rank, world_size, rank_device = start_distributed()
+    each checkpoint; rank 0 prints and writes the same files as one process would, and each checkpoint's entry of
+    summary.json records `world_size`. Bad input stops every process with status 2."""
+    from ..distributed import finish, process_device, start
+
+    rank, world_size, rank_device = start()
     try:
-        if args.out is not None:
-            check_out_dir(args.out)
-        device = eval_device(args.device)
-        checkpoints = checkpoints_to_evaluate(args.checkpoint)
-        data_path = resolve_data_path(args.data)
-        samples = select_samples(load_samples(data_path), args.tasks, args.limit, data_path)
-        for sample in samples:
-            parse_sample(sample)  # structural errors before any checkpoint is loaded
-        if rank_device is not None and device.startswith(rank_device.split(":")[0]):
-            device = rank_device  # one device per process
+        device, checkpoints, data_path, samples = agreed(lambda: eval_inputs(args))
+        device = process_device(device, rank_device)
         results = []
         for checkpoint, name in zip(checkpoints, checkpoint_names(checkpoints), strict=True):
             model = load_checkpoint(checkpoint, args.dtype, device)
@@ -499,6 +481,8 @@ def run_eval(args: argparse.Namespace) -> int:
             del model
         results = pd.concat(results, ignore_index=True)
         summary = summarize(results, getattr(args, "ppl_pooling", "token"))
+        for entry in summary.values():
+            entry["world_size"] = world_size
         if args.out is not None and rank == 0:
             write_outputs(results, summary, args.out)
     except (EvalError, CatalogError) as error:
@@ -506,10 +490,7 @@ def run_eval(args: argparse.Namespace) -> int:
             print(f"error: {error}", file=sys.stderr)
         return 2
     finally:
-        if world_size > 1:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
+        finish(world_size)
     if rank == 0:
         print(
             f"{data_path}: {len(samples)} samples, {len(results) // len(checkpoints)} answers"
@@ -519,6 +500,35 @@ def run_eval(args: argparse.Namespace) -> int:
         if args.out is not None:
             print(f"wrote {args.out / 'results.csv'} and {args.out / 'summary.json'}")
     return 0
+
+
+def eval_inputs(args: argparse.Namespace) -> tuple[str, list[str], Path, list[Sample]]:
+    """The checked device, checkpoints, data file and samples of `eval`, before any checkpoint is loaded."""
+    if args.out is not None:
+        check_out_dir(args.out)
+    device = eval_device(args.device)
+    checkpoints = checkpoints_to_evaluate(args.checkpoint)
+    data_path = resolve_data_path(args.data)
+    samples = select_samples(load_samples(data_path), args.tasks, args.limit, data_path)
+    for sample in samples:
+        parse_sample(sample)  # structural errors before any checkpoint is loaded
+    return device, checkpoints, data_path, samples
+
+
+def agreed(check: Callable[[], T]) -> T:
+    """`check()` on every process of a distributed run; where any process refuses its input (EvalError,
+    CatalogError), every process raises an EvalError with the first refusal's line, so that all of them stop
+    with status 2 together rather than leave the others waiting (one process: `check()` as it is)."""
+    from ..distributed import first_error
+
+    try:
+        result, problem = check(), None
+    except (EvalError, CatalogError) as error:
+        result, problem = None, str(error)
+    problem = first_error(problem)
+    if problem is not None:
+        raise EvalError(problem)
+    return result
 
 
 def main_eval(argv: list[str] | None = None) -> int:
