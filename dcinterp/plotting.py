@@ -691,9 +691,9 @@ def plot_qk_keys_plotly(attribution, top: int = 10, title: str | None = None) ->
             col=1,
         )
         fig.update_yaxes(autorange="reversed", row=row, col=1)
-    query = a.str_tokens[a.query_pos] if a.str_tokens else ""
+    query = f" ({a.str_tokens[a.query_pos]!r})" if a.str_tokens else ""
     fig.update_layout(
-        title=title or f"L{a.layer}H{a.head}: why it attends where it does from query {a.query_pos} {query}",
+        title=title or f"L{a.layer}H{a.head}: why it attends where it does from query {a.query_pos}{query}",
         height=1000,
         width=max(900, 22 * len(x) + 300),
         legend=dict(orientation="h", y=1.02, x=1, xanchor="right"),
