@@ -12,7 +12,9 @@ query and the key axes, `[query, head, key]`:
 - a block reads only the keys its queries may see: keys after the block's last query, and keys before a local
   window, are never computed (their pattern is exactly 0, and the compose mixes heads per (query, key) pair, so a
   hidden pair only ever feeds itself);
-- a block's `[query, head, key]` tiles stay in cache, and the forward never holds `[b, h, t, s]`.
+- a block's `[query, head, key]` tiles stay in cache, and the forward never holds `[b, h, t, s]`;
+- with several torch threads, the blocks are shared among as many Python threads, each running its ops on one
+  core (`each_block`), rather than every small op being split across the cores.
 
 Gradients come from one `torch.autograd.Function` for the whole attention: its forward keeps only q, k, v and the
 dynamic weights, and its backward recomputes each block and applies the transposed maps (no per-branch tensor is
@@ -23,43 +25,58 @@ Index names: b batch, t queries, s keys, h/m/n heads, e head dim, r rank.
 
 from __future__ import annotations
 
+import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
-TILE_ELEMENTS = 1 << 19  # a block of queries holds about this many (query, head, key) entries: 2 MiB in float32
-MIN_BLOCK, MAX_BLOCK = 16, 256  # queries per block
+TILE_ELEMENTS = 1 << 19  # a block's (query, head, key) entries, at most (2 MiB in float32)
+MIN_BLOCK, MAX_BLOCK = 16, 512  # queries per block
 
 
 @dataclass(frozen=True)
 class Plan:
-    """Which keys each query sees, and how many queries make a block.
+    """Which keys each query sees, and which queries make a block.
 
     past: cached positions before the first query (queries are positions past .. past + n - 1, keys 0 ..);
     window: a local layer's window (None: global), `extra` 1 for the "official-inference" semantics (window + 1
-    keys); scale: 1 / sqrt(d_head); block: queries per block."""
+    keys); scale: 1 / sqrt(d_head); area: a block's queries x keys, at most (per head), unless that leaves fewer
+    than min_block queries; max_block: queries in a block, at most."""
 
     past: int
     window: int | None
     extra: int
     scale: float
-    block: int
+    area: int
+    min_block: int = 1
+    max_block: int = MAX_BLOCK
+
+    def first_key(self, t: int) -> int:
+        """The first key query t (of this input) may see."""
+        return 0 if self.window is None else max(0, self.past + t - self.window + 1 - self.extra)
 
     def blocks(self, n_queries: int):
-        """(t0, t1, s0, s1): queries t0 .. t1 - 1 (of this input) see keys within s0 .. s1 - 1 (of all keys)."""
-        for t0 in range(0, n_queries, self.block):
-            t1 = min(n_queries, t0 + self.block)
-            s0 = 0 if self.window is None else max(0, self.past + t0 - self.window + 1 - self.extra)
+        """(t0, t1, s0, s1): queries t0 .. t1 - 1 (of this input) see keys within s0 .. s1 - 1 (of all keys).
+
+        A block of b queries from t0 sees b + c keys, c = past + t0 - s0: the largest b with b (b + c) <= area
+        (under causal masking the early blocks of a global layer are the wide ones)."""
+        t0 = 0
+        while t0 < n_queries:
+            s0 = self.first_key(t0)
+            c = self.past + t0 - s0
+            rows = int((math.sqrt(c * c + 4 * self.area) - c) / 2)
+            t1 = min(n_queries, t0 + max(self.min_block, min(self.max_block, rows)))
             yield t0, t1, s0, self.past + t1
+            t0 = t1
 
 
-def plan(n_queries: int, n_keys: int, n_heads: int, d_head: int, past: int, window: int | None, official: bool) -> Plan:
-    """The blocks for one attention call: as many queries per block as keep a tile near TILE_ELEMENTS."""
-    span = n_keys if window is None else min(n_keys, window + 1 + 128)
-    block = max(MIN_BLOCK, min(MAX_BLOCK, TILE_ELEMENTS // (n_heads * span)))
-    return Plan(past, window, int(official and window is not None), d_head**-0.5, min(block, n_queries))
+def plan(n_heads: int, d_head: int, past: int, window: int | None, official: bool) -> Plan:
+    """The blocks for one attention call: tiles of about TILE_ELEMENTS (query, head, key) entries."""
+    extra = int(official and window is not None)
+    return Plan(past, window, extra, d_head**-0.5, TILE_ELEMENTS // n_heads, MIN_BLOCK, MAX_BLOCK)
 
 
 def query_map(qw1: Tensor | None, qw2: Tensor | None, qg: Tensor | None, n_heads: int) -> Tensor | None:
@@ -148,13 +165,49 @@ def _attend_block(qh, kh, vh, mask, pre, post, bi, t0, t1, s0, s1):
     return A, P, D, hidden_pre, hidden_post
 
 
+def each_block(work, blocks: list, threads: int) -> None:
+    """work(k, block) for every block: in turn (k = 0), or, with threads > 1 and more than one block, on `threads`
+    Python threads, thread k taking blocks k, k + threads, ..., with every tensor op on one core.
+
+    The blocks are independent and their ops small: a core per block keeps each tile in that core's cache and
+    spares the cores a barrier at every op (which a machine busy with other work makes slow). The blocks a thread
+    takes depend on the number of threads only, so results are the same from run to run."""
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    def run(k: int, mine: list) -> None:
+        # Grad and inference modes are per thread: a worker takes the caller's. Autocast stays off: the blocks
+        # compute in float32 (or float64) whatever the caller's autocast.
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad), torch.autocast("cpu", enabled=False):
+            for block in mine:
+                work(k, block)
+
+    if threads <= 1 or len(blocks) <= 1:
+        run(0, blocks)
+        return
+    torch.set_num_threads(1)  # what threads that start now run their ops on (torch reads it per thread)
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            for future in [pool.submit(run, k, blocks[k::threads]) for k in range(threads)]:
+                future.result()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _blocks(plan: Plan, batch: int, n_queries: int) -> list[tuple[int, int, int, int, int]]:
+    """(batch row, t0, t1, s0, s1) of every block."""
+    return [(bi, *block) for bi in range(batch) for block in plan.blocks(n_queries)]
+
+
 def _forward(qh, kh, vh, mask, pre, post, plan: Plan) -> Float[Tensor, "b h t e"]:
     b, h, n, e = qh.shape
     z = qh.new_empty(b, h, n, e)
-    for bi in range(b):
-        for t0, t1, s0, s1 in plan.blocks(n):
-            D = _attend_block(qh, kh, vh, mask, pre, post, bi, t0, t1, s0, s1)[2]
-            torch.bmm(D.transpose(0, 1), vh[bi, :, s0:s1], out=z[bi, :, t0:t1])
+
+    def work(_, block):
+        bi, t0, t1, s0, s1 = block
+        D = _attend_block(qh, kh, vh, mask, pre, post, *block)[2]
+        z[bi, :, t0:t1] = torch.bmm(D.transpose(0, 1), vh[bi, :, s0:s1])
+
+    each_block(work, _blocks(plan, b, n), torch.get_num_threads())
     return z
 
 
@@ -175,39 +228,62 @@ class BlockedDCMHA(torch.autograd.Function):
         qh, kh, vh, mask, *weights = ctx.saved_tensors
         pre, post = tuple(weights[:4]), tuple(weights[4:])
         needs = ctx.needs_input_grad  # (qh, kh, vh, mask, plan, *pre, *post)
-        plan: Plan = ctx.plan
         b, h, n, e = qh.shape
+        blocks = _blocks(ctx.plan, b, n)
+        threads = torch.get_num_threads() if len(blocks) > 1 else 1
         gq = torch.zeros_like(qh) if needs[0] else None
-        gk = torch.zeros_like(kh) if needs[1] else None
-        gv = torch.zeros_like(vh) if needs[2] else None
-        grads = []  # per stage: name -> gradient, for the weights that need one
-        for stage, first in ((pre, 5), (post, 9)):
-            wanted = {name: w for i, (name, w) in enumerate(zip(NAMES, stage, strict=True)) if needs[first + i]}
-            grads.append({name: torch.zeros_like(w) for name, w in wanted.items()})
-        for bi in range(b):
-            key_grads = [{name: g[bi] for name, g in stage.items() if name != "W"} for stage in grads]
-            for t0, t1, s0, s1 in plan.blocks(n):
-                keys = slice(s0, s1)
-                A, P, D, hidden_pre, hidden_post = _attend_block(qh, kh, vh, mask, pre, post, bi, t0, t1, s0, s1)
-                gzb = gz[bi, :, t0:t1]  # [h, t, e]
-                if gv is not None:
-                    gv[bi, :, keys] += torch.bmm(D.permute(1, 2, 0), gzb)
-                gD = torch.bmm(gzb, vh[bi, :, keys].transpose(1, 2)).transpose(0, 1)  # [t, h, s]
-                post_b = _stage(post, bi, t0, t1, s0, s1)
-                gP, gW = compose_backward(gD, P, *post_b, hidden_post, "W" in grads[1], key_grads[1], keys)
-                if gW is not None:
-                    grads[1]["W"][bi, t0:t1] = gW
-                gC = torch._softmax_backward_data(gP, P, -1, P.dtype)
-                pre_b = _stage(pre, bi, t0, t1, s0, s1)
-                gA, gW = compose_backward(gC, A, *pre_b, hidden_pre, "W" in grads[0], key_grads[0], keys)
-                if gW is not None:
-                    grads[0]["W"][bi, t0:t1] = gW
-                gA = gA.transpose(0, 1)  # [h, t, s]
-                if gq is not None:
-                    gq[bi, :, t0:t1] = torch.bmm(gA, kh[bi, :, keys])
-                if gk is not None:
-                    gk[bi, :, keys] += torch.bmm(gA.transpose(1, 2), qh[bi, :, t0:t1])
-        return gq, gk, gv, None, None, *(stage.get(name) for stage in grads for name in NAMES)
+        W_grads = [torch.zeros_like(stage[0]) if needs[first] else None for stage, first in ((pre, 5), (post, 9))]
+
+        def summed():
+            """What blocks add up, at every key (a copy per thread, added at the end in a fixed order)."""
+            out = {"k": torch.zeros_like(kh) if needs[1] else None, "v": torch.zeros_like(vh) if needs[2] else None}
+            for stage, first, name in ((pre, 5, "pre"), (post, 9, "post")):
+                wanted = {key: w for i, (key, w) in enumerate(zip(NAMES, stage, strict=True)) if i and needs[first + i]}
+                out[name] = {key: torch.zeros_like(w) for key, w in wanted.items()}
+            return out
+
+        sums = [summed() for _ in range(threads)]
+
+        def work(thread, block):
+            bi, t0, t1, s0, s1 = block
+            acc, keys = sums[thread], slice(s0, s1)
+            A, P, D, hidden_pre, hidden_post = _attend_block(qh, kh, vh, mask, pre, post, *block)
+            gzb = gz[bi, :, t0:t1]  # [h, t, e]
+            if acc["v"] is not None:
+                acc["v"][bi, :, keys] += torch.bmm(D.permute(1, 2, 0), gzb)
+            gD = torch.bmm(gzb, vh[bi, :, keys].transpose(1, 2)).transpose(0, 1)  # [t, h, s]
+            post_key_grads = {key: g[bi] for key, g in acc["post"].items()}
+            gP, gW = compose_backward(
+                gD, P, *_stage(post, *block), hidden_post, W_grads[1] is not None, post_key_grads, keys
+            )
+            if gW is not None:
+                W_grads[1][bi, t0:t1] = gW
+            gC = torch._softmax_backward_data(gP, P, -1, P.dtype)
+            pre_key_grads = {key: g[bi] for key, g in acc["pre"].items()}
+            gA, gW = compose_backward(
+                gC, A, *_stage(pre, *block), hidden_pre, W_grads[0] is not None, pre_key_grads, keys
+            )
+            if gW is not None:
+                W_grads[0][bi, t0:t1] = gW
+            gA = gA.transpose(0, 1)  # [h, t, s]
+            if gq is not None:
+                gq[bi, :, t0:t1] = torch.bmm(gA, kh[bi, :, keys])
+            if acc["k"] is not None:
+                acc["k"][bi, :, keys] += torch.bmm(gA.transpose(1, 2), qh[bi, :, t0:t1])
+
+        each_block(work, blocks, threads)
+        total = sums[0]
+        for other in sums[1:]:
+            for key in ("k", "v"):
+                if total[key] is not None:
+                    total[key] += other[key]
+            for name in ("pre", "post"):
+                for key, g in total[name].items():
+                    g += other[name][key]
+        stage_grads = [
+            (W_grads[i], *(total[name].get(key) for key in NAMES[1:])) for i, name in enumerate(("pre", "post"))
+        ]
+        return gq, total["k"], total["v"], None, None, *stage_grads[0], *stage_grads[1]
 
 
 NAMES = ("W", "kw1", "kw2", "kg")  # a stage's weights, in the order BlockedDCMHA takes them

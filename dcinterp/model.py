@@ -405,9 +405,8 @@ class Attention(nn.Module):
             else:
                 kw1, kw2, kg = blocked.key_last(kw1), blocked.key_last(kw2), blocked.key_last(kg)
             stages.append((blocked.query_map(qw1, qw2, qg, cfg.n_heads), kw1, kw2, kg))
-        n, n_keys = q.shape[1], k.shape[1]
-        official = cfg.window == "official-inference"
-        plan = blocked.plan(n, n_keys, cfg.n_heads, cfg.d_head, n_keys - n, self.window, official)
+        past, official = k.shape[1] - q.shape[1], cfg.window == "official-inference"
+        plan = blocked.plan(cfg.n_heads, cfg.d_head, past, self.window, official)
         return blocked.blocked_dcmha(q, k, v, mask, stages[0], stages[1], plan)
 
     def materialised_z(self, x, q, k, v, mask, past_kv_cache_entry=None) -> Float[Tensor, "b t h e"]:

@@ -416,7 +416,7 @@ def random_case(official: bool, padded: bool, branches: str, seed: int = 0):
         kw1, kw2 = (randn(b, r, h, s), randn(b, r, h, s)) if "k" in branches else (None, None)
         kg = randn(b, h, s) if "g" in branches else None
         stages.append((W, kw1, kw2, kg))
-    plan = blocked.Plan(past=past, window=window, extra=int(official), scale=0.5, block=2)
+    plan = blocked.Plan(past=past, window=window, extra=int(official), scale=0.5, area=1, min_block=2, max_block=2)
     return (randn(b, n, h, e), randn(b, s, h, e), randn(b, s, h, e)), mask, stages, plan
 
 
@@ -446,12 +446,34 @@ def test_blocked_function_equals_the_dense_formula_and_passes_gradcheck(official
 @pytest.mark.parametrize("window", [None, 1, 4, 9])
 @pytest.mark.parametrize("past", [0, 3, 20])
 def test_blocks_leave_out_only_keys_no_query_of_the_block_sees(semantics, window, past):
-    for n, block in ((1, 1), (5, 2), (17, 5), (40, 16)):
+    extra = int(semantics == "official-inference" and window is not None)
+    for n, area, least, most in ((1, 1, 1, 1), (5, 1, 2, 2), (17, 1, 5, 5), (40, 60, 1, 16), (40, 200, 3, 50)):
         visible = visible_keys(n, window, "cpu", semantics, past)
-        plan = blocked.Plan(past, window, int(semantics == "official-inference" and window is not None), 1.0, block)
+        plan = blocked.Plan(past, window, extra, 1.0, area, least, most)
         covered = torch.zeros(n, dtype=torch.long)
         for t0, t1, s0, s1 in plan.blocks(n):
             assert not visible[t0:t1, :s0].any() and not visible[t0:t1, s1:].any()
             assert visible[t0:t1, s0].any() and visible[t0:t1, s1 - 1].any()  # and no more than they need
+            assert least <= t1 - t0 <= most or t1 == n
+            assert (t1 - t0) * (s1 - s0) <= area or t1 - t0 <= least  # within the area, unless at the least
             covered[t0:t1] += 1
         assert (covered == 1).all()
+
+
+def test_blocks_on_two_threads_give_what_one_thread_gives(models, calls):
+    """With two torch threads the blocks run on two Python threads, each op on one core: the forward is the same
+    bit for bit, the gradients (summed over blocks in another order) the same within float32 rounding, and the
+    thread count is restored."""
+    model = models["dcformer-tiny"]
+    tokens = tokens_for(model, length=38)
+    one = forward_and_z(model, tokens)[0], input_and_weight_grads(model, tokens)
+    torch.set_num_threads(2)
+    try:
+        two = forward_and_z(model, tokens)[0], input_and_weight_grads(model, tokens)
+        with torch.inference_mode():  # as synth eval runs (grad and inference modes are per thread)
+            inference = model(tokens)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[0], inference)
+    assert_grads_close(two[1], one[1])
