@@ -1,6 +1,6 @@
 """DCMHA against plain MHA of the same size: forward, forward + backward, and peak memory, in one run.
 
-    python benchmarks/bench_dcmha.py [--shapes d1024,6.9b] [--tokens 512,1024,2048] [--repeats 3] [--threads 2]
+    python benchmarks/bench_dcmha.py [--shapes d1024,6.9b] [--tokens 512,1024,2048] [--repeats 5] [--threads 2]
                                      [--official DIR] [--no-memory] [--memory-only]
 
 Random DCPythia-style models (LayerNorm, parallel residual, GELU MLP, QK-norm, rotary on a quarter of each head,
@@ -15,7 +15,8 @@ For each number of prompt tokens the two models take turns (in alternating order
   backward, as attribution patching reads activation gradients;
 - forward + backward to an input: the embeddings as a leaf that requires grad, `model(embeddings,
   start_at_layer=0)`, as integrated gradients steps.
-Medians over `--repeats` are reported, and the ratios of the medians. Peak memory: the peak anonymous memory
+The ratios of the medians over `--repeats` runs are reported, and of the minima (each model's least disturbed run:
+on a machine shared with other work, the steadier of the two). Peak memory: the peak anonymous memory
 (RssAnon) above the weights of one no-hook forward at the largest number of tokens, each model in a fresh process.
 With `--official` (default: the DCFORMER_OFFICIAL environment variable), the authors' PyTorch DCPythia
 (`modeling_dcpythia.py` from a local clone of Caiyun-AI/DCFormer) is timed on the same shape too (prefill path).
@@ -70,15 +71,14 @@ def run(model: HookedDCFormer, kind: str, tokens: torch.Tensor) -> None:
         model(embeddings, start_at_layer=0, tokens=tokens, return_type="loss").backward()
 
 
-def timed(fn) -> tuple[float, float]:
-    """Wall and CPU seconds (this process's, all threads) of fn()."""
-    wall, cpu = time.perf_counter(), time.process_time()
+def timed(fn) -> float:
+    start = time.perf_counter()
     fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
+    return time.perf_counter() - start
 
 
-def measure(models: dict, tokens: torch.Tensor, repeats: int, kinds) -> dict[str, dict[str, list]]:
-    """(wall, CPU) seconds per (model, kind), the models taking turns in alternating order; one warm-up each."""
+def measure(models: dict, tokens: torch.Tensor, repeats: int, kinds) -> dict[str, dict[str, list[float]]]:
+    """Seconds per (model, kind), the models taking turns in alternating order; one warm-up call each."""
     times = {name: {kind: [] for kind in kinds} for name in models}
     names = list(models)
     for kind in kinds:
@@ -125,7 +125,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="d1024,6.9b")
     parser.add_argument("--tokens", default="512,1024,2048")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--official", type=Path, default=os.environ.get("DCFORMER_OFFICIAL") or None)
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
@@ -147,33 +147,30 @@ def main() -> None:
                 models = {"DCMHA": make_model(shape, n, True), "MHA": make_model(shape, n, False)}
                 tokens = torch.randint(0, VOCAB, (1, n))
                 times = measure(models, tokens, args.repeats, KINDS)
-                wall = {m: {k: statistics.median(x[0] for x in v) for k, v in t.items()} for m, t in times.items()}
-                cpu = {m: {k: statistics.median(x[1] for x in v) for k, v in t.items()} for m, t in times.items()}
+                median = {m: {k: statistics.median(v) for k, v in t.items()} for m, t in times.items()}
+                least = {m: {k: min(v) for k, v in t.items()} for m, t in times.items()}
                 cells = [
-                    f"**{wall['DCMHA'][k] / wall['MHA'][k]:.2f}x** ({wall['DCMHA'][k]:.2f} s / {wall['MHA'][k]:.2f} s;"
-                    f" CPU {cpu['DCMHA'][k] / cpu['MHA'][k]:.2f}x)"
+                    f"**{median['DCMHA'][k] / median['MHA'][k]:.2f}x** ({median['DCMHA'][k]:.2f} s / "
+                    f"{median['MHA'][k]:.2f} s; minima {least['DCMHA'][k] / least['MHA'][k]:.2f}x)"
                     for k in KINDS
                 ]
-                load = os.getloadavg()[0]
-                rows.append(f"| {shape} | {n:,} | " + " | ".join(cells) + f" | {load:.1f} |")
+                rows.append(f"| {shape} | {n:,} | " + " | ".join(cells) + f" | {os.getloadavg()[0]:.1f} |")
                 print(rows[-1], flush=True)
                 if args.official:
                     official = official_forward(args.official, shape, n)
                     with torch.no_grad():
                         official(tokens)
-                        authors = statistics.median(timed(lambda: official(tokens))[0] for _ in range(args.repeats))  # noqa: B023
+                        authors = statistics.median(timed(lambda: official(tokens)) for _ in range(args.repeats))  # noqa: B023
                     print(
-                        f"  authors' forward {authors:.2f} s: {authors / wall['MHA']['forward']:.2f}x MHA, "
-                        f"{authors / wall['DCMHA']['forward']:.2f}x DCMHA",
+                        f"  authors' forward {authors:.2f} s: {authors / median['MHA']['forward']:.2f}x MHA, "
+                        f"{authors / median['DCMHA']['forward']:.2f}x DCMHA",
                         flush=True,
                     )
-                rounded = {
-                    m: {k: [[round(x, 3) for x in pair] for pair in v] for k, v in t.items()} for m, t in times.items()
-                }
-                print("  (wall, CPU) seconds:", json.dumps(rounded), flush=True)
+                rounded = {m: {k: [round(x, 3) for x in v] for k, v in t.items()} for m, t in times.items()}
+                print("  seconds:", json.dumps(rounded), flush=True)
                 del models
         print(
-            f"\nwall-time ratios of medians over {args.repeats} runs (the models in turns), CPU-time ratios beside; "
+            f"\nratios of the medians (and of the minima) over {args.repeats} runs, the two models in turns; "
             f"load average {os.getloadavg()} at the end"
         )
         print("| shape | tokens | " + " | ".join(f"{k}: DCMHA / MHA" for k in KINDS) + " | load |")
