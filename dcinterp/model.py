@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from transformer_lens import HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
+from . import blocked
 from .config import DCFormerConfig
 from .kv_cache import DCFormerKeyValueCache
 from .processing import DCActivationCache
@@ -370,6 +371,54 @@ class Attention(nn.Module):
         if past_kv_cache_entry is not None:
             k, v = past_kv_cache_entry.append(k, v)
 
+        if self.takes_blocked_path(x, q.shape[1], past_kv_cache_entry):
+            z = self.hook_z(self.blocked_z(x, q, k, v, mask, past_kv_cache_entry))
+        else:
+            z = self.hook_z(self.materialised_z(x, q, k, v, mask, past_kv_cache_entry))
+        if cfg.use_attn_result:
+            out = self.hook_result(torch.einsum("bthe,hed->bthd", z, self.W_O)).sum(2)
+        else:
+            out = torch.einsum("bthe,hed->btd", z, self.W_O)
+        return out + self.b_O if self.b_O is not None else out
+
+    def takes_blocked_path(self, x: Tensor, n_queries: int, past_kv_cache_entry=None) -> bool:
+        """Whether DCMHA runs block by block (`dcinterp.blocked`): on a CPU, when nothing reads or sets a
+        [b, h, t, s] tensor of this layer (no hook, cache or nnsight trace on the scores, the patterns or a branch
+        output), and not for a cached decoding step (`compose_few_queries`). On a GPU the path is unmeasured, and
+        the materialised one stays."""
+        cfg = self.cfg
+        if not cfg.use_dcmha or x.device.type != "cpu" or torch._C._are_functorch_transforms_active():
+            return False
+        if past_kv_cache_entry is not None and n_queries <= FEW_QUERIES:
+            return False
+        square = (self.hook_attn_scores, self.hook_composed_scores, self.hook_pattern, self.hook_composed_pattern)
+        if any(_hooked(hook) for hook in square):
+            return False
+        return not any(c is not None and c.materialised() for c in (self.pre_compose, self.post_compose))
+
+    def blocked_z(self, x, q, k, v, mask, past_kv_cache_entry=None) -> Float[Tensor, "b t h e"]:
+        """z of DCMHA by `dcinterp.blocked`: equal to `materialised_z`'s up to float rounding. The dynamic weights
+        pass through their hooks, and their key side into the cache, as there."""
+        cfg = self.cfg
+        dyn = self.dynamic_weights(x)
+        stages = []
+        for compose in (self.pre_compose, self.post_compose):
+            if compose is None:
+                stages.append((None, None, None, None))
+                continue
+            qw1, qw2, kw1, kw2, qg, kg = compose.dynamic_weights(*dyn[compose.stage])
+            if past_kv_cache_entry is not None:
+                kw1, kw2, kg = past_kv_cache_entry.append_key_compose(compose.stage, kw1, kw2, kg)  # key-last
+            else:
+                kw1, kw2, kg = blocked.key_last(kw1), blocked.key_last(kw2), blocked.key_last(kg)
+            stages.append((blocked.query_map(qw1, qw2, qg, cfg.n_heads), kw1, kw2, kg))
+        past, official = k.shape[1] - q.shape[1], cfg.window == "official-inference"
+        plan = blocked.plan(cfg.n_heads, cfg.d_head, past, self.window, official)
+        return blocked.blocked_dcmha(q, k, v, mask, stages[0], stages[1], plan)
+
+    def materialised_z(self, x, q, k, v, mask, past_kv_cache_entry=None) -> Float[Tensor, "b t h e"]:
+        """z with every [b, h, t, s] tensor of the layer computed and passed through its hook."""
+        cfg = self.cfg
         scores = torch.einsum("bthe,bshe->bhts", q, k) / math.sqrt(cfg.d_head)
         mask = mask.to(scores.dtype)
         if cfg.use_dcmha:
@@ -385,13 +434,7 @@ class Attention(nn.Module):
             if self.post_compose is not None:
                 pattern = self.post_compose(pattern, *dyn["post"], past_kv_cache_entry=past_kv_cache_entry)
             pattern = self.hook_composed_pattern(pattern)
-
-        z = self.hook_z(torch.einsum("bhts,bshe->bthe", pattern, v))
-        if cfg.use_attn_result:
-            out = self.hook_result(torch.einsum("bthe,hed->bthd", z, self.W_O)).sum(2)
-        else:
-            out = torch.einsum("bthe,hed->btd", z, self.W_O)
-        return out + self.b_O if self.b_O is not None else out
+        return torch.einsum("bhts,bshe->bthe", pattern, v)
 
 
 class MLP(nn.Module):
