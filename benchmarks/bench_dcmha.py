@@ -1,7 +1,7 @@
 """DCMHA against plain MHA of the same size: forward, forward + backward, and peak memory, in one run.
 
     python benchmarks/bench_dcmha.py [--shapes d1024,6.9b] [--tokens 512,1024,2048] [--repeats 5] [--threads 2]
-                                     [--official DIR] [--no-memory] [--memory-only]
+                                     [--sdpa] [--official DIR] [--no-memory] [--memory-only]
 
 Random DCPythia-style models (LayerNorm, parallel residual, GELU MLP, QK-norm, rotary on a quarter of each head,
 vocabulary 8192, batch 1, float32, frozen weights as analyses load them) and their plain-MHA twins
@@ -32,9 +32,11 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from dcinterp import DCFormerConfig, HookedDCFormer
 from dcinterp.memory import PeakAnonMemory
@@ -57,6 +59,23 @@ def config(shape: str, tokens: int, use_dcmha: bool) -> DCFormerConfig:
 def make_model(shape: str, tokens: int, use_dcmha: bool) -> HookedDCFormer:
     torch.manual_seed(0)  # the shared weights are drawn first, so the twins share them (init_weights)
     return HookedDCFormer(config(shape, tokens, use_dcmha)).eval().requires_grad_(False)
+
+
+def sdpa_z(self, x, q, k, v, mask, past_kv_cache_entry=None):
+    """Plain MHA's z by torch's fused `scaled_dot_product_attention` (what Hugging Face's GPT-NeoX runs), in place
+    of the einsum-softmax-einsum that dcinterp (like TransformerLens) computes so that its hooks can see them."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.to(q.dtype)
+    )
+    return out.transpose(1, 2)
+
+
+def make_sdpa_model(shape: str, tokens: int) -> HookedDCFormer:
+    """The plain-MHA model with torch's fused attention: a floor no hooked implementation reaches."""
+    model = make_model(shape, tokens, False)
+    for block in model.blocks:
+        block.attn.materialised_z = types.MethodType(sdpa_z, block.attn)
+    return model
 
 
 def run(model: HookedDCFormer, kind: str, tokens: torch.Tensor) -> None:
@@ -128,6 +147,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--official", type=Path, default=os.environ.get("DCFORMER_OFFICIAL") or None)
+    parser.add_argument("--sdpa", action="store_true", help="time plain MHA with torch's fused attention too")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     parser.add_argument("--memory-only", action="store_true", help="only the peak-memory processes")
     parser.add_argument("--memory-child", nargs=3, metavar=("SHAPE", "TOKENS", "DCMHA"), help=argparse.SUPPRESS)
@@ -145,6 +165,8 @@ def main() -> None:
         for shape in shapes:
             for n in token_counts:
                 models = {"DCMHA": make_model(shape, n, True), "MHA": make_model(shape, n, False)}
+                if args.sdpa:
+                    models["MHA (SDPA)"] = make_sdpa_model(shape, n)
                 tokens = torch.randint(0, VOCAB, (1, n))
                 times = measure(models, tokens, args.repeats, KINDS)
                 median = {m: {k: statistics.median(v) for k, v in t.items()} for m, t in times.items()}
@@ -156,6 +178,14 @@ def main() -> None:
                 ]
                 rows.append(f"| {shape} | {n:,} | " + " | ".join(cells) + f" | {os.getloadavg()[0]:.1f} |")
                 print(rows[-1], flush=True)
+                if args.sdpa:
+                    print(
+                        "  DCMHA / MHA (SDPA): "
+                        + ", ".join(f"{k} {median['DCMHA'][k] / median['MHA (SDPA)'][k]:.2f}x" for k in KINDS)
+                        + "; MHA / MHA (SDPA): "
+                        + ", ".join(f"{k} {median['MHA'][k] / median['MHA (SDPA)'][k]:.2f}x" for k in KINDS),
+                        flush=True,
+                    )
                 if args.official:
                     official = official_forward(args.official, shape, n)
                     with torch.no_grad():

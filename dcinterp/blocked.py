@@ -18,7 +18,8 @@ query and the key axes, `[query, head, key]`:
 
 Gradients come from one `torch.autograd.Function` for the whole attention: its forward keeps only q, k, v and the
 dynamic weights, and its backward recomputes each block and applies the transposed maps (no per-branch tensor is
-saved). The result equals `Compose`'s materialised path up to float rounding (tests/test_blocked.py).
+saved). Under `create_graph=True` (second derivatives) the backward instead reruns the blocks under autograd, so
+that its gradients can be differentiated again. The result equals `Compose`'s materialised path up to float rounding (tests/test_blocked.py).
 
 Index names: b batch, t queries, s keys, h/m/n heads, e head dim, r rank.
 """
@@ -198,7 +199,7 @@ def _blocks(plan: Plan, batch: int, n_queries: int) -> list[tuple[int, int, int,
     return [(bi, *block) for bi in range(batch) for block in plan.blocks(n_queries)]
 
 
-def _forward(qh, kh, vh, mask, pre, post, plan: Plan) -> Float[Tensor, "b h t e"]:
+def _forward(qh, kh, vh, mask, pre, post, plan: Plan, threads: int | None = None) -> Float[Tensor, "b h t e"]:
     b, h, n, e = qh.shape
     z = qh.new_empty(b, h, n, e)
 
@@ -207,7 +208,7 @@ def _forward(qh, kh, vh, mask, pre, post, plan: Plan) -> Float[Tensor, "b h t e"
         D = _attend_block(qh, kh, vh, mask, pre, post, *block)[2]
         z[bi, :, t0:t1] = torch.bmm(D.transpose(0, 1), vh[bi, :, s0:s1])
 
-    each_block(work, _blocks(plan, b, n), torch.get_num_threads())
+    each_block(work, _blocks(plan, b, n), torch.get_num_threads() if threads is None else threads)
     return z
 
 
@@ -223,11 +224,12 @@ class BlockedDCMHA(torch.autograd.Function):
             return _forward(qh, kh, vh, mask, pre, post, plan)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, gz):
         qh, kh, vh, mask, *weights = ctx.saved_tensors
         pre, post = tuple(weights[:4]), tuple(weights[4:])
         needs = ctx.needs_input_grad  # (qh, kh, vh, mask, plan, *pre, *post)
+        if torch.is_grad_enabled():  # create_graph=True: second derivatives, through the blocks' own autograd
+            return _differentiable_backward(ctx.plan, gz, qh, kh, vh, mask, weights, needs)
         b, h, n, e = qh.shape
         blocks = _blocks(ctx.plan, b, n)
         threads = torch.get_num_threads() if len(blocks) > 1 else 1
@@ -287,6 +289,21 @@ class BlockedDCMHA(torch.autograd.Function):
 
 
 NAMES = ("W", "kw1", "kw2", "kg")  # a stage's weights, in the order BlockedDCMHA takes them
+
+
+def _differentiable_backward(plan: Plan, gz, qh, kh, vh, mask, weights, needs) -> tuple:
+    """The gradients as BlockedDCMHA.backward returns them, computed so that they can be differentiated again
+    (`torch.autograd.grad(..., create_graph=True)`, Hessian-vector products): the forward's blocks rerun under
+    autograd, one at a time, and torch's own backward of them. It costs what the materialised path costs."""
+    inputs = (qh, kh, vh, mask, None, *weights)
+    wanted = [i for i, needed in enumerate(needs) if needed and inputs[i] is not None]
+    with torch.enable_grad():
+        z = _forward(qh, kh, vh, mask, tuple(weights[:4]), tuple(weights[4:]), plan, threads=1)
+        grads = torch.autograd.grad(z, [inputs[i] for i in wanted], gz, create_graph=True, allow_unused=True)
+    out = [None] * len(inputs)
+    for i, g in zip(wanted, grads, strict=True):
+        out[i] = g if g is not None else torch.zeros_like(inputs[i])
+    return tuple(out)
 
 
 def blocked_dcmha(

@@ -477,3 +477,40 @@ def test_blocks_on_two_threads_give_what_one_thread_gives(models, calls):
         torch.set_num_threads(1)
     assert torch.equal(one[0], two[0]) and torch.equal(one[0], inference)
     assert_grads_close(two[1], one[1])
+
+
+@pytest.mark.parametrize("branches", ["qkg", ""])
+def test_second_derivatives_pass_gradgradcheck(branches):
+    """Under create_graph=True (Hessian-vector products) the backward's gradients can be differentiated again."""
+    (q, k, v), mask, (pre, post), plan = random_case(official=True, padded=True, branches=branches, seed=1)
+    inputs = [t for t in (q, k, v, *pre, *post) if t is not None]
+
+    def f(*args):
+        it = iter(args)
+        q_, k_, v_ = next(it), next(it), next(it)
+        pre_ = tuple(None if t is None else next(it) for t in pre)
+        post_ = tuple(None if t is None else next(it) for t in post)
+        return blocked.blocked_dcmha(q_, k_, v_, mask, pre_, post_, plan)
+
+    torch.manual_seed(0)
+    assert torch.autograd.gradgradcheck(f, inputs, atol=1e-8, rtol=1e-6, fast_mode=True)
+
+
+def test_a_hessian_vector_product_through_the_model_equals_the_materialised_paths(models, calls):
+    model = models["dcformer-tiny"]
+    tokens = tokens_for(model, batch=1, length=12)
+    embeddings = model.embed(tokens).detach()
+    direction = torch.randn(embeddings.shape, generator=torch.Generator().manual_seed(0))
+
+    def hvp():
+        x = embeddings.clone().requires_grad_(True)
+        loss = model(x, start_at_layer=0, tokens=tokens, return_type="loss")
+        (grad,) = torch.autograd.grad(loss, x, create_graph=True)
+        (second,) = torch.autograd.grad((grad * direction).sum(), x)
+        return second
+
+    blocked_hvp = hvp()
+    assert calls, "the blocked path ran"
+    with materialised(model):
+        reference = hvp()
+    assert_close(blocked_hvp, reference, scale=reference.abs().max().item())
