@@ -19,7 +19,8 @@ query and the key axes, `[query, head, key]`:
 Gradients come from one `torch.autograd.Function` for the whole attention: its forward keeps only q, k, v and the
 dynamic weights, and its backward recomputes each block and applies the transposed maps (no per-branch tensor is
 saved). Under `create_graph=True` (second derivatives) the backward instead reruns the blocks under autograd, so
-that its gradients can be differentiated again. The result equals `Compose`'s materialised path up to float rounding (tests/test_blocked.py).
+that its gradients can be differentiated again. The result equals `Compose`'s materialised path up to float
+rounding (tests/test_blocked.py).
 
 Index names: b batch, t queries, s keys, h/m/n heads, e head dim, r rank.
 """

@@ -575,7 +575,7 @@ def _draw_qk_row(fig, row: Mapping, shown, row_names, col_names, layer, top: int
     components, checks = row.get("components"), row.get("checks")
     ratios = [len(col_names) + 2, hb.shape[1] + 1.5] + ([5] if components is not None else [])
     axes = fig.subplots(1, len(ratios), gridspec_kw={"width_ratios": ratios})
-    limit = _symmetric_limit(shown, hb)  # one scale: both panels show shares of the same score
+    limit = _symmetric_limit(shown, hb)  # one scale: both panels show contributions to the same score
     image = _diverging(axes[0], shown, limit)
     _annotate(axes[0], shown, fontsize=7, limit=limit)
     axes[0].set_xticks(range(len(col_names)), col_names, rotation=90)
@@ -593,7 +593,13 @@ def _draw_qk_row(fig, row: Mapping, shown, row_names, col_names, layer, top: int
     axes[1].set_xlabel("compose branch b")
     axes[1].set_ylabel("source head n")
     axes[1].set_title("source head x branch", fontsize=10)
-    fig.colorbar(image, ax=axes[:2].tolist(), location="bottom", shrink=0.6, label=f"share of {row['label']}")
+    fig.colorbar(
+        image,
+        ax=axes[:2].tolist(),
+        location="bottom",
+        shrink=0.6,
+        label=f"contribution to {row['label']} (terms add up to it)",
+    )
     if components is None:
         return
     ax = axes[2]
@@ -625,7 +631,7 @@ def _draw_qk_row(fig, row: Mapping, shown, row_names, col_names, layer, top: int
     ax.axvline(0, color="black", linewidth=0.6)
     ax.set_yticks(y, order)
     ax.invert_yaxis()
-    ax.set_xlabel(f"share of {row['label']}")
+    ax.set_xlabel(f"contribution to {row['label']}")
     ax.set_title("by component, with causal checks", fontsize=10)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     ax.grid(alpha=0.3, axis="x")

@@ -5,7 +5,7 @@ question can be asked directly: score it with each (stage, branch) zeroed in eve
 every layer, the whole compose zeroed, and each layer's compose zeroed, through the model's hooks
 (`dcinterp.patching.everywhere_components`, `layer_components`). Zeroing a branch is the model built without that
 branch, the same weights loaded (the reading of Table 9; tested). The ablations share work (`ablation_table`):
-branches are zeroed through their dynamic weights, on the compose's fused path, and each ablation starts from the
+branches are zeroed through their dynamic weights, on the compose's no-hook path, and each ablation starts from the
 unablated stream entering its first ablated layer. Under `torchrun` the processes share the batches of samples
 (docs/synthetic-tasks.md, "Several GPUs").
 
@@ -64,9 +64,9 @@ def ablation_table(model, samples, batch_size: int = 8, progress: bool = True, c
     components: default `ablations(model)` (None in the list is the full model). Each batch of samples runs once
     unablated, keeping the residual stream entering every layer; an ablation starts at its first ablated layer
     from there (nothing before it changes), and switches its branches off through their dynamic weights
-    (`patching.zero_weight_hooks`: the model built without the branch, on the compose's fused path). The rows are
+    (`patching.zero_weight_hooks`: the model built without the branch, on the compose's no-hook path). The rows are
     those of `evaluate` under `ablation_hooks` (zeroed branch outputs) for each ablation in turn, up to float32
-    rounding (whole stages, layers and the full model bit for bit).
+    rounding (the full model bit for bit).
 
     Under `torchrun` each process takes every world_size-th batch of the batches one process forms, with every
     ablation; the scores are gathered, so every process returns the table one process computes, bit for bit.
