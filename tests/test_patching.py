@@ -136,7 +136,8 @@ def test_zeroing_one_layers_branch_equals_zeroing_the_weight_that_scales_it(mode
     with torch.no_grad():
         a = model.run_with_hooks(pairs.clean, fwd_hooks=ablation_hooks(by_output))
         b = model.run_with_hooks(pairs.clean, fwd_hooks=ablation_hooks(by_weight))
-    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # zeroed output: the materialised compose; zeroed weight: the blocked one (float32 rounding, growing with |logits|)
+    torch.testing.assert_close(a, b, atol=1e-5 * b.abs().max().item(), rtol=1e-5)
 
 
 def test_every_head_zeroed_is_the_whole_branch_zeroed(model, pairs):

@@ -175,7 +175,8 @@ def test_masked_scores_hooks_give_no_nan_forward_or_backward(models):
 
     hooks = [("hook_embed", use_leaf)] + [(name, double_then_halve) for name in names]
     logits = model.run_with_hooks(tokens, fwd_hooks=hooks)
-    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-5)
+    # float32 rounding of two compose paths (hooked: materialised; reference: blocked), which grows with the logits
+    torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
     logits[0, -1].logsumexp(-1).backward()
     assert torch.isfinite(embed.grad).all() and embed.grad.abs().sum() > 0
     # A branch output cached alone is 0 at hidden keys too (the compose input is masked with 0 whenever it is shown)
