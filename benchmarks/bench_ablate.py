@@ -1,5 +1,5 @@
 """Speed of `synth ablate` (the post-hoc Table 9): one evaluation per ablation with the branch outputs zeroed, as the
-command ran before, against `ablation_table` (dynamic weights zeroed on the compose's fused path, each ablation
+command ran before, against `ablation_table` (dynamic weights zeroed on the compose's no-hook path, each ablation
 started from the unablated stream entering its first ablated layer).
 
     python benchmarks/bench_ablate.py [--checkpoint dcpythia-synth] [--limit N] [--batch-size 8] [--threads N]

@@ -330,8 +330,8 @@ def zero_weight_hooks(component: Component) -> list[tuple[str, Callable]]:
     The branch output is then exactly zero, so this is `ablation_hooks(component)` (zero ablation), but the compose
     keeps its no-hook path (`dcinterp.blocked` on a CPU), without a [batch, head, query, key] tensor per branch
     (`synth.ablate.ablation_table`, which also shares the unablated layers before the first ablated one: on
-    `dcpythia-synth` its 15 ablations of the 888 released samples cost 0.95x 15 plain evaluations where zeroed
-    outputs cost 1.30x, `benchmarks/bench_ablate.py`, measured before the blocked path). The result is the model
+    `dcpythia-synth` its 15 ablations of the 888 released samples cost 0.86x 15 plain evaluations where zeroed
+    outputs cost 1.79x, `benchmarks/bench_ablate.py`). The result is the model
     built without the branch (`DCFormerConfig(compose_branches=...)` or `compose_stages=...`) bit for bit, and
     zeroing the branch outputs up to float32 rounding (the no-hook path adds in another order)."""
 
