@@ -424,6 +424,19 @@ def random_case(official: bool, padded: bool, branches: str, seed: int = 0):
     return (randn(b, n, h, e), randn(b, s, h, e), randn(b, s, h, e)), mask, stages, plan
 
 
+def of_inputs(mask, pre, post, plan):
+    """blocked_dcmha as a function of (q, k, v, then every weight that is not None), as gradcheck calls it."""
+
+    def f(*args):
+        it = iter(args)
+        q, k, v = next(it), next(it), next(it)
+        pre_ = tuple(None if t is None else next(it) for t in pre)
+        post_ = tuple(None if t is None else next(it) for t in post)
+        return blocked.blocked_dcmha(q, k, v, mask, pre_, post_, plan)
+
+    return f
+
+
 @pytest.mark.parametrize("official", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("branches", ["qkg", "q", "kg", ""])
@@ -432,13 +445,7 @@ def test_blocked_function_equals_the_dense_formula_and_passes_gradcheck(official
     out = blocked.blocked_dcmha(q, k, v, mask, pre, post, plan)
     torch.testing.assert_close(out, dense(q, k, v, mask, pre, post, plan.scale), rtol=1e-12, atol=1e-12)
     inputs = [t for t in (q, k, v, *pre, *post) if t is not None]
-
-    def f(*args):
-        it = iter(args)
-        q_, k_, v_ = next(it), next(it), next(it)
-        pre_ = tuple(None if t is None else next(it) for t in pre)
-        post_ = tuple(None if t is None else next(it) for t in post)
-        return blocked.blocked_dcmha(q_, k_, v_, mask, pre_, post_, plan)
+    f = of_inputs(mask, pre, post, plan)
 
     # Every entry of the Jacobian in one case, a random projection of it (seeded) in the others.
     torch.manual_seed(0)
@@ -488,13 +495,7 @@ def test_second_derivatives_pass_gradgradcheck(branches):
     """Under create_graph=True (Hessian-vector products) the backward's gradients can be differentiated again."""
     (q, k, v), mask, (pre, post), plan = random_case(official=True, padded=True, branches=branches, seed=1)
     inputs = [t for t in (q, k, v, *pre, *post) if t is not None]
-
-    def f(*args):
-        it = iter(args)
-        q_, k_, v_ = next(it), next(it), next(it)
-        pre_ = tuple(None if t is None else next(it) for t in pre)
-        post_ = tuple(None if t is None else next(it) for t in post)
-        return blocked.blocked_dcmha(q_, k_, v_, mask, pre_, post_, plan)
+    f = of_inputs(mask, pre, post, plan)
 
     torch.manual_seed(0)
     assert torch.autograd.gradgradcheck(f, inputs, atol=1e-8, rtol=1e-6, fast_mode=True)
