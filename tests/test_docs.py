@@ -301,6 +301,13 @@ def test_api_signatures_are_formatted(site):
 
 
 BROWSER_PAGES = [
+    "",  # the home page
+    "getting-started",
+    "hooked-model",
+    "loading",
+    "synthetic-tasks",
+    "qk-attribution",
+    "notebooks",
     "reference/dcinterp.views",
     "reference/dcinterp.discovery",
     "circuit-discovery",
@@ -308,25 +315,68 @@ BROWSER_PAGES = [
     "benchmarks",
     "training",
 ]
-# Run in each page after it loads: script errors, entries without a box on screen, elements wider than the column.
+# Run in each page after it loads (and after the theme's script has added the copy buttons): script errors, entries
+# without a box on screen, elements wider than the column (a code block may scroll: it keeps its lines as written),
+# code blocks that wrap, table cells whose inline code breaks inside a word, copy buttons over text, figures
+# without the click-to-enlarge link.
 MEASURE = """<script>
 window.__errors = [];
 window.addEventListener("error", (event) => window.__errors.push(String(event.message)));
-window.addEventListener("load", () => {
+const textRects = (root) => {
+  const rects = [];
+  const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+  while (walker.nextNode()) {
+    const node = walker.currentNode;
+    for (const word of node.textContent.matchAll(/\\S+/g)) {
+      const range = document.createRange();
+      range.setStart(node, word.index);
+      range.setEnd(node, word.index + word[0].length);
+      rects.push({word: word[0], rects: [...range.getClientRects()]});
+    }
+  }
+  return rects;
+};
+const overlap = (a, b) =>  // a (non-empty) and b share some area
+  a.left < a.right && a.top < a.bottom && a.left < b.right && b.left < a.right && a.top < b.bottom && b.top < a.bottom;
+const clip = (a, b) => ({left: Math.max(a.left, b.left), right: Math.min(a.right, b.right),
+                         top: Math.max(a.top, b.top), bottom: Math.min(a.bottom, b.bottom)});  // what shows of a in b
+const measure = () => {
   const article = document.querySelector("article");
   const wide = [];
   for (const el of article.querySelectorAll("*")) {
+    if (el.matches("pre > code")) continue;
     if (el.scrollWidth > el.clientWidth + 8 && getComputedStyle(el).overflowX !== "visible")
       wide.push(el.tagName + " " + el.scrollWidth + " px: " + el.textContent.trim().slice(0, 60));
   }
+  const wrapped = [...article.querySelectorAll("pre > code")]
+    .filter((el) => getComputedStyle(el).whiteSpace !== "pre")
+    .map((el) => el.textContent.slice(0, 60));
+  const broken = [];
+  for (const code of article.querySelectorAll("td code, th code"))
+    for (const {word, rects} of textRects(code))
+      if (new Set(rects.map((rect) => Math.round(rect.top))).size > 1) broken.push(word);
+  const covered = [];
+  for (const nav of article.querySelectorAll("pre > .md-code__nav")) {
+    const box = nav.getBoundingClientRect();
+    const code = nav.parentElement.querySelector("code");
+    const view = code.getBoundingClientRect();
+    for (const {word, rects} of textRects(code))
+      if (rects.some((rect) => overlap(clip(rect, view), box))) covered.push(word);
+  }
+  const buttons = article.querySelectorAll("pre > .md-code__nav").length;
+  const unzoomable = [...article.querySelectorAll("img")]
+    .filter((img) => !img.closest("a.glightbox")).map((img) => img.getAttribute("src"));
   const hidden = [...article.querySelectorAll("[id]")]
     .filter((el) => /^h[1-6]$/i.test(el.tagName) && el.getClientRects().length === 0).map((el) => el.id);
   const shown = [...article.querySelectorAll("h1[id], h2[id], h3[id], h4[id]")].map((el) => el.id);
+  const codeBlocks = article.querySelectorAll("pre > code").length;
   const out = document.createElement("pre");
   out.id = "__measured";
-  out.textContent = JSON.stringify({errors: window.__errors, wide, hidden, shown, column: article.clientWidth});
+  out.textContent = JSON.stringify({errors: window.__errors, wide, wrapped, broken, covered, buttons, codeBlocks,
+                                    unzoomable, hidden, shown, column: article.clientWidth});
   document.body.appendChild(out);
-});
+};
+window.addEventListener("load", () => setTimeout(measure, 500));
 </script>"""
 
 
@@ -339,8 +389,9 @@ def chromium() -> str | None:
 @pytest.mark.skipif(chromium() is None, reason="no Chromium installed (optional: apt-get install chromium)")
 @pytest.mark.parametrize("page", BROWSER_PAGES)
 def test_pages_in_a_browser(site, page, tmp_path):
-    """The page in headless Chromium, 1280 px wide: no script error, every public function's entry laid out on
-    screen, and nothing in the text column wider than the column (a table or code block scrolling sideways)."""
+    """The page in headless Chromium, 1300 px wide: no script error, every public function's entry laid out on
+    screen, nothing but a code block wider than the text column, no code block wrapped, no word of a table's
+    inline code broken over two lines, no copy button over a code block's text, every figure clickable to enlarge."""
     source = site / page / "index.html"
     probe = source.with_name("__probe.html")  # beside the page, so that its relative links resolve
     probe.write_text(source.read_text(encoding="utf-8").replace("<head>", "<head>" + MEASURE, 1), encoding="utf-8")
@@ -352,7 +403,7 @@ def test_pages_in_a_browser(site, page, tmp_path):
                 "--no-sandbox",
                 "--disable-gpu",
                 f"--user-data-dir={tmp_path}",
-                "--window-size=1280,2000",
+                "--window-size=1300,2000",
                 "--virtual-time-budget=5000",
                 "--dump-dom",
                 probe.as_uri(),
@@ -369,6 +420,13 @@ def test_pages_in_a_browser(site, page, tmp_path):
     assert not measured["errors"], f"{page}: script errors {measured['errors']}"
     assert not measured["hidden"], f"{page}: headings not laid out {measured['hidden']}"
     assert not measured["wide"], f"{page}: wider than the {measured['column']} px column: {measured['wide']}"
+    assert not measured["wrapped"], f"{page}: code blocks that wrap their lines: {measured['wrapped']}"
+    assert not measured["broken"], f"{page}: table code broken inside a word: {measured['broken']}"
+    assert measured["buttons"] == measured["codeBlocks"], (
+        f"{page}: {measured['codeBlocks']} code blocks, {measured['buttons']} copy buttons"
+    )
+    assert not measured["covered"], f"{page}: the copy button covers {measured['covered']}"
+    assert not measured["unzoomable"], f"{page}: figures that do not enlarge on a click: {measured['unzoomable']}"
     if page.startswith("reference/"):
         module = page.removeprefix("reference/")
         missing = [name for name in public_functions(module) if f"{module}.{name}" not in measured["shown"]]
