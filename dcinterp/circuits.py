@@ -16,7 +16,7 @@ M is never built: with M = concat_h(L_h R_h), M M^T = sum_h L_h (R_h R_h^T) L_h^
 Z = concat_h(L_h S_h) with S_h S_h^T = R_h R_h^T (S_h from the d_head x d_head Gram of R_h), so the spectrum
 comes from the min(d_model, n_heads * d_head)-sized Gram matrix of Z. For a large model the first k components
 come from block Lanczos on Z^T Z instead (`top_spectrum`), with the total variance from the trace ||Z||_F^2, so
-the first k cumulative shares are exact to a checked bound (docs/generation.md).
+the first k cumulative shares are exact to a checked bound (docs/head-diversity.md).
 
 What the paper leaves open (docs/conventions.md), each an argument of `head_diversity`:
 - qk_norm: "fold" (default) multiplies the QK-norm scales into W_Q and W_K (q = norm(x W_Q) * g_q, so the
