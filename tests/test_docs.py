@@ -317,7 +317,7 @@ BROWSER_PAGES = [
 ]
 # Run in each page after it loads (and after the theme's script has added the copy buttons): script errors, entries
 # without a box on screen, elements wider than the column (a code block may scroll: it keeps its lines as written),
-# code blocks that wrap, table cells whose inline code breaks inside a word, copy buttons over text, figures
+# code blocks that wrap, inline code broken inside a word or past the column's edge, copy buttons over text, figures
 # without the click-to-enlarge link.
 MEASURE = """<script>
 window.__errors = [];
@@ -351,10 +351,13 @@ const measure = () => {
   const wrapped = [...article.querySelectorAll("pre > code")]
     .filter((el) => getComputedStyle(el).whiteSpace !== "pre")
     .map((el) => el.textContent.slice(0, 60));
-  const broken = [];
-  for (const code of article.querySelectorAll("td code, th code"))
-    for (const {word, rects} of textRects(code))
+  const broken = [], outside = [];
+  const right = article.getBoundingClientRect().right;
+  for (const code of article.querySelectorAll(":not(pre) > code"))
+    for (const {word, rects} of textRects(code)) {
       if (new Set(rects.map((rect) => Math.round(rect.top))).size > 1) broken.push(word);
+      if (!code.closest(".md-typeset__scrollwrap") && rects.some((rect) => rect.right > right + 1)) outside.push(word);
+    }
   const covered = [];
   for (const nav of article.querySelectorAll("pre > .md-code__nav")) {
     const box = nav.getBoundingClientRect();
@@ -372,8 +375,8 @@ const measure = () => {
   const codeBlocks = article.querySelectorAll("pre > code").length;
   const out = document.createElement("pre");
   out.id = "__measured";
-  out.textContent = JSON.stringify({errors: window.__errors, wide, wrapped, broken, covered, buttons, codeBlocks,
-                                    unzoomable, hidden, shown, column: article.clientWidth});
+  out.textContent = JSON.stringify({errors: window.__errors, wide, wrapped, broken, outside, covered, buttons,
+                                    codeBlocks, unzoomable, hidden, shown, column: article.clientWidth});
   document.body.appendChild(out);
 };
 window.addEventListener("load", () => setTimeout(measure, 500));
@@ -390,8 +393,9 @@ def chromium() -> str | None:
 @pytest.mark.parametrize("page", BROWSER_PAGES)
 def test_pages_in_a_browser(site, page, tmp_path):
     """The page in headless Chromium, 1300 px wide: no script error, every public function's entry laid out on
-    screen, nothing but a code block wider than the text column, no code block wrapped, no word of a table's
-    inline code broken over two lines, no copy button over a code block's text, every figure clickable to enlarge."""
+    screen, nothing but a code block wider than the text column, no code block wrapped, no word of inline code
+    broken over two lines or past the column, no copy button over a code block's text, every figure clickable to
+    enlarge."""
     source = site / page / "index.html"
     probe = source.with_name("__probe.html")  # beside the page, so that its relative links resolve
     probe.write_text(source.read_text(encoding="utf-8").replace("<head>", "<head>" + MEASURE, 1), encoding="utf-8")
@@ -421,7 +425,8 @@ def test_pages_in_a_browser(site, page, tmp_path):
     assert not measured["hidden"], f"{page}: headings not laid out {measured['hidden']}"
     assert not measured["wide"], f"{page}: wider than the {measured['column']} px column: {measured['wide']}"
     assert not measured["wrapped"], f"{page}: code blocks that wrap their lines: {measured['wrapped']}"
-    assert not measured["broken"], f"{page}: table code broken inside a word: {measured['broken']}"
+    assert not measured["broken"], f"{page}: inline code broken inside a word: {measured['broken']}"
+    assert not measured["outside"], f"{page}: inline code past the column's edge: {measured['outside']}"
     assert measured["buttons"] == measured["codeBlocks"], (
         f"{page}: {measured['codeBlocks']} code blocks, {measured['buttons']} copy buttons"
     )
