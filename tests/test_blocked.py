@@ -1,4 +1,4 @@
-"""The blocked DCMHA path (dcinterp.blocked): what a forward with nothing on a [b, h, t, s] tensor runs on a CPU.
+"""The blocked DCMHA path (dcinterp.dcmha.blocked): what a forward with nothing on a [b, h, t, s] tensor runs on a CPU.
 
 Against the materialised path (an identity hook on every compose branch output, so that each branch is its own
 tensor, as run_with_cache computes them), on every model shape (parallel DCPythia and sequential DCFormer++ blocks,
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import dcinterp.blocked as blocked
+import dcinterp.dcmha.blocked as blocked
 from dcinterp import DCFormerConfig, HookedDCFormer
 from dcinterp.kv_cache import DCFormerKeyValueCache
 from dcinterp.model import attention_mask, visible_keys
@@ -370,13 +370,13 @@ def test_a_hook_on_a_dynamic_weight_acts_in_the_blocked_path(models, calls):
 
 
 def test_no_square_tensor_is_built_without_hooks(models, monkeypatch):
-    import dcinterp.model as model_module
+    import dcinterp.dcmha.materialised as materialised
 
     def fail(*args, **kwargs):
         raise AssertionError("a [b, h, t, s] compose ran with no hook attached")
 
     for name in ("branch_outputs", "compose_fused", "compose_few_queries"):
-        monkeypatch.setattr(model_module, name, fail)
+        monkeypatch.setattr(materialised, name, fail)
     with torch.no_grad():
         models["dcpythia-tiny"](tokens_for(models["dcpythia-tiny"]))
 

@@ -108,12 +108,12 @@ def test_fused_and_materialised_paths_agree(dcformer, tokens):
 
 
 def test_no_branch_tensors_are_built_without_hooks(dcformer, tokens, monkeypatch):
-    import dcinterp.model as model_module
+    import dcinterp.dcmha.materialised as materialised
 
     def fail(*args, **kwargs):
         raise AssertionError("branch outputs materialised with no hook attached")
 
-    monkeypatch.setattr(model_module, "branch_outputs", fail)
+    monkeypatch.setattr(materialised, "branch_outputs", fail)
     with torch.no_grad():
         dcformer(tokens)
         dcformer.run_with_cache(tokens, names_filter=lambda n: n.endswith("hook_pattern"))
