@@ -16,7 +16,7 @@ import copy
 
 import torch
 
-FACTOR = 4
+FACTOR = 8  # the blocked path measured at most 2.7x the materialised path's error (tests/test_blocked.py)
 FLOOR_EPS = 16
 EPS32 = torch.finfo(torch.float32).eps
 

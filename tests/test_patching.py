@@ -32,6 +32,7 @@ from dcinterp.patching import (
     zero_weight_hooks,
 )
 from dcinterp.synth import contrast_pairs, tokenize_pairs
+from tests.numerics import assert_as_exact_as, float64_copy
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +137,9 @@ def test_zeroing_one_layers_branch_equals_zeroing_the_weight_that_scales_it(mode
     with torch.no_grad():
         a = model.run_with_hooks(pairs.clean, fwd_hooks=ablation_hooks(by_output))
         b = model.run_with_hooks(pairs.clean, fwd_hooks=ablation_hooks(by_weight))
-    # zeroed output: the materialised compose; zeroed weight: the blocked one (float32 rounding, growing with |logits|)
-    torch.testing.assert_close(a, b, atol=1e-5 * b.abs().max().item(), rtol=1e-5)
+        exact = float64_copy(model).run_with_hooks(pairs.clean, fwd_hooks=ablation_hooks(by_output))
+    # zeroed output: the materialised compose; zeroed weight: the blocked one (judged by float64, tests/numerics.py)
+    assert_as_exact_as(b, a, exact, "logits")
 
 
 def test_every_head_zeroed_is_the_whole_branch_zeroed(model, pairs):
