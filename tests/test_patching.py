@@ -111,7 +111,12 @@ def test_zeroing_stages_layers_and_heads_through_the_weights(model, pairs):
             (post, {"compose_stages": ("pre",)}),
             (everything, {"use_dcmha": False}),
         ]:
-            expected = switched(model, **changes)(pairs.clean)
+            # the plain-MHA twin on its einsum path (a hook on its pattern), whose arithmetic is DCMHA's with the
+            # compose zeroed, bit for bit (its no-hook path, scaled_dot_product_attention, rounds otherwise)
+            pattern = (
+                [(lambda name: name.endswith("hook_pattern"), lambda x, hook: None)] if "use_dcmha" in changes else []
+            )
+            expected = switched(model, **changes).run_with_hooks(pairs.clean, fwd_hooks=pattern)
             assert torch.equal(model.run_with_hooks(pairs.clean, fwd_hooks=zero_weight_hooks(component)), expected)
         for component in layer_components(model):  # a whole stage off: A + 0 either way
             assert torch.equal(
