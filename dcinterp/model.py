@@ -17,6 +17,8 @@ with, for query t and key s,
 The dynamic weights (qw1, qw2, kw1, kw2, qg, kg for each stage) are computed from x by a small FFN.
 Both score hooks hold the dtype's minimum at the keys a query may not see (future keys, keys outside a local
 window), as TransformerLens does. docs/hooks.md maps every hook to the paper's equations.
+How a layer computes this (every tensor above materialised, or a block of queries at a time on the CPU, or the fused
+Triton kernels on CUDA, ...) is chosen per call by `dcinterp.dcmha.choose_path`: `Attention.forward` dispatches.
 """
 
 from __future__ import annotations
