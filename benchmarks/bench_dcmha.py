@@ -1,16 +1,18 @@
 """DCMHA against plain MHA of the same size: forward, forward + backward, and peak memory, in one run.
 
     python benchmarks/bench_dcmha.py [--shapes d1024,6.9b] [--tokens 512,1024,2048] [--repeats 5] [--threads 2]
-                                     [--sdpa] [--official DIR] [--no-memory] [--memory-only]
+                                     [--einsum] [--official DIR] [--no-memory] [--memory-only]
 
 Random DCPythia-style models (LayerNorm, parallel residual, GELU MLP, QK-norm, rotary on a quarter of each head,
 vocabulary 8192, batch 1, float32, frozen weights as analyses load them) and their plain-MHA twins
-(`use_dcmha=False`, the same weights otherwise):
+(`use_dcmha=False`, the same weights otherwise; with no hook on their scores or pattern they run torch's
+`scaled_dot_product_attention`, dcinterp.dcmha; `--einsum` times them on the einsum-softmax-einsum path as well,
+what a hook on `hook_pattern` makes them take):
 - `d1024`: 4 layers, d_model 1024, 16 heads of 64, windows of 256 keys on every other layer (as DCPythia-6.9B);
 - `6.9b`: one layer of DCPythia-6.9B's width, d_model 4096, 32 heads of 128, global (the harder case: a local
   layer's blocks read only their window's keys).
 For each number of prompt tokens the two models take turns (in alternating order) at every measurement:
-- forward: `model(tokens)` with no hook (the blocked path, dcinterp.blocked);
+- forward: `model(tokens)` with no hook (the blocked path, dcinterp.dcmha.blocked);
 - forward + backward to the activations: `set_use_activation_grads(True)`, then the mean next-token loss's
   backward, as attribution patching reads activation gradients;
 - forward + backward to an input: the embeddings as a leaf that requires grad, `model(embeddings,
@@ -32,11 +34,9 @@ import statistics
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from dcinterp import DCFormerConfig, HookedDCFormer
 from dcinterp.memory import PeakAnonMemory
@@ -61,20 +61,12 @@ def make_model(shape: str, tokens: int, use_dcmha: bool) -> HookedDCFormer:
     return HookedDCFormer(config(shape, tokens, use_dcmha)).eval().requires_grad_(False)
 
 
-def sdpa_z(self, x, q, k, v, mask, past_kv_cache_entry=None):
-    """Plain MHA's z by torch's fused `scaled_dot_product_attention` (what Hugging Face's GPT-NeoX runs), in place
-    of the einsum-softmax-einsum that dcinterp (like TransformerLens) computes so that its hooks can see them."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.to(q.dtype)
-    )
-    return out.transpose(1, 2)
-
-
-def make_sdpa_model(shape: str, tokens: int) -> HookedDCFormer:
-    """The plain-MHA model with torch's fused attention: a floor no hooked implementation reaches."""
+def make_einsum_model(shape: str, tokens: int) -> HookedDCFormer:
+    """The plain-MHA model on dcinterp's einsum-softmax-einsum path (a no-op hook on every layer's pattern keeps
+    it there), what TransformerLens computes so that its hooks can see the scores and the pattern."""
     model = make_model(shape, tokens, False)
     for block in model.blocks:
-        block.attn.materialised_z = types.MethodType(sdpa_z, block.attn)
+        block.attn.hook_pattern.add_hook(lambda x, hook: None)
     return model
 
 
@@ -147,7 +139,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--official", type=Path, default=os.environ.get("DCFORMER_OFFICIAL") or None)
-    parser.add_argument("--sdpa", action="store_true", help="time plain MHA with torch's fused attention too")
+    parser.add_argument("--einsum", action="store_true", help="time plain MHA on the einsum path too")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     parser.add_argument("--memory-only", action="store_true", help="only the peak-memory processes")
     parser.add_argument("--memory-child", nargs=3, metavar=("SHAPE", "TOKENS", "DCMHA"), help=argparse.SUPPRESS)
@@ -165,8 +157,8 @@ def main() -> None:
         for shape in shapes:
             for n in token_counts:
                 models = {"DCMHA": make_model(shape, n, True), "MHA": make_model(shape, n, False)}
-                if args.sdpa:
-                    models["MHA (SDPA)"] = make_sdpa_model(shape, n)
+                if args.einsum:
+                    models["MHA (einsum)"] = make_einsum_model(shape, n)
                 tokens = torch.randint(0, VOCAB, (1, n))
                 times = measure(models, tokens, args.repeats, KINDS)
                 median = {m: {k: statistics.median(v) for k, v in t.items()} for m, t in times.items()}
@@ -178,12 +170,12 @@ def main() -> None:
                 ]
                 rows.append(f"| {shape} | {n:,} | " + " | ".join(cells) + f" | {os.getloadavg()[0]:.1f} |")
                 print(rows[-1], flush=True)
-                if args.sdpa:
+                if args.einsum:
                     print(
-                        "  DCMHA / MHA (SDPA): "
-                        + ", ".join(f"{k} {median['DCMHA'][k] / median['MHA (SDPA)'][k]:.2f}x" for k in KINDS)
-                        + "; MHA / MHA (SDPA): "
-                        + ", ".join(f"{k} {median['MHA'][k] / median['MHA (SDPA)'][k]:.2f}x" for k in KINDS),
+                        "  DCMHA / MHA (einsum): "
+                        + ", ".join(f"{k} {median['DCMHA'][k] / median['MHA (einsum)'][k]:.2f}x" for k in KINDS)
+                        + "; MHA (einsum) / MHA (SDPA): "
+                        + ", ".join(f"{k} {median['MHA (einsum)'][k] / median['MHA'][k]:.2f}x" for k in KINDS),
                         flush=True,
                     )
                 if args.official:

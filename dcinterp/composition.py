@@ -29,7 +29,8 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .checks import check_head, check_key_before_query, check_layer, check_position, check_tokens, find_word
-from .model import HookedDCFormer, branch_outputs, visible_keys
+from .dcmha.materialised import branch_outputs
+from .model import HookedDCFormer, visible_keys
 
 Stage = Literal["pre", "post"]
 BRANCHES = ("qp", "qg", "kp", "kg")  # the order of the paper's Fig. 7

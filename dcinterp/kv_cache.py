@@ -56,6 +56,11 @@ class GrowingTensor:
             self.length = 0
         if frozen:
             return torch.cat([self.value, new.to(self.buffer)], dim=self.dim)
+        if torch.is_grad_enabled() and (new.requires_grad or self.buffer.requires_grad):
+            # A backward may still need the earlier steps' views of the buffer: grow a new one, never write in place.
+            self.buffer = new if self.length == 0 else torch.cat([self.value, new.to(self.buffer)], dim=self.dim)
+            self.length = self.buffer.shape[self.dim]
+            return self.buffer
         needed = self.length + new.shape[self.dim]
         capacity = self.buffer.shape[self.dim]
         if needed > capacity:

@@ -17,6 +17,8 @@ with, for query t and key s,
 The dynamic weights (qw1, qw2, kw1, kw2, qg, kg for each stage) are computed from x by a small FFN.
 Both score hooks hold the dtype's minimum at the keys a query may not see (future keys, keys outside a local
 window), as TransformerLens does. docs/hooks.md maps every hook to the paper's equations.
+How a layer computes this (every tensor above materialised, or a block of queries at a time on the CPU, or the fused
+Triton kernels on CUDA, ...) is chosen per call by `dcinterp.dcmha.choose_path`: `Attention.forward` dispatches.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ from torch import Tensor, nn
 from transformer_lens import HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
-from . import blocked
+from . import dcmha
 from .config import DCFormerConfig
+from .dcmha import blocked, materialised
 from .kv_cache import DCFormerKeyValueCache
 from .processing import DCActivationCache
 from .tl_api import TransformerLensAPI
@@ -170,7 +173,7 @@ class Compose(nn.Module):
             self.hook_kg(kg) if "kg" in self.branches else None,
         )
 
-    def materialised(self) -> bool:
+    def branches_read(self) -> bool:
         """Whether a hook (or the cache) asks for a branch output, so that each branch is its own tensor."""
         return any(_hooked(getattr(self, f"hook_o_{b}")) for b in self.branches)
 
@@ -182,69 +185,15 @@ class Compose(nn.Module):
         qw1, qw2, kw1, kw2, qg, kg = self.dynamic_weights(qw1, qw2, kw1, kw2, qg, kg)
         if past_kv_cache_entry is not None:
             kw1, kw2, kg = past_kv_cache_entry.append_key_compose(self.stage, kw1, kw2, kg)  # key-last
-            if A.shape[2] <= FEW_QUERIES and not self.materialised():
-                return compose_few_queries(A, qw1, qw2, qg, kw1, kw2, kg)
+            if A.shape[2] <= dcmha.FEW_QUERIES and not self.branches_read():
+                return materialised.compose_few_queries(A, qw1, qw2, qg, kw1, kw2, kg)
             kw1, kw2, kg = (None if w is None else w.movedim(-1, 1) for w in (kw1, kw2, kg))
-        if self.materialised():
+        if self.branches_read():
             out = A
-            for branch, o in branch_outputs(A, qw1, qw2, kw1, kw2, qg, kg).items():
+            for branch, o in materialised.branch_outputs(A, qw1, qw2, kw1, kw2, qg, kg).items():
                 out = out + getattr(self, f"hook_o_{branch}")(o)
             return out
-        return compose_fused(A, qw1, qw2, kw1, kw2, qg, kg)
-
-
-def branch_outputs(A, qw1=None, qw2=None, kw1=None, kw2=None, qg=None, kg=None) -> dict[str, Tensor]:
-    """The four branch outputs of Eq. (7) as separate tensors (only those whose weights are given)."""
-    out = {}
-    if qw1 is not None:
-        hidden = torch.einsum("bnts,btrn->brts", A, qw1)
-        out["qp"] = torch.einsum("brts,btrm->bmts", hidden, qw2)
-    if kw1 is not None:
-        hidden = torch.einsum("bnts,bsrn->brts", A, kw1)
-        out["kp"] = torch.einsum("brts,bsrm->bmts", hidden, kw2)
-    if qg is not None:
-        out["qg"] = A * qg.transpose(1, 2)[:, :, :, None]
-    if kg is not None:
-        out["kg"] = A * kg.transpose(1, 2)[:, :, None, :]
-    return out
-
-
-FEW_QUERIES = 16  # with a key-value cache, up to this many new queries take compose_few_queries
-
-
-def compose_few_queries(A, qw1=None, qw2=None, qg=None, kw1=None, kw2=None, kg=None) -> Tensor:
-    """compose_fused for a few queries against many cached keys, the key side given key-last (kw1, kw2
-    [b, r, h, s], kg [b, h, s], as the cache holds it): the key-wise branches in their low-rank form, two broadcast
-    multiply-adds over the keys, cost O(t s h r) where the per-key H x H maps would cost O(s h^2 r)."""
-    out = compose_fused(A, qw1, qw2, qg=qg)
-    if kw1 is not None:
-        hidden = (A[:, None] * kw1[:, :, :, None, :]).sum(2)  # [b, r, t, s]
-        out = out + (hidden[:, :, None] * kw2[:, :, :, None, :]).sum(1)
-    if kg is not None:
-        out = out + A * kg[:, :, None, :]
-    return out
-
-
-def compose_fused(A, qw1=None, qw2=None, kw1=None, kw2=None, qg=None, kg=None) -> Tensor:
-    """A + o_qp + o_kp + o_qg + o_kg without per-branch tensors (Eq. 8's row plus column decomposition).
-
-    The query-side branches and the skip connection make one H x H map per query, W_q[t] = I + diag(qg[t])
-    + qw1[t]^T qw2[t], and the key-side ones one map per key, W_k[s] = diag(kg[s]) + kw1[s]^T kw2[s]; each is
-    applied with one batched matmul (faster than the low-rank form on CPU, forward and backward).
-    """
-    if qw1 is not None or qg is not None:
-        W_q = torch.diag_embed(1 + qg) if qg is not None else torch.eye(A.shape[1], device=A.device, dtype=A.dtype)
-        if qw1 is not None:
-            W_q = W_q + torch.einsum("btrn,btrm->btnm", qw1, qw2)
-        out = torch.einsum("bnts,btnm->bmts", A, W_q)
-    else:
-        out = A
-    if kw1 is not None or kg is not None:
-        W_k = torch.diag_embed(kg) if kg is not None else 0
-        if kw1 is not None:
-            W_k = W_k + torch.einsum("bsrn,bsrm->bsnm", kw1, kw2)
-        out = out + torch.einsum("bnts,bsnm->bmts", A, W_k)
-    return out
+        return materialised.compose_fused(A, qw1, qw2, kw1, kw2, qg, kg)
 
 
 def project_heads(x: Float[Tensor, "b p d"], W: Float[Tensor, "h d e"]) -> Float[Tensor, "b p h e"]:
@@ -336,7 +285,7 @@ class Attention(nn.Module):
         """
         if _hooked(self.hook_attn_scores):
             scores = self.hook_attn_scores(scores + mask)
-        elif self.pre_compose is None or not self.pre_compose.materialised():
+        elif self.pre_compose is None or not self.pre_compose.branches_read():
             return scores
         return scores.masked_fill(mask != 0, 0.0)
 
@@ -347,11 +296,14 @@ class Attention(nn.Module):
         qkv_input: tuple[Tensor, ...] | None = None,
         positions: Tensor | None = None,
         past_kv_cache_entry=None,
+        real: Bool[Tensor, "b s"] | None = None,
     ) -> Float[Tensor, "b p d"]:
         """`x`: the normed input; `mask`: 0 where a query sees a key, else the dtype's minimum (`attention_mask`).
         `qkv_input`: per-head normed inputs [b, p, h, d] of q, k and v, when split (cfg.use_split_qkv_input);
         the dynamic compose weights still read `x`. `positions`: rotary positions of x's tokens (default 0, 1, ...).
-        `past_kv_cache_entry`: this layer's `DCFormerKeyValueCacheEntry`; the keys are then the cached ones and x's."""
+        `past_kv_cache_entry`: this layer's `DCFormerKeyValueCacheEntry`; the keys are then the cached ones and x's.
+        `real` [b, s]: False at padded keys, of every key (cached ones first), as `mask` hides them; None: no padding
+        beyond what a [t, s] mask says. The fused kernels read it in place of the mask."""
         cfg = self.cfg
         if qkv_input is None:
             q, k, v = project_heads(x, self.W_Q), project_heads(x, self.W_K), project_heads(x, self.W_V)
@@ -368,53 +320,103 @@ class Attention(nn.Module):
         table = torch.float16 if cfg.window == "official-inference" else torch.float32
         q = self.hook_rot_q(apply_rotary(q, cfg.rotary_dim, cfg.rotary_base, table, positions))
         k = self.hook_rot_k(apply_rotary(k, cfg.rotary_dim, cfg.rotary_base, table, positions))
+        path = self.path_for(x, mask, q.shape[1], past_kv_cache_entry, real)
         if past_kv_cache_entry is not None:
             k, v = past_kv_cache_entry.append(k, v)
-
-        if self.takes_blocked_path(x, q.shape[1], past_kv_cache_entry):
-            z = self.hook_z(self.blocked_z(x, q, k, v, mask, past_kv_cache_entry))
-        else:
-            z = self.hook_z(self.materialised_z(x, q, k, v, mask, past_kv_cache_entry))
+        if path == "sdpa":
+            z = self.sdpa_z(q, k, v, mask)
+        elif path == "blocked":
+            z = self.blocked_z(q, k, v, mask, self.composed_weights(x, past_kv_cache_entry))
+        elif path == "triton":
+            z = self.triton_z(q, k, v, mask, self.composed_weights(x, past_kv_cache_entry), real)
+        else:  # "materialised", "few_queries"
+            z = self.materialised_z(x, q, k, v, mask, past_kv_cache_entry)
+        z = self.hook_z(z)
         if cfg.use_attn_result:
             out = self.hook_result(torch.einsum("bthe,hed->bthd", z, self.W_O)).sum(2)
         else:
             out = torch.einsum("bthe,hed->btd", z, self.W_O)
         return out + self.b_O if self.b_O is not None else out
 
-    def takes_blocked_path(self, x: Tensor, n_queries: int, past_kv_cache_entry=None) -> bool:
-        """Whether DCMHA runs block by block (`dcinterp.blocked`): on a CPU, when nothing reads or sets a
-        [b, h, t, s] tensor of this layer (no hook, cache or nnsight trace on the scores, the patterns or a branch
-        output), and not for a cached decoding step (`compose_few_queries`). On a GPU the path is unmeasured, and
-        the materialised one stays."""
-        cfg = self.cfg
-        if not cfg.use_dcmha or x.device.type != "cpu" or torch._C._are_functorch_transforms_active():
-            return False
-        if past_kv_cache_entry is not None and n_queries <= FEW_QUERIES:
-            return False
-        square = (self.hook_attn_scores, self.hook_composed_scores, self.hook_pattern, self.hook_composed_pattern)
-        if any(_hooked(hook) for hook in square):
-            return False
-        return not any(c is not None and c.materialised() for c in (self.pre_compose, self.post_compose))
+    def path_for(
+        self, x: Tensor, mask: Tensor, n_queries: int, past_kv_cache_entry=None, real: Tensor | None = None
+    ) -> dcmha.Path:
+        """Which path computes this call's z (`dcinterp.dcmha.choose_path`, whose docstring has the rules): the
+        materialised one when anything reads or sets a [b, h, t, s] tensor of this layer (a hook, a cache or an
+        nnsight trace on the scores, the patterns or a branch output) or a functorch transform is active."""
+        square_read = _hooked(self.hook_attn_scores) or _hooked(self.hook_pattern)
+        if self.cfg.use_dcmha:
+            square_read = square_read or _hooked(self.hook_composed_scores) or _hooked(self.hook_composed_pattern)
+            square_read = square_read or any(
+                c is not None and c.branches_read() for c in (self.pre_compose, self.post_compose)
+            )
+        return dcmha.choose_path(
+            dcmha=self.cfg.use_dcmha,
+            device=x.device,
+            square_tensor_read=square_read,
+            functorch_active=torch._C._are_functorch_transforms_active(),
+            cached_queries=None if past_kv_cache_entry is None else n_queries,
+            padding_as_mask_only=mask.ndim == 4 and real is None,
+        )
 
-    def blocked_z(self, x, q, k, v, mask, past_kv_cache_entry=None) -> Float[Tensor, "b t h e"]:
-        """z of DCMHA by `dcinterp.blocked`: equal to `materialised_z`'s up to float rounding. The dynamic weights
-        pass through their hooks, and their key side into the cache, as there."""
-        cfg = self.cfg
+    def composed_weights(self, x: Float[Tensor, "b p d"], past_kv_cache_entry=None) -> list[tuple | None]:
+        """Per stage (pre, post): its dynamic weights (qw1, qw2, kw1, kw2, qg, kg) after their hooks, None for a
+        branch or stage that is off. The key side is every key's (the cache's first, where the new ones are
+        stored), in the hooks' layout: kw1, kw2 [b, s, rank, head], kg [b, s, head]."""
         dyn = self.dynamic_weights(x)
         stages = []
         for compose in (self.pre_compose, self.post_compose):
             if compose is None:
-                stages.append((None, None, None, None))
+                stages.append(None)
                 continue
             qw1, qw2, kw1, kw2, qg, kg = compose.dynamic_weights(*dyn[compose.stage])
             if past_kv_cache_entry is not None:
-                kw1, kw2, kg = past_kv_cache_entry.append_key_compose(compose.stage, kw1, kw2, kg)  # key-last
-            else:
-                kw1, kw2, kg = blocked.key_last(kw1), blocked.key_last(kw2), blocked.key_last(kg)
-            stages.append((blocked.query_map(qw1, qw2, qg, cfg.n_heads), kw1, kw2, kg))
+                key_last = past_kv_cache_entry.append_key_compose(compose.stage, kw1, kw2, kg)
+                kw1, kw2, kg = (None if w is None else w.movedim(-1, 1) for w in key_last)
+            stages.append((qw1, qw2, kw1, kw2, qg, kg))
+        return stages
+
+    def blocked_z(self, q, k, v, mask, stages: list[tuple | None]) -> Float[Tensor, "b t h e"]:
+        """z of DCMHA by `dcinterp.dcmha.blocked`: equal to `materialised_z`'s up to float rounding."""
+        cfg = self.cfg
+        blocked_stages = []
+        for stage in stages:
+            if stage is None:
+                blocked_stages.append((None, None, None, None))
+                continue
+            qw1, qw2, kw1, kw2, qg, kg = stage
+            W = blocked.query_map(qw1, qw2, qg, cfg.n_heads)
+            blocked_stages.append((W, blocked.key_last(kw1), blocked.key_last(kw2), blocked.key_last(kg)))
         past, official = k.shape[1] - q.shape[1], cfg.window == "official-inference"
         plan = blocked.plan(cfg.n_heads, cfg.d_head, past, self.window, official)
-        return blocked.blocked_dcmha(q, k, v, mask, stages[0], stages[1], plan)
+        return blocked.blocked_dcmha(q, k, v, mask, blocked_stages[0], blocked_stages[1], plan)
+
+    def triton_z(self, q, k, v, mask, stages: list[tuple | None], real: Tensor | None) -> Float[Tensor, "b t h e"]:
+        """z of DCMHA by the fused Triton kernels (`dcinterp.dcmha.triton_z`), decoding steps included."""
+        return dcmha.triton_z(
+            q,
+            k,
+            v,
+            mask,
+            *stages,
+            window=self.window,
+            official=self.cfg.window == "official-inference",
+            past=k.shape[1] - q.shape[1],
+            real=real,
+        )
+
+    def sdpa_z(self, q, k, v, mask) -> Float[Tensor, "b t h e"]:
+        """z of plain MHA by torch's `scaled_dot_product_attention`; a prompt with causal masking alone says so
+        (`is_causal`), which lets the GPU take its flash kernel."""
+        causal_only = mask.ndim == 2 and self.window is None and k.shape[1] == q.shape[1]
+        z = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=None if causal_only else mask.to(q.dtype),
+            is_causal=causal_only,
+        )
+        return z.transpose(1, 2)
 
     def materialised_z(self, x, q, k, v, mask, past_kv_cache_entry=None) -> Float[Tensor, "b t h e"]:
         """z with every [b, h, t, s] tensor of the layer computed and passed through its hook."""
@@ -507,11 +509,13 @@ class TransformerBlock(nn.Module):
         mask: Float[Tensor, "t s"],
         positions: Tensor | None = None,
         past_kv_cache_entry=None,
+        real: Bool[Tensor, "b s"] | None = None,
     ) -> Float[Tensor, "b p d"]:
         resid_pre = self.hook_resid_pre(resid_pre)
         per_head = self.cfg.use_split_qkv_input or self.cfg.use_attn_in
         qkv_input = self.split_qkv_input(resid_pre) if per_head else None
-        attn_out = self.hook_attn_out(self.attn(self.ln1(resid_pre), mask, qkv_input, positions, past_kv_cache_entry))
+        attn_in = self.ln1(resid_pre)
+        attn_out = self.hook_attn_out(self.attn(attn_in, mask, qkv_input, positions, past_kv_cache_entry, real))
         if self.cfg.parallel_residual:
             mlp_out = self.hook_mlp_out(self.mlp(self.ln2(self.mlp_in(resid_pre))))
             return self.hook_resid_post(resid_pre + attn_out + mlp_out)
@@ -694,7 +698,7 @@ class HookedDCFormer(TransformerLensAPI, HookedRootModule):
             if window not in masks:
                 masks[window] = _attention_mask(n, window, resid.device, resid.dtype, self.cfg.window, past, real)
             entry = None if past_kv_cache is None else past_kv_cache[layer]
-            resid = block(resid, masks[window], positions, entry)
+            resid = block(resid, masks[window], positions, entry, real)
         if stop_at_layer is not None:
             return resid
         logits = self.unembed(self.ln_final(resid))

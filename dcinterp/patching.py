@@ -39,7 +39,8 @@ from torch import Tensor
 
 from .attribution import Target, _prepare, answer_logits, final_normed, target_value
 from .checks import check_finite, check_position, check_token_ids, check_tokens, real_lengths
-from .model import HookedDCFormer, branch_outputs, visible_keys
+from .dcmha.materialised import branch_outputs
+from .model import HookedDCFormer, visible_keys
 from .synth.contrast import PairTokens
 
 STAGES = ("pre", "post")
@@ -328,7 +329,7 @@ def zero_weight_hooks(component: Component) -> list[tuple[str, Callable]]:
     (`kw2`, `qg`, `kg`).
 
     The branch output is then exactly zero, so this is `ablation_hooks(component)` (zero ablation), but the compose
-    keeps its no-hook path (`dcinterp.blocked` on a CPU), without a [batch, head, query, key] tensor per branch
+    keeps its no-hook path (`dcinterp.dcmha.blocked` on a CPU), without a [batch, head, query, key] tensor per branch
     (`synth.ablate.ablation_table`, which also shares the unablated layers before the first ablated one: on
     `dcpythia-synth` its 15 ablations of the 888 released samples cost 0.86x 15 plain evaluations where zeroed
     outputs cost 1.79x, `benchmarks/bench_ablate.py`). The result is the model

@@ -1,13 +1,15 @@
-"""The blocked DCMHA path (dcinterp.blocked): what a forward with nothing on a [b, h, t, s] tensor runs on a CPU.
+"""The blocked DCMHA path (dcinterp.dcmha.blocked): what a forward with nothing on a [b, h, t, s] tensor runs on a CPU.
 
 Against the materialised path (an identity hook on every compose branch output, so that each branch is its own
 tensor, as run_with_cache computes them), on every model shape (parallel DCPythia and sequential DCFormer++ blocks,
 windows of both semantics, QK-norm or none, mgate, switched-off branches and stages, rank 3):
 - each attention layer on the same inputs, alone, with left padding and with the key-value cache: its output, and
-  the gradients to its input and its weights, in float32 within 1e-5 of each tensor's largest value;
-- the whole model: logits, every layer's z, gradients to an input, to the activations and to the weights, in float32
-  within 1e-5 (and, through the cache in chunks, within the 1e-4 that test_generation allows the cache: four
-  layers of rounding compound), in float16 and bfloat16 within the materialised path's own distance from float32.
+  the gradients to its input and its weights;
+- the whole model: logits, every layer's z, gradients to an input, to the activations and to the weights (and
+  through the cache in chunks);
+in float32 by the float64-judged rule of tests/numerics.py (the blocked path at most a few times as far from the
+materialised path's float64 result as the materialised path's own float32 result), and in float16 and bfloat16
+within the materialised path's own distance from float32.
 Blocks are made small (5 queries), so that a prompt spans several blocks, a partial last one, and key ranges that
 start inside a local window. The blocked function itself is checked against a dense float64 formula and by
 gradcheck, and its blocks against the keys each query sees.
@@ -18,10 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import dcinterp.blocked as blocked
+import dcinterp.dcmha.blocked as blocked
 from dcinterp import DCFormerConfig, HookedDCFormer
 from dcinterp.kv_cache import DCFormerKeyValueCache
 from dcinterp.model import attention_mask, visible_keys
+from tests.numerics import assert_as_exact_as, float64_copy
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SIZE = dict(n_layers=2, d_model=32, n_heads=4, d_head=8, d_mlp=64, d_vocab=50, n_ctx=96, window_size=7)
@@ -35,7 +38,6 @@ RANDOM = {
 }
 MODELS = ["dcpythia-tiny", "dcformer-tiny", "official-inference", *RANDOM]
 T = 23
-TOL = 1e-5  # float32: |blocked - materialised| <= TOL (|materialised| + the tensor's largest |value|)
 
 
 def load(name: str) -> HookedDCFormer:
@@ -56,6 +58,12 @@ def load(name: str) -> HookedDCFormer:
 @pytest.fixture(scope="module")
 def models() -> dict[str, HookedDCFormer]:
     return {name: load(name) for name in MODELS}
+
+
+@pytest.fixture(scope="module")
+def models64(models) -> dict[str, HookedDCFormer]:
+    """The same models in float64: the reference for float32 rounding."""
+    return {name: float64_copy(model) for name, model in models.items()}
 
 
 @pytest.fixture(autouse=True)
@@ -103,27 +111,39 @@ def largest(a, b) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
-def assert_close(a, b, scale: float | None = None):
-    """Within TOL, elementwise, the absolute tolerance scaled by the tensor's largest value (at least 1): float32's
-    rounding grows with the size of what is summed, not with each entry, so an entry near zero in a tensor of
-    logits of size 4 carries the rounding of size 4. Scaled, the margin is 4x or more on this CPU, so another CPU's
-    summation order does not decide the test."""
-    scale = max(1.0, b.abs().max().item()) if scale is None else scale
-    torch.testing.assert_close(a.float(), b.float(), rtol=TOL, atol=TOL * scale)
+def assert_paths_agree(blocked_out, materialised_out, exact_out, what=""):
+    """Each tensor of the blocked path's output (a tensor, or a tuple, list or dict of them) as near float64 as the
+    materialised path's (tests/numerics.py)."""
+    if isinstance(exact_out, dict):
+        assert blocked_out.keys() == materialised_out.keys() == exact_out.keys()
+        for key in exact_out:
+            assert_as_exact_as(blocked_out[key], materialised_out[key], exact_out[key], f"{what} {key}")
+    elif isinstance(exact_out, (tuple, list)):
+        assert len(blocked_out) == len(materialised_out) == len(exact_out)
+        for i, (a, b, c) in enumerate(zip(blocked_out, materialised_out, exact_out, strict=True)):
+            assert_paths_agree(a, b, c, f"{what}[{i}]")
+    else:
+        assert_as_exact_as(blocked_out, materialised_out, exact_out, what)
+
+
+def materialised_pair(model, model64, compute):
+    """compute(model) by the materialised path in float32, and in float64."""
+    with materialised(model):
+        reference = compute(model)
+    with materialised(model64):
+        exact = compute(model64)
+    return reference, exact
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_forward_equals_the_materialised_path(models, name, calls):
+def test_forward_equals_the_materialised_path(models, models64, name, calls):
     model = models[name]
     tokens = tokens_for(model)
-    logits, z = forward_and_z(model, tokens)
+    out = forward_and_z(model, tokens)
     assert len(calls) == model.cfg.n_layers  # every layer went through the blocked path
-    with materialised(model):
-        ref_logits, ref_z = forward_and_z(model, tokens)
+    reference, exact = materialised_pair(model, models64[name], lambda m: forward_and_z(m, tokens))
     assert len(calls) == model.cfg.n_layers  # and none with the hooks on
-    assert_close(logits, ref_logits)
-    for hook, value in ref_z.items():
-        assert_close(z[hook], value)
+    assert_paths_agree(out, reference, exact, name)
 
 
 def input_and_weight_grads(model, tokens, attention_mask=None):
@@ -141,29 +161,23 @@ def input_and_weight_grads(model, tokens, attention_mask=None):
             p.requires_grad_(False)
 
 
-def assert_grads_close(grads, ref_grads):
-    for g, r in zip(grads, ref_grads, strict=True):
-        assert_close(g, r, scale=r.abs().max().item())
-
-
 @pytest.mark.parametrize("name", MODELS)
-def test_gradients_equal_the_materialised_path(models, name, calls):
+def test_gradients_equal_the_materialised_path(models, models64, name, calls):
     model = models[name]
     tokens = tokens_for(model)
     grads = input_and_weight_grads(model, tokens)
     assert calls
-    with materialised(model):
-        ref_grads = input_and_weight_grads(model, tokens)
-    assert_grads_close(grads, ref_grads)
+    reference, exact = materialised_pair(model, models64[name], lambda m: input_and_weight_grads(m, tokens))
+    assert_paths_agree(grads, reference, exact, name)
     assert grads[0].abs().max() > 0
 
 
-def test_activation_gradients_equal_the_materialised_path(models, calls):
+def test_activation_gradients_equal_the_materialised_path(models, models64, calls):
     """With frozen weights and set_use_activation_grads, as attribution patching reads them."""
     model = models["dcformer-tiny"]
     tokens = tokens_for(model)
 
-    def grads():
+    def grads(model):
         kept = {}
 
         def keep(x, hook):
@@ -178,32 +192,27 @@ def test_activation_gradients_equal_the_materialised_path(models, calls):
             model.set_use_activation_grads(False)
         return kept
 
-    blocked_grads = grads()
+    blocked_grads = grads(model)
     assert len(calls) == model.cfg.n_layers
-    with materialised(model):
-        ref = grads()
-    assert blocked_grads.keys() == ref.keys() and len(ref) == 7 * model.cfg.n_layers  # kw1 and qg of both stages
-    for name, g in ref.items():
-        assert_close(blocked_grads[name], g, scale=g.abs().max().item())
+    reference, exact = materialised_pair(model, models64["dcformer-tiny"], grads)
+    assert len(reference) == 7 * model.cfg.n_layers  # kw1 and qg of both stages
+    assert_paths_agree(blocked_grads, reference, exact)
 
 
 @pytest.mark.parametrize("name", ["dcpythia-tiny", "dcformer-tiny", "official-inference", "query-wise"])
-def test_left_padding_equals_the_materialised_path(models, name, calls):
+def test_left_padding_equals_the_materialised_path(models, models64, name, calls):
     model = models[name]
     tokens = tokens_for(model, batch=3)
     mask = torch.ones_like(tokens)
     mask[1, :4] = 0
     mask[2, :11] = 0  # more pads than a window: a padded query sees itself alone
-    logits, z = forward_and_z(model, tokens, attention_mask=mask)
+
+    def compute(model):
+        return forward_and_z(model, tokens, attention_mask=mask), input_and_weight_grads(model, tokens, mask)
+
+    out = compute(model)
     assert calls
-    with materialised(model):
-        ref_logits, ref_z = forward_and_z(model, tokens, attention_mask=mask)
-    assert_close(logits, ref_logits)
-    for hook, value in ref_z.items():
-        assert_close(z[hook], value)
-    grads = input_and_weight_grads(model, tokens, mask)
-    with materialised(model):
-        assert_grads_close(grads, input_and_weight_grads(model, tokens, mask))
+    assert_paths_agree(out, *materialised_pair(model, models64[name], compute), name)
 
 
 def layer_inputs(model, length, mask=None):
@@ -234,7 +243,7 @@ def run_layer(attn, x, mask, chunks, real=None):
             positions = (visible.cumsum(1) - 1).clamp_min(0)[:, start:]
         outs.append(attn(x[:, start:stop], chunk_mask, None, positions, entry))
     out = torch.cat(outs, dim=1)
-    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
     for p in weights:
         p.requires_grad_(True)
     try:
@@ -255,10 +264,10 @@ LAYER_MODES = {  # chunks of a 38-token prompt, and whether row 1 is left-padded
 
 @pytest.mark.parametrize("mode", LAYER_MODES)
 @pytest.mark.parametrize("name", MODELS)
-def test_each_layer_equals_the_materialised_path(models, name, mode, calls):
-    """Each attention layer alone on the same input: output and gradients within 1e-5. Chunks after the first run
-    with the earlier keys (and their compose key side) from the cache; a row padded with 9 tokens on the left has
-    queries that see themselves alone."""
+def test_each_layer_equals_the_materialised_path(models, models64, name, mode, calls):
+    """Each attention layer alone on the same input: output and gradients. Chunks after the first run with the
+    earlier keys (and their compose key side) from the cache; a row padded with 9 tokens on the left has queries
+    that see themselves alone."""
     model = models[name]
     chunks, padded = LAYER_MODES[mode]
     real = None
@@ -267,21 +276,21 @@ def test_each_layer_equals_the_materialised_path(models, name, mode, calls):
         real[1, :9] = False
     xs = layer_inputs(model, 38, None if real is None else real.long())
     for l, block in enumerate(model.blocks):
-        out, grads = run_layer(block.attn, xs[l], None, chunks, real)
+        out = run_layer(block.attn, xs[l], None, chunks, real)
         assert len(calls) == (l + 1) * len(chunks)
         with materialised(model):
-            ref_out, ref_grads = run_layer(block.attn, xs[l], None, chunks, real)
+            reference = run_layer(block.attn, xs[l], None, chunks, real)
+        with materialised(models64[name]):
+            exact = run_layer(models64[name].blocks[l].attn, xs[l].double(), None, chunks, real)
         assert len(calls) == (l + 1) * len(chunks)
-        assert_close(out, ref_out)
-        assert_grads_close(grads, ref_grads)
+        assert_paths_agree(out, reference, exact, f"{name} layer {l}")
 
 
 @pytest.mark.parametrize("name", ["dcpythia-tiny", "dcformer-tiny", "official-inference", "pre-only"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_the_cache_in_chunks_equals_the_materialised_full_forward(models, name, padded, calls):
+def test_the_cache_in_chunks_equals_the_materialised_full_forward(models, models64, name, padded, calls):
     """A prompt of 20 into the cache, then 18 tokens (both blocked, the second with 20 cached keys), then 3 (the
-    decoding path): the full forward's rows (within test_generation's 1e-4: the rounding of four layers compounds,
-    each layer alone is within 1e-5 above)."""
+    decoding path): the full forward's rows."""
     model = models[name]
     tokens = tokens_for(model, length=41)
     mask = torch.ones_like(tokens)
@@ -293,9 +302,8 @@ def test_the_cache_in_chunks_equals_the_materialised_full_forward(models, name, 
         for start, stop in ((0, 20), (20, 38), (38, 41)):
             chunks.append(model(tokens[:, start:stop], attention_mask=mask[:, start:stop], past_kv_cache=cache))
     assert [shape[1] for shape in calls] == [20] * model.cfg.n_layers + [18] * model.cfg.n_layers
-    with materialised(model):
-        ref, _ = forward_and_z(model, tokens, attention_mask=mask)
-    assert largest(torch.cat(chunks, dim=1), ref) < 1e-4
+    reference, exact = materialised_pair(model, models64[name], lambda m: forward_and_z(m, tokens, attention_mask=mask))
+    assert_paths_agree(torch.cat(chunks, dim=1), reference[0], exact[0], name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -349,10 +357,10 @@ def test_a_hook_on_a_square_tensor_keeps_that_layer_materialised(models, hook, c
     cached_logits, cache = model.run_with_cache(tokens, names_filter=name)
     assert len(calls) == 2 * (model.cfg.n_layers - 1)  # run_with_cache of that hook alone: the same
     torch.testing.assert_close(seen[name], cache[name], rtol=0, atol=0)
-    assert_close(logits, cached_logits)
+    torch.testing.assert_close(logits, cached_logits, rtol=0, atol=0)  # the same paths
 
 
-def test_a_hook_on_a_dynamic_weight_acts_in_the_blocked_path(models, calls):
+def test_a_hook_on_a_dynamic_weight_acts_in_the_blocked_path(models, models64, calls):
     """Weight hooks (hook_kw2, hook_qg, ...) stay on the blocked path, and what they return is what composes."""
     model = models["dcformer-tiny"]
     tokens = tokens_for(model)
@@ -360,23 +368,22 @@ def test_a_hook_on_a_dynamic_weight_acts_in_the_blocked_path(models, calls):
         ("blocks.1.attn.pre_compose.hook_kw2", lambda x, hook: 3 * x),
         ("blocks.2.attn.post_compose.hook_qg", lambda x, hook: torch.zeros_like(x)),
     ]
-    with model.hooks(fwd_hooks=edits):
+    with model.hooks(fwd_hooks=edits), models64["dcformer-tiny"].hooks(fwd_hooks=edits):
         logits, _ = forward_and_z(model, tokens)
         assert len(calls) == model.cfg.n_layers
-        with materialised(model):
-            ref, _ = forward_and_z(model, tokens)
-    assert_close(logits, ref)
+        reference, exact = materialised_pair(model, models64["dcformer-tiny"], lambda m: forward_and_z(m, tokens)[0])
+    assert_paths_agree(logits, reference, exact)
     assert largest(logits, forward_and_z(model, tokens)[0]) > 1e-3  # the edits did something
 
 
 def test_no_square_tensor_is_built_without_hooks(models, monkeypatch):
-    import dcinterp.model as model_module
+    import dcinterp.dcmha.materialised as materialised
 
     def fail(*args, **kwargs):
         raise AssertionError("a [b, h, t, s] compose ran with no hook attached")
 
     for name in ("branch_outputs", "compose_fused", "compose_few_queries"):
-        monkeypatch.setattr(model_module, name, fail)
+        monkeypatch.setattr(materialised, name, fail)
     with torch.no_grad():
         models["dcpythia-tiny"](tokens_for(models["dcpythia-tiny"]))
 
@@ -471,7 +478,7 @@ def test_blocks_leave_out_only_keys_no_query_of_the_block_sees(semantics, window
         assert (covered == 1).all()
 
 
-def test_blocks_on_two_threads_give_what_one_thread_gives(models, calls):
+def test_blocks_on_two_threads_give_what_one_thread_gives(models, models64, calls):
     """With two torch threads the blocks run on two Python threads, each op on one core: the forward is the same
     bit for bit, the gradients (summed over blocks in another order) the same within float32 rounding, and the
     thread count is restored."""
@@ -487,7 +494,8 @@ def test_blocks_on_two_threads_give_what_one_thread_gives(models, calls):
     finally:
         torch.set_num_threads(1)
     assert torch.equal(one[0], two[0]) and torch.equal(one[0], inference)
-    assert_grads_close(two[1], one[1])
+    exact = materialised_pair(model, models64["dcformer-tiny"], lambda m: input_and_weight_grads(m, tokens))[1]
+    assert_paths_agree(two[1], one[1], exact)
 
 
 @pytest.mark.parametrize("branches", ["qkg", ""])
@@ -501,21 +509,18 @@ def test_second_derivatives_pass_gradgradcheck(branches):
     assert torch.autograd.gradgradcheck(f, inputs, atol=1e-8, rtol=1e-6, fast_mode=True)
 
 
-def test_a_hessian_vector_product_through_the_model_equals_the_materialised_paths(models, calls):
+def test_a_hessian_vector_product_through_the_model_equals_the_materialised_paths(models, models64, calls):
     model = models["dcformer-tiny"]
     tokens = tokens_for(model, batch=1, length=12)
-    embeddings = model.embed(tokens).detach()
-    direction = torch.randn(embeddings.shape, generator=torch.Generator().manual_seed(0))
+    direction = torch.randn((1, 12, model.cfg.d_model), generator=torch.Generator().manual_seed(0))
 
-    def hvp():
-        x = embeddings.clone().requires_grad_(True)
+    def hvp(model):
+        x = model.embed(tokens).detach().requires_grad_(True)
         loss = model(x, start_at_layer=0, tokens=tokens, return_type="loss")
         (grad,) = torch.autograd.grad(loss, x, create_graph=True)
-        (second,) = torch.autograd.grad((grad * direction).sum(), x)
+        (second,) = torch.autograd.grad((grad * direction.to(x.dtype)).sum(), x)
         return second
 
-    blocked_hvp = hvp()
+    blocked_hvp = hvp(model)
     assert calls, "the blocked path ran"
-    with materialised(model):
-        reference = hvp()
-    assert_close(blocked_hvp, reference, scale=reference.abs().max().item())
+    assert_paths_agree(blocked_hvp, *materialised_pair(model, models64["dcformer-tiny"], hvp))

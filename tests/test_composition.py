@@ -5,7 +5,7 @@ import torch
 
 from dcinterp import DCFormerConfig, HookedDCFormer
 from dcinterp.composition import attention_distributions, compose_breakdown, composition_map
-from dcinterp.model import branch_outputs
+from dcinterp.dcmha.materialised import branch_outputs
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests/fixtures/dcpythia-tiny"
 HOOKS = {"pre": ("hook_attn_scores", "hook_composed_scores"), "post": ("hook_pattern", "hook_composed_pattern")}

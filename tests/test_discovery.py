@@ -6,6 +6,7 @@ import torch
 
 from dcinterp import HookedDCFormer
 from dcinterp.config import DCFormerConfig
+from dcinterp.dcmha.materialised import branch_outputs
 from dcinterp.discovery import (
     CircuitEvaluator,
     Graph,
@@ -15,7 +16,6 @@ from dcinterp.discovery import (
     greedy_circuit,
     top_n_circuit,
 )
-from dcinterp.model import branch_outputs
 from dcinterp.synth.contrast import PairTokens
 
 WEIGHTS = ("qw1", "qw2", "kw1", "kw2", "qg", "kg")

@@ -8,6 +8,7 @@ import torch
 from transformer_lens import ActivationCache
 
 from dcinterp import DCFormerConfig, HookedDCFormer
+from tests.numerics import assert_as_exact_as, float64_copy
 
 FIXTURES = Path(__file__).parent / "fixtures"
 B, T = 2, 24
@@ -99,21 +100,23 @@ def test_branch_outputs_plus_input_equal_the_composed_tensor(pythia, tokens, sta
 
 
 def test_fused_and_materialised_paths_agree(dcformer, tokens):
+    """The no-hook forward (blocked on a CPU) against the materialised path, judged by float64 (tests/numerics.py)."""
+    branches = lambda n: "hook_o_" in n  # noqa: E731
     with torch.no_grad():
         fused = dcformer(tokens)
-        hooked, cache = dcformer.run_with_cache(tokens, names_filter=lambda n: "hook_o_" in n)
+        hooked, cache = dcformer.run_with_cache(tokens, names_filter=branches)
+        exact, _ = float64_copy(dcformer).run_with_cache(tokens, names_filter=branches)
     assert len(cache) == 4 * 2 * dcformer.cfg.n_layers
-    scale = hooked.abs().max().item()  # float32 rounding grows with the logits' size (tests/test_blocked.py)
-    torch.testing.assert_close(fused, hooked, rtol=1e-5, atol=1e-5 * scale)
+    assert_as_exact_as(fused, hooked, exact, "logits")
 
 
 def test_no_branch_tensors_are_built_without_hooks(dcformer, tokens, monkeypatch):
-    import dcinterp.model as model_module
+    import dcinterp.dcmha.materialised as materialised
 
     def fail(*args, **kwargs):
         raise AssertionError("branch outputs materialised with no hook attached")
 
-    monkeypatch.setattr(model_module, "branch_outputs", fail)
+    monkeypatch.setattr(materialised, "branch_outputs", fail)
     with torch.no_grad():
         dcformer(tokens)
         dcformer.run_with_cache(tokens, names_filter=lambda n: n.endswith("hook_pattern"))

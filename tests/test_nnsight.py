@@ -55,7 +55,7 @@ def test_nnsight_sets_a_branch_output_as_run_with_hooks(wrapped):
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
     assert (out - model(tokens)).abs().max() > 1e-3  # the branch matters
     # outside a trace the wrapped model computes the compose fused again, as with no hook
-    assert not model.blocks[1].attn.post_compose.materialised()
+    assert not model.blocks[1].attn.post_compose.branches_read()
     torch.testing.assert_close(model(tokens), model.run_with_hooks(tokens), rtol=0, atol=0)
 
 

@@ -32,6 +32,7 @@ from dcinterp.patching import (
     zero_weight_hooks,
 )
 from dcinterp.synth import contrast_pairs, tokenize_pairs
+from tests.numerics import assert_as_exact_as, float64_copy
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +111,12 @@ def test_zeroing_stages_layers_and_heads_through_the_weights(model, pairs):
             (post, {"compose_stages": ("pre",)}),
             (everything, {"use_dcmha": False}),
         ]:
-            expected = switched(model, **changes)(pairs.clean)
+            # the plain-MHA twin on its einsum path (a hook on its pattern), whose arithmetic is DCMHA's with the
+            # compose zeroed, bit for bit (its no-hook path, scaled_dot_product_attention, rounds otherwise)
+            pattern = (
+                [(lambda name: name.endswith("hook_pattern"), lambda x, hook: None)] if "use_dcmha" in changes else []
+            )
+            expected = switched(model, **changes).run_with_hooks(pairs.clean, fwd_hooks=pattern)
             assert torch.equal(model.run_with_hooks(pairs.clean, fwd_hooks=zero_weight_hooks(component)), expected)
         for component in layer_components(model):  # a whole stage off: A + 0 either way
             assert torch.equal(
@@ -136,8 +142,9 @@ def test_zeroing_one_layers_branch_equals_zeroing_the_weight_that_scales_it(mode
     with torch.no_grad():
         a = model.run_with_hooks(pairs.clean, fwd_hooks=ablation_hooks(by_output))
         b = model.run_with_hooks(pairs.clean, fwd_hooks=ablation_hooks(by_weight))
-    # zeroed output: the materialised compose; zeroed weight: the blocked one (float32 rounding, growing with |logits|)
-    torch.testing.assert_close(a, b, atol=1e-5 * b.abs().max().item(), rtol=1e-5)
+        exact = float64_copy(model).run_with_hooks(pairs.clean, fwd_hooks=ablation_hooks(by_output))
+    # zeroed output: the materialised compose; zeroed weight: the blocked one (judged by float64, tests/numerics.py)
+    assert_as_exact_as(b, a, exact, "logits")
 
 
 def test_every_head_zeroed_is_the_whole_branch_zeroed(model, pairs):

@@ -1,4 +1,4 @@
-"""DCMHA in blocks of queries: the no-hook path of `Attention` on a CPU (docs/hooked-model.md#speed).
+"""DCMHA in blocks of queries: the no-hook path of `Attention` on a CPU (docs/hooked-model.md#speed-the-blocked-path).
 
 Every step of DCMHA is independent across query rows once the keys are known: the scores of a block of queries,
 its pre-compose, the mask, the softmax, the post-compose and `P V` need only that block's rows and the keys those

@@ -1,0 +1,307 @@
+"""DCMHA on one GPU against its plain-MHA twin: the fused (Triton) path, the materialised path, dcinterp's einsum
+MHA and the SDPA twin, in one run (issue 37's table).
+
+    python benchmarks/bench_gpu_dcmha.py [--quick] [--tokens 128,512,...] [--shapes 6.9b-wide,d1024]
+                                         [--repeats 10] [--json OUT.jsonl] [--cpu]
+
+Random DCPythia-style models (LayerNorm, parallel residual, GELU MLP, QK-norm, rotary on a quarter of each head,
+vocabulary 8192), bfloat16, batch 1, frozen weights as analyses load them:
+- `6.9b-wide`: 2 layers of DCPythia-6.9B's width, d_model 4096, 32 heads of 128, global;
+- `d1024`: 4 layers, d_model 1024, 16 heads of 64, windows of 256 keys on every other layer.
+Four models, the same weights, taking turns at every measurement:
+- `DCMHA fused`: the DCMHA model with no hook (on CUDA the Triton path where the kernels run, dcinterp.dcmha);
+- `DCMHA materialised`: the same model with a no-op hook on every `hook_pattern` (every [b, h, t, s] tensor built);
+- `MHA einsum`: the plain-MHA twin (`use_dcmha=False`) with that hook (einsum-softmax-einsum, as TransformerLens);
+- `SDPA twin`: the twin with no hook (`scaled_dot_product_attention`).
+Measured: the forward (logits), the forward + backward to the input embeddings (as integrated gradients steps), the
+peak memory above the weights of each (`torch.cuda.max_memory_allocated`), at each prompt length; decoding, per new
+token after a 1,024-token prompt with the key-value cache; and one layer's attention call alone (`Attention`, the
+fused path against SDPA's). Medians of `--repeats` timed runs after a warm-up, CUDA-synchronised. Each measurement
+is a JSON line (with the path every layer took: a "fused" model without the kernels says "materialised"); a
+markdown table of the medians and the ratios to the SDPA twin ends the run. A measurement that runs out of GPU
+memory is reported as such and the run goes on.
+
+With no CUDA device (or `--cpu`) the harness runs on this CPU on tiny shapes in float32, in seconds, as a smoke
+test: its numbers are not GPU numbers, and it says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+
+import dcinterp.dcmha as dcmha
+from dcinterp import DCFormerConfig, HookedDCFormer
+from dcinterp.kv_cache import DCFormerKeyValueCache
+from dcinterp.model import attention_mask
+
+SHAPES = {
+    "6.9b-wide": dict(n_layers=2, d_model=4096, n_heads=32, d_head=128, window_size=None, window_type=None),
+    "d1024": dict(n_layers=4, d_model=1024, n_heads=16, d_head=64, window_size=256, window_type="LG"),
+}
+SMOKE_SHAPES = {"tiny": dict(n_layers=2, d_model=32, n_heads=4, d_head=8, window_size=8, window_type="LG")}
+VOCAB = 8192
+TOKENS = [128, 512, 1024, 2048, 4096, 8192]
+QUICK_TOKENS = [128, 2048]
+DECODE_PROMPT, SMOKE_DECODE_PROMPT = 1024, 24
+MODELS = ("DCMHA fused", "DCMHA materialised", "MHA einsum", "SDPA twin")
+MiB = 2**20
+
+
+def make_model(shape: dict, use_dcmha: bool, device, dtype) -> HookedDCFormer:
+    torch.manual_seed(0)  # the shared weights are drawn first, so the twins share them (init_weights)
+    cfg = DCFormerConfig(
+        **shape, d_mlp=4 * shape["d_model"], d_vocab=VOCAB, n_ctx=8192, rotary_pct=0.25, use_dcmha=use_dcmha
+    )
+    return HookedDCFormer(cfg).to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def materialised(model: HookedDCFormer):
+    """A no-op hook on every layer's pattern: the layer then builds its [b, h, t, s] tensors."""
+    return model.hooks(fwd_hooks=[(lambda name: name.endswith("hook_pattern"), lambda x, hook: None)])
+
+
+def four_models(dc: HookedDCFormer, mha: HookedDCFormer) -> dict[str, tuple]:
+    """name -> (model, the context it runs in): the two models, each with no hook and on its materialised path."""
+    return {
+        "DCMHA fused": (dc, nullcontext),
+        "DCMHA materialised": (dc, lambda: materialised(dc)),
+        "MHA einsum": (mha, lambda: materialised(mha)),
+        "SDPA twin": (mha, nullcontext),
+    }
+
+
+class Paths:
+    """The paths the attention calls took (dcinterp.dcmha.choose_path), while recording."""
+
+    def __init__(self):
+        self.seen: list[str] = []
+        self.choose = dcmha.choose_path
+
+    def __enter__(self):
+        def spy(**facts):
+            self.seen.append(self.choose(**facts))
+            return self.seen[-1]
+
+        dcmha.choose_path = spy
+        return self
+
+    def __exit__(self, *exc):
+        dcmha.choose_path = self.choose
+
+
+class Clock:
+    """Wall time of a call, synchronised on CUDA; peak memory above what was allocated before it."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def time(self, fn) -> float:
+        self.sync()
+        start = time.perf_counter()
+        fn()
+        self.sync()
+        return time.perf_counter() - start
+
+    def peak_above(self, fn) -> float | None:
+        if not self.cuda:
+            return None
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - before) / MiB
+
+
+def forward(model, tokens):
+    with torch.no_grad():
+        model(tokens)
+
+
+def forward_backward(model, tokens):
+    embeddings = model.embed(tokens).detach().requires_grad_(True)
+    model(embeddings, start_at_layer=0)[0, -1].float().logsumexp(-1).backward()
+
+
+def measure(models: dict, fn, clock: Clock, repeats: int) -> dict[str, dict]:
+    """fn(model) for each model in turns (alternating order): median milliseconds, peak MiB, the paths taken."""
+    out, times = {}, {name: [] for name in models}
+    for name, (model, context) in models.items():
+        try:
+            with context(), Paths() as paths:
+                fn(model)  # warm-up (and Triton's compilation)
+                peak = clock.peak_above(lambda: fn(model))  # noqa: B023
+            out[name] = {"paths": sorted(set(paths.seen)), "peak_mib": peak}
+        except torch.OutOfMemoryError:
+            out[name] = {"error": "out of GPU memory"}
+        if clock.cuda:
+            torch.cuda.empty_cache()
+    names = [name for name in models if "error" not in out[name]]
+    for repeat in range(repeats):
+        for name in names[::-1] if repeat % 2 else names:
+            model, context = models[name]
+            with context():
+                times[name].append(clock.time(lambda: fn(model)))  # noqa: B023
+    for name in names:
+        out[name]["ms"] = 1000 * statistics.median(times[name])
+    return out
+
+
+def decode_step(model, prompt: torch.Tensor):
+    """A function that decodes one token a call, after `prompt` went into a fresh cache."""
+    cache = DCFormerKeyValueCache.init_cache(model.cfg, prompt.device, batch_size=1)
+    with torch.no_grad():
+        model(prompt, past_kv_cache=cache)
+    next_token = prompt[:, -1:]
+
+    def step(_model):
+        with torch.no_grad():
+            _model(next_token, past_kv_cache=cache)
+
+    return step
+
+
+def attention_call(model, x, mask, backward: bool) -> None:
+    """One layer's attention call on x (layer 0), forward or forward + backward to x."""
+    attn = model.blocks[0].attn
+    if backward:
+        attn(x.detach().requires_grad_(True), mask).float().sum().backward()
+    else:
+        with torch.no_grad():
+            attn(x, mask)
+
+
+def row(shape, what, tokens, result) -> dict:
+    return {"shape": shape, "measurement": what, "tokens": tokens, **result}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS}, 3 repeats")
+    parser.add_argument("--tokens", help=f"prompt lengths (default {','.join(map(str, TOKENS))})")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (default 10)")
+    parser.add_argument("--json", help="also write the JSON lines to this file")
+    parser.add_argument("--cpu", action="store_true", help="the smoke run on this CPU (tiny shapes, float32)")
+    args = parser.parse_args()
+
+    smoke = args.cpu or not torch.cuda.is_available()
+    device = torch.device("cpu" if smoke else "cuda")
+    dtype = torch.float32 if smoke else torch.bfloat16
+    if smoke:
+        shapes, token_counts, repeats, prompt_length = SMOKE_SHAPES, [20], args.repeats or 2, SMOKE_DECODE_PROMPT
+        print(
+            "# GPU numbers not measured: no CUDA device here (or --cpu). A smoke run of the harness on this CPU, "
+            "tiny shapes, float32; its times say nothing about a GPU.",
+            flush=True,
+        )
+    else:
+        shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+        token_counts = QUICK_TOKENS if args.quick else TOKENS
+        repeats, prompt_length = args.repeats or (3 if args.quick else 10), DECODE_PROMPT
+        reason = dcmha.triton_unavailable(device)
+        print(
+            f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bfloat16, batch 1, medians of {repeats}; "
+            f"Triton kernels: {'available' if reason is None else 'NOT available: ' + reason}",
+            flush=True,
+        )
+    if args.tokens:
+        token_counts = [int(t) for t in args.tokens.split(",")]
+    clock = Clock(device)
+    rows: list[dict] = []
+    sink = open(args.json, "w") if args.json else None  # noqa: SIM115
+
+    def emit(entry: dict) -> None:
+        if smoke:  # the CPU's times under another name, so that nothing reads them as a GPU's
+            for result in entry["models"].values():
+                if "ms" in result:
+                    result["cpu_smoke_ms"] = result.pop("ms")
+        entry = {"device": "cpu smoke run: not GPU numbers" if smoke else torch.cuda.get_device_name(), **entry}
+        rows.append(entry)
+        print(json.dumps(entry), flush=True)
+        if sink:
+            sink.write(json.dumps(entry) + "\n")
+
+    for shape_name, shape in shapes.items():
+        models = four_models(make_model(shape, True, device, dtype), make_model(shape, False, device, dtype))
+        generator = torch.Generator().manual_seed(0)
+        for n in token_counts:
+            tokens = torch.randint(0, VOCAB, (1, n), generator=generator).to(device)
+            for what, fn in (("forward", forward), ("forward + backward", forward_backward)):
+                result = measure(models, lambda m: fn(m, tokens), clock, repeats)  # noqa: B023
+                emit(row(shape_name, what, n, {"models": result}))
+            x = torch.randn(1, n, shape["d_model"], generator=generator).to(device, dtype)
+            mask = attention_mask(n, models["DCMHA fused"][0].blocks[0].attn.window, device, dtype)
+            attention = {name: models[name] for name in ("DCMHA fused", "DCMHA materialised", "SDPA twin")}
+            for what, backward in (("attention alone, forward", False), ("attention alone, forward + backward", True)):
+                result = measure(attention, lambda m: attention_call(m, x, mask, backward), clock, repeats)  # noqa: B023
+                emit(row(shape_name, what, n, {"models": result}))
+        prompt = torch.randint(0, VOCAB, (1, prompt_length), generator=generator).to(device)
+        result = {}
+        for name, (model, context) in models.items():  # each with its own cache: one model at a time
+            with context():
+                step = decode_step(model, prompt)
+            result.update(measure({name: (model, context)}, step, clock, repeats))
+        decode = f"decode, per token after {prompt_length} prompt tokens"
+        emit(row(shape_name, decode, prompt_length, {"models": result}))
+        del models
+        if clock.cuda:
+            torch.cuda.empty_cache()
+    if sink:
+        sink.close()
+    print_table(rows, smoke)
+
+
+def cell(result: dict, name: str, key: str = "ms") -> str:
+    r = result.get(name, {})
+    if "error" in r:
+        return r["error"]
+    return "n/a" if r.get(key) is None else f"{r[key]:,.1f}"
+
+
+def ratio(result: dict, name: str, key: str = "ms") -> str:
+    a, b = result.get(name, {}).get(key), result.get("SDPA twin", {}).get(key)
+    return f"**{a / b:.2f}x**" if a is not None and b else "n/a"
+
+
+def print_table(rows: list[dict], smoke: bool) -> None:
+    if smoke:
+        print("\nGPU numbers not measured (CPU smoke run: every model ran; the paths the fused model took):")
+        print("| shape | measurement | tokens | " + " | ".join(MODELS) + " | paths of the fused model |")
+        print("|---|---|---|" + "---|" * len(MODELS) + "---|")
+        for r in rows:
+            ran = ["not measured" if name in r["models"] else "n/a" for name in MODELS]
+            paths = ", ".join(r["models"]["DCMHA fused"].get("paths", []))
+            print(f"| {r['shape']} | {r['measurement']} | {r['tokens']:,} | " + " | ".join(ran) + f" | {paths} |")
+        return
+    heading = f"{rows[0]['device']}, bfloat16, batch 1"
+    print(f"\n{heading}: milliseconds (medians); peak memory above the weights in MiB; ratios to the SDPA twin")
+    print(
+        "| shape | measurement | tokens | DCMHA fused | DCMHA materialised | MHA einsum | SDPA twin | fused / SDPA "
+        "| peak MiB fused / materialised / SDPA | paths of the fused model |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        m = r["models"]
+        peaks = " / ".join(cell(m, name, "peak_mib") for name in ("DCMHA fused", "DCMHA materialised", "SDPA twin"))
+        paths = ", ".join(m.get("DCMHA fused", {}).get("paths", []))
+        print(
+            f"| {r['shape']} | {r['measurement']} | {r['tokens']:,} | "
+            + " | ".join(cell(m, name) for name in MODELS)
+            + f" | {ratio(m, 'DCMHA fused')} | {peaks} | {paths} |"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

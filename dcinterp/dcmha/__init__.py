@@ -1,0 +1,136 @@
+"""The ways one attention layer is computed, and the one function that picks among them (`choose_path`).
+
+Paths, and when `choose_path` takes each (first rule that applies):
+- `materialised` (`Attention.materialised_z`, the compose forms of `dcinterp.dcmha.materialised`): every
+  `[b, h, t, s]` tensor built and passed through its hook. Taken when a hook, a `run_with_cache` entry or an
+  nnsight trace reads or sets a square tensor of the layer (scores, patterns, a branch output), or a functorch
+  transform (`vmap`, `grad`, ...) is active; on any device.
+- `sdpa`: plain MHA (`use_dcmha=False`) otherwise, by `torch.nn.functional.scaled_dot_product_attention`.
+- `triton` (`dcinterp.dcmha.triton_kernels.fused_dcmha`, one fused kernel forward and backward, decoding
+  included): DCMHA on CUDA where the kernels run. Where they cannot (no Triton, the card's limits), one warning
+  per reason names why, and the next rules apply.
+- `few_queries` (`materialised_z`, whose compose takes `compose_few_queries`, the key side in its low-rank
+  form): a cached step of at most `FEW_QUERIES` new queries.
+- `blocked` (`dcinterp.dcmha.blocked`: a block of queries at a time, never a `[b, h, t, s]` tensor): on the CPU.
+- `materialised` on any other device.
+
+Every path gives z equal to the materialised one up to float rounding. The hooks on the dynamic weights
+(`hook_qw1`, ..., `hook_kg`) act on every path: the weights pass through them before the path is taken.
+Second derivatives (`create_graph=True`) are exact on every path: the blocked path differentiates its blocks
+again, and the Triton path recomputes its backward with `materialised.attend` (its kernels' backward is first
+order only).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from . import materialised
+
+Path = Literal["materialised", "few_queries", "blocked", "triton", "sdpa"]
+
+FEW_QUERIES = 16  # with a key-value cache, up to this many new queries take a decoding path
+
+_warned: set[str] = set()  # the reasons already given, so that each is said once per process
+
+
+def triton_unavailable(device: torch.device) -> str | None:
+    """Why the Triton kernels cannot run on `device` (None when they can), as one line."""
+    try:
+        from . import triton_kernels
+    except ImportError as error:
+        return f"the Triton kernels cannot be imported ({error})"
+    return triton_kernels.available(device)
+
+
+def choose_path(
+    *,
+    dcmha: bool,
+    device: torch.device,
+    square_tensor_read: bool,
+    functorch_active: bool = False,
+    cached_queries: int | None = None,
+    padding_as_mask_only: bool = False,
+) -> Path:
+    """Which path computes one attention call (the table in this module's docstring).
+
+    `square_tensor_read`: a hook (or cache, or nnsight trace) reads or sets a [b, h, t, s] tensor of the layer;
+    `functorch_active`: `torch._C._are_functorch_transforms_active()`; `cached_queries`: with a key-value cache,
+    the number of new queries (None without one); `padding_as_mask_only`: padded keys are hidden by the additive
+    mask alone, without the [b, s] table of real keys the kernels take (a direct call of `Attention`)."""
+    if square_tensor_read or functorch_active:
+        return "materialised"
+    if not dcmha:
+        return "sdpa"
+    decoding = cached_queries is not None and cached_queries <= FEW_QUERIES
+    if device.type == "cuda" and not padding_as_mask_only:
+        reason = triton_unavailable(device)
+        if reason is None:
+            return "triton"
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(f"DCMHA on {device} takes the materialised path: {reason}", stacklevel=2)
+    if decoding:
+        return "few_queries"
+    return "blocked" if device.type == "cpu" else "materialised"
+
+
+def triton_z(q, k, v, mask, pre, post, *, window: int | None, official: bool, past: int, real: Tensor | None):
+    """z by the Triton kernels (`triton_kernels.fused_dcmha`; the arguments are its own, less `mask`, the additive
+    mask of the same keys, which `materialised.attend` takes for second derivatives)."""
+    from . import triton_kernels
+
+    def fused(q, k, v, *weights):
+        pre_, post_ = _stages(weights, pre, post)
+        return triton_kernels.fused_dcmha(q, k, v, pre_, post_, window=window, official=official, past=past, real=real)
+
+    def reference(q, k, v, *weights):
+        return materialised.attend(q, k, v, mask, *_stages(weights, pre, post))
+
+    weights = [w for stage in (pre, post) if stage is not None for w in stage]
+    inputs = (q, k, v, *weights)
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs):
+        return fused(*inputs)
+    return FirstOrderKernel.apply(fused, reference, *inputs)
+
+
+def _stages(weights, pre, post) -> tuple:
+    """(pre, post) from the flat weights, None for a stage that is off."""
+    n_pre = 0 if pre is None else len(pre)
+    return (None if pre is None else tuple(weights[:n_pre]), None if post is None else tuple(weights[n_pre:]))
+
+
+class FirstOrderKernel(torch.autograd.Function):
+    """y = fast(*inputs), differentiated by fast's own backward; under `create_graph=True` the backward is
+    instead that of `reference(*inputs)` (the same function), recomputed under autograd so that its gradients
+    can be differentiated again. None among the inputs stands for a branch that is off."""
+
+    @staticmethod
+    def forward(ctx, fast, reference, *inputs):
+        ctx.reference = reference
+        ctx.save_for_backward(*inputs)
+        with torch.enable_grad():
+            leaves = [None if x is None else x.detach().requires_grad_(x.requires_grad) for x in inputs]
+            y = fast(*leaves)
+        ctx.graph = (leaves, y)
+        return y.detach()
+
+    @staticmethod
+    def backward(ctx, gy):
+        inputs = ctx.saved_tensors
+        wanted = [i for i, x in enumerate(inputs) if x is not None and ctx.needs_input_grad[2 + i]]
+        if torch.is_grad_enabled():  # create_graph=True
+            with torch.enable_grad():
+                y = ctx.reference(*inputs)
+                grads = torch.autograd.grad(y, [inputs[i] for i in wanted], gy, create_graph=True, allow_unused=True)
+        else:
+            leaves, y = ctx.graph
+            grads = torch.autograd.grad(y, [leaves[i] for i in wanted], gy, allow_unused=True)
+        out = [None] * len(inputs)
+        for i, g in zip(wanted, grads, strict=True):
+            out[i] = g if g is not None else torch.zeros_like(inputs[i])
+        return None, None, *out

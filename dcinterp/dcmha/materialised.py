@@ -1,0 +1,96 @@
+"""DCMHA's compose with the `[b, h, t, s]` tensors built: the reference path, and what every hook on a square
+tensor of a layer reads.
+
+Three forms of one compose stage, all equal up to float rounding (tests/test_hooks.py, tests/test_blocked.py):
+- `branch_outputs`: the four branch outputs of Eq. (7) as separate tensors, what `hook_o_qp`, ... see;
+- `compose_fused`: their sum with the skip connection, without per-branch tensors (Eq. 8's row plus column
+  decomposition), the form taken when no hook reads a branch output;
+- `compose_few_queries`: the same for a few queries against many cached keys (decoding with a key-value cache).
+
+`attend` is the whole attention in this form as a plain function (no hooks): what the fused paths fall back on
+for second derivatives.
+
+Index names: b batch, t queries, s keys, h/m/n heads, e head dim, r rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+
+def branch_outputs(A, qw1=None, qw2=None, kw1=None, kw2=None, qg=None, kg=None) -> dict[str, Tensor]:
+    """The four branch outputs of Eq. (7) as separate tensors (only those whose weights are given)."""
+    out = {}
+    if qw1 is not None:
+        hidden = torch.einsum("bnts,btrn->brts", A, qw1)
+        out["qp"] = torch.einsum("brts,btrm->bmts", hidden, qw2)
+    if kw1 is not None:
+        hidden = torch.einsum("bnts,bsrn->brts", A, kw1)
+        out["kp"] = torch.einsum("brts,bsrm->bmts", hidden, kw2)
+    if qg is not None:
+        out["qg"] = A * qg.transpose(1, 2)[:, :, :, None]
+    if kg is not None:
+        out["kg"] = A * kg.transpose(1, 2)[:, :, None, :]
+    return out
+
+
+def compose_fused(A, qw1=None, qw2=None, kw1=None, kw2=None, qg=None, kg=None) -> Tensor:
+    """A + o_qp + o_kp + o_qg + o_kg without per-branch tensors (Eq. 8's row plus column decomposition).
+
+    The query-side branches and the skip connection make one H x H map per query, W_q[t] = I + diag(qg[t])
+    + qw1[t]^T qw2[t], and the key-side ones one map per key, W_k[s] = diag(kg[s]) + kw1[s]^T kw2[s]; each is
+    applied with one batched matmul (faster than the low-rank form on CPU, forward and backward).
+    """
+    if qw1 is not None or qg is not None:
+        W_q = torch.diag_embed(1 + qg) if qg is not None else torch.eye(A.shape[1], device=A.device, dtype=A.dtype)
+        if qw1 is not None:
+            W_q = W_q + torch.einsum("btrn,btrm->btnm", qw1, qw2)
+        out = torch.einsum("bnts,btnm->bmts", A, W_q)
+    else:
+        out = A
+    if kw1 is not None or kg is not None:
+        W_k = torch.diag_embed(kg) if kg is not None else 0
+        if kw1 is not None:
+            W_k = W_k + torch.einsum("bsrn,bsrm->bsnm", kw1, kw2)
+        out = out + torch.einsum("bnts,bsnm->bmts", A, W_k)
+    return out
+
+
+def compose_few_queries(A, qw1=None, qw2=None, qg=None, kw1=None, kw2=None, kg=None) -> Tensor:
+    """compose_fused for a few queries against many cached keys, the key side given key-last (kw1, kw2
+    [b, r, h, s], kg [b, h, s], as the cache holds it): the key-wise branches in their low-rank form, two broadcast
+    multiply-adds over the keys, cost O(t s h r) where the per-key H x H maps would cost O(s h^2 r)."""
+    out = compose_fused(A, qw1, qw2, qg=qg)
+    if kw1 is not None:
+        hidden = (A[:, None] * kw1[:, :, :, None, :]).sum(2)  # [b, r, t, s]
+        out = out + (hidden[:, :, None] * kw2[:, :, :, None, :]).sum(1)
+    if kg is not None:
+        out = out + A * kg[:, :, None, :]
+    return out
+
+
+def attend(
+    q: Float[Tensor, "b t h e"],
+    k: Float[Tensor, "b s h e"],
+    v: Float[Tensor, "b s h e"],
+    mask: Tensor,
+    pre: tuple[Tensor | None, ...] | None,
+    post: tuple[Tensor | None, ...] | None,
+) -> Float[Tensor, "b t h e"]:
+    """z of DCMHA with every [b, h, t, s] tensor, no hook: scores, pre-compose, mask, softmax, post-compose, P V.
+
+    `mask`: the additive attention mask ([t, s] or [b, 1, t, s]); `pre`, `post`: a stage's (qw1, qw2, kw1, kw2,
+    qg, kg) in the hooks' layout (kw1, kw2 [b, s, r, h], kg [b, s, h], every key), or None for a stage that is off.
+    The compose sees hidden scores as 0, as `Attention.materialised_z` gives it them."""
+    scores = torch.einsum("bthe,bshe->bhts", q, k) / math.sqrt(q.shape[-1])
+    mask = mask.to(scores.dtype)
+    if pre is not None:
+        scores = compose_fused(scores.masked_fill(mask != 0, 0.0), *pre)
+    pattern = (scores + mask).softmax(-1, dtype=torch.float32).to(scores.dtype)
+    if post is not None:
+        pattern = compose_fused(pattern, *post)
+    return torch.einsum("bhts,bshe->bthe", pattern, v)

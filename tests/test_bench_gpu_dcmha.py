@@ -1,0 +1,41 @@
+"""benchmarks/bench_gpu_dcmha.py runs in one command; on a CPU its smoke run says the GPU numbers are not measured."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_cpu_smoke_run_measures_every_model_and_claims_no_gpu_number(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/bench_gpu_dcmha.py"), "--cpu", "--repeats", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("# GPU numbers not measured")
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["measurement"] for r in rows] == [
+        "forward",
+        "forward + backward",
+        "attention alone, forward",
+        "attention alone, forward + backward",
+        "decode, per token after 24 prompt tokens",
+    ]
+    for r in rows:
+        assert r["device"] == "cpu smoke run: not GPU numbers"
+        for name, model in r["models"].items():
+            assert "ms" not in model and model["cpu_smoke_ms"] > 0 and model["peak_mib"] is None, name
+    paths = {r["measurement"]: r["models"]["DCMHA fused"]["paths"] for r in rows}
+    assert paths["forward"] == ["blocked"] and paths["decode, per token after 24 prompt tokens"] == ["few_queries"]
+    assert {p for r in rows for p in r["models"]["SDPA twin"]["paths"]} == {"sdpa"}
+    assert {p for r in rows for p in r["models"]["DCMHA materialised"]["paths"]} == {"materialised"}
+    table = result.stdout[result.stdout.index("GPU numbers not measured (CPU smoke run") :]
+    assert "ms" not in table and "x**" not in table  # no time and no ratio in the table

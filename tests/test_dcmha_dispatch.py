@@ -1,0 +1,364 @@
+"""Which path computes each attention call (dcinterp.dcmha.choose_path), and that every path computes the same z.
+
+- the rules, one case each: a hook on each square tensor, a functorch transform, a cached decoding step, CPU and
+  CUDA (a device object: no GPU is needed to choose), the Triton kernels available or not (one warning per reason);
+- through the model: the path each layer took (`Attention.path_for`, recorded at the dispatch);
+- the Triton path's plumbing on this CPU: a stand-in `triton_kernels` whose `fused_dcmha` is the float64-checked
+  materialised formula built from the kernel's own arguments (window, semantics, past, real), with a backward
+  that refuses `create_graph`, as the real kernels' does; the model on "CUDA" then equals the materialised path,
+  forward, gradients, padding, the cache, and second derivatives (which fall back on `materialised.attend`);
+- plain MHA by `scaled_dot_product_attention` against the einsum-softmax path: causal, local windows of both
+  semantics, left padding, the key-value cache in chunks, float32 judged by float64 (tests/numerics.py).
+"""
+
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import dcinterp.dcmha as dcmha
+from dcinterp import DCFormerConfig, HookedDCFormer
+from dcinterp.dcmha import materialised
+from dcinterp.kv_cache import DCFormerKeyValueCache
+from dcinterp.model import attention_mask
+from tests.numerics import assert_as_exact_as, float64_copy
+
+FIXTURES = Path(__file__).parent / "fixtures"
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+SQUARE_HOOKS = [
+    "hook_attn_scores",
+    "hook_composed_scores",
+    "hook_pattern",
+    "hook_composed_pattern",
+    *(f"{stage}_compose.hook_o_{b}" for stage in ("pre", "post") for b in ("qp", "kp", "qg", "kg")),
+]
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """A stand-in triton_kernels module: available (its `reason` None) or not, its `fused_dcmha` the materialised
+    formula. Its calls are recorded."""
+    module = types.ModuleType("dcinterp.dcmha.triton_kernels")
+    module.reason = None
+    module.calls = []
+    module.available = lambda device: module.reason
+
+    def fused_dcmha(q, k, v, pre, post, *, window, official, past=0, real=None):
+        module.calls.append(dict(queries=q.shape[1], keys=k.shape[1], window=window, past=past, real=real))
+        semantics = "official-inference" if official else "training"
+        mask = attention_mask(q.shape[1], window, q.device, q.dtype, semantics, past, real)
+        return FirstOrderOnly.apply(
+            mask, pre, post, q, k, v, *(w for s in (pre, post) if s for w in s if w is not None)
+        )
+
+    module.fused_dcmha = fused_dcmha
+    monkeypatch.setitem(sys.modules, "dcinterp.dcmha.triton_kernels", module)
+    monkeypatch.setattr(dcmha, "triton_kernels", module, raising=False)
+    monkeypatch.setattr(dcmha, "_warned", set())
+    return module
+
+
+class FirstOrderOnly(torch.autograd.Function):
+    """`materialised.attend`, whose backward raises under create_graph=True (as the fused kernels' does)."""
+
+    @staticmethod
+    def forward(ctx, mask, pre, post, q, k, v, *weights):
+        ctx.mask, ctx.pre, ctx.post = mask, pre, post
+        ctx.save_for_backward(q, k, v, *weights)
+        with torch.no_grad():
+            return materialised.attend(q, k, v, mask, *restage(weights, pre, post))
+
+    @staticmethod
+    def backward(ctx, gz):
+        if torch.is_grad_enabled():
+            raise RuntimeError("fused_dcmha: no second derivatives (create_graph=True)")
+        inputs = [None if x is None else x.detach().requires_grad_(True) for x in ctx.saved_tensors]
+        q, k, v, *weights = inputs
+        with torch.enable_grad():
+            z = materialised.attend(q, k, v, ctx.mask, *restage(weights, ctx.pre, ctx.post))
+            live = [x for x in inputs if x is not None]
+            grads = iter(torch.autograd.grad(z, live, gz, allow_unused=True))
+        return None, None, None, *(None if x is None else next(grads) for x in inputs)
+
+
+def restage(weights, pre, post):
+    it = iter(weights)
+    return tuple(None if s is None else tuple(None if w is None else next(it) for w in s) for s in (pre, post))
+
+
+@pytest.fixture
+def paths(monkeypatch):
+    """The path of every attention call, in order."""
+    seen = []
+    choose = dcmha.choose_path
+
+    def spy(**facts):
+        seen.append(choose(**facts))
+        return seen[-1]
+
+    monkeypatch.setattr(dcmha, "choose_path", spy)
+    return seen
+
+
+@pytest.fixture
+def on_cuda(monkeypatch, paths):
+    """choose_path told the tensors are on CUDA (they stay on this CPU): the Triton path's plumbing, testable here."""
+    choose = dcmha.choose_path
+    monkeypatch.setattr(dcmha, "choose_path", lambda **facts: choose(**{**facts, "device": CUDA}))
+    return paths
+
+
+# The rules.
+
+
+@pytest.mark.parametrize(
+    "facts, cpu_path, cuda_path",
+    [
+        (dict(), "blocked", "triton"),
+        (dict(square_tensor_read=True), "materialised", "materialised"),
+        (dict(functorch_active=True), "materialised", "materialised"),
+        (dict(cached_queries=1), "few_queries", "triton"),
+        (dict(cached_queries=dcmha.FEW_QUERIES), "few_queries", "triton"),
+        (dict(cached_queries=dcmha.FEW_QUERIES + 1), "blocked", "triton"),
+        (dict(cached_queries=1, square_tensor_read=True), "materialised", "materialised"),
+        (dict(padding_as_mask_only=True), "blocked", "materialised"),
+        (dict(dcmha=False), "sdpa", "sdpa"),
+        (dict(dcmha=False, square_tensor_read=True), "materialised", "materialised"),
+        (dict(dcmha=False, functorch_active=True), "materialised", "materialised"),
+    ],
+)
+def test_the_rules(kernels, facts, cpu_path, cuda_path):
+    facts = {"dcmha": True, "square_tensor_read": False, **facts}
+    assert dcmha.choose_path(device=CPU, **facts) == cpu_path
+    assert dcmha.choose_path(device=CUDA, **facts) == cuda_path
+    other_path = "materialised" if cpu_path == "blocked" else cpu_path  # the blocked path is the CPU's alone
+    assert dcmha.choose_path(device=torch.device("mps"), **facts) == other_path
+
+
+def test_kernels_that_cannot_run_give_one_warning_per_reason_and_the_materialised_path(kernels):
+    kernels.reason = "the card has 99 KiB of shared memory, the kernels need 160"
+    facts = dict(dcmha=True, device=CUDA, square_tensor_read=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert [dcmha.choose_path(**facts) for _ in range(3)] == ["materialised"] * 3
+        assert dcmha.choose_path(**facts, cached_queries=1) == "few_queries"
+        kernels.reason = "Triton 2.0 is too old"
+        assert dcmha.choose_path(**facts) == "materialised"
+    assert [str(w.message) for w in caught] == [
+        "DCMHA on cuda takes the materialised path: the card has 99 KiB of shared memory, the kernels need 160",
+        "DCMHA on cuda takes the materialised path: Triton 2.0 is too old",
+    ]
+
+
+def test_kernels_that_cannot_be_imported_are_not_available(monkeypatch):
+    monkeypatch.setitem(sys.modules, "dcinterp.dcmha.triton_kernels", None)  # an import of it raises ImportError
+    monkeypatch.delattr(dcmha, "triton_kernels", raising=False)
+    monkeypatch.setattr(dcmha, "_warned", set())
+    assert dcmha.triton_unavailable(CUDA).startswith("the Triton kernels cannot be imported")
+    with pytest.warns(UserWarning, match="DCMHA on cuda takes the materialised path: the Triton kernels cannot be"):
+        assert dcmha.choose_path(dcmha=True, device=CUDA, square_tensor_read=False) == "materialised"
+
+
+# Through the model.
+
+
+@pytest.fixture(scope="module")
+def model():
+    return HookedDCFormer.from_pretrained(FIXTURES / "dcformer-tiny")
+
+
+@pytest.fixture(scope="module")
+def model64(model):
+    return float64_copy(model)
+
+
+def tokens_for(model, batch=2, length=21, seed=0):
+    return torch.randint(3, model.cfg.d_vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_forward_with_no_hook_is_blocked_on_the_cpu(model, paths):
+    with torch.no_grad():
+        model(tokens_for(model))
+    assert paths == ["blocked"] * model.cfg.n_layers
+
+
+@pytest.mark.parametrize("hook", SQUARE_HOOKS)
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_hook_on_a_square_tensor_keeps_that_layer_materialised(model, hook, device, request):
+    paths = request.getfixturevalue("paths" if device == "cpu" else "on_cuda")
+    if device == "cuda":
+        request.getfixturevalue("kernels")
+    fast = "blocked" if device == "cpu" else "triton"
+    with model.hooks(fwd_hooks=[(f"blocks.1.attn.{hook}", lambda x, hook: None)]), torch.no_grad():
+        model(tokens_for(model))
+    assert paths == [fast, "materialised", *[fast] * (model.cfg.n_layers - 2)]
+
+
+def test_a_functorch_transform_keeps_the_materialised_path(model, paths):
+    tokens = tokens_for(model, batch=1, length=6)
+    embeddings = model.embed(tokens).detach()
+    torch.func.grad(lambda x: model(x, start_at_layer=0)[0, -1, 0])(embeddings)
+    assert set(paths) == {"materialised"}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_cache_takes_the_decoding_path_for_a_few_queries(model, device, request):
+    paths = request.getfixturevalue("paths" if device == "cpu" else "on_cuda")
+    if device == "cuda":
+        request.getfixturevalue("kernels")
+    tokens = tokens_for(model, length=40)
+    cache = DCFormerKeyValueCache.init_cache(model.cfg, "cpu", batch_size=2)
+    with torch.no_grad():
+        for start, stop in ((0, 20), (20, 37), (37, 40)):  # 20, 17 (> FEW_QUERIES), 3 new queries
+            model(tokens[:, start:stop], past_kv_cache=cache)
+    n = model.cfg.n_layers
+    if device == "cpu":
+        assert paths == ["blocked"] * 2 * n + ["few_queries"] * n
+    else:
+        assert paths == ["triton"] * 3 * n
+
+
+# The Triton path's plumbing (a stand-in kernel).
+
+
+def run(model, tokens, mask=None, chunks=None):
+    """Logits (through the cache in `chunks`, if given) and the gradients of the loss to the embeddings and to
+    every attention weight."""
+    weights = [p for n, p in model.named_parameters() if ".attn." in n]
+    for p in weights:
+        p.requires_grad_(True)
+    try:
+        if chunks is None:
+            embeddings = model.embed(tokens).detach().requires_grad_(True)
+            logits = model(embeddings, start_at_layer=0, attention_mask=mask)
+        else:
+            cache = DCFormerKeyValueCache.init_cache(model.cfg, "cpu", batch_size=tokens.shape[0])
+            embeddings = model.embed(tokens).detach().requires_grad_(True)
+            logits = torch.cat(
+                [
+                    model(embeddings[:, a:b], start_at_layer=0, attention_mask=mask[:, a:b], past_kv_cache=cache)
+                    for a, b in chunks
+                ],
+                dim=1,
+            )
+        loss = logits.log_softmax(-1)[..., 5].sum()
+        return (logits.detach(), *torch.autograd.grad(loss, [embeddings, *weights]))
+    finally:
+        for p in weights:
+            p.requires_grad_(False)
+
+
+def all_branches_hooked(model):
+    return model.hooks(fwd_hooks=[(lambda name: "hook_o_" in name, lambda x, hook: None)])
+
+
+@pytest.mark.parametrize("case", ["prompt", "left padding", "cache, left padding", "official-inference"])
+def test_the_triton_path_equals_the_materialised_path(model, model64, kernels, on_cuda, case, monkeypatch):
+    tokens = tokens_for(model, length=26)
+    mask = torch.ones_like(tokens)
+    if "padding" in case:
+        mask[1, :7] = 0
+    chunks = [(0, 15), (15, 24), (24, 26)] if "cache" in case else None
+    if case == "official-inference":
+        monkeypatch.setattr(model.cfg, "window", "official-inference")
+        monkeypatch.setattr(model64.cfg, "window", "official-inference")
+    out = run(model, tokens, mask, chunks)
+    assert set(on_cuda) == {"triton"} and len(kernels.calls) == len(on_cuda)
+    windows = {call["window"] for call in kernels.calls}
+    assert windows == {None, model.cfg.window_size}  # the local layers' windows reach the kernel
+    if "padding" in case:
+        assert all(call["real"] is not None and call["real"].shape == (2, call["keys"]) for call in kernels.calls)
+    if chunks:
+        assert [call["past"] for call in kernels.calls[:: model.cfg.n_layers]] == [0, 15, 24]
+    with all_branches_hooked(model):
+        reference = run(model, tokens, mask, chunks)
+    with all_branches_hooked(model64):
+        exact = run(model64, tokens, mask, chunks)
+    assert set(on_cuda[len(kernels.calls) :]) == {"materialised"}
+    for i, (a, b, c) in enumerate(zip(out, reference, exact, strict=True)):
+        assert_as_exact_as(a, b, c, f"{case} [{i}]")
+
+
+def test_second_derivatives_on_the_triton_path_fall_back_on_the_materialised_formula(model, model64, kernels, on_cuda):
+    """The kernels' backward refuses create_graph; a Hessian-vector product still equals the materialised one."""
+    tokens = tokens_for(model, batch=1, length=12)
+    direction = torch.randn((1, 12, model.cfg.d_model), generator=torch.Generator().manual_seed(0))
+
+    def hvp(model):
+        x = model.embed(tokens).detach().requires_grad_(True)
+        loss = model(x, start_at_layer=0, tokens=tokens, return_type="loss")
+        (grad,) = torch.autograd.grad(loss, x, create_graph=True)
+        (second,) = torch.autograd.grad((grad * direction.to(x.dtype)).sum(), x)
+        return second
+
+    with pytest.raises(RuntimeError, match="no second derivatives"):  # the stand-in kernel alone refuses
+        q = torch.randn(1, 4, 2, 3, requires_grad=True)
+        z = kernels.fused_dcmha(q, q, q, None, None, window=None, official=False)
+        torch.autograd.grad(torch.autograd.grad(z.sum(), q, create_graph=True)[0].sum(), q)
+    out = hvp(model)
+    assert set(on_cuda) == {"triton"}
+    with all_branches_hooked(model):
+        reference = hvp(model)
+    with all_branches_hooked(model64):
+        exact = hvp(model64)
+    assert_as_exact_as(out, reference, exact, "Hessian-vector product")
+
+
+def test_a_hook_on_a_dynamic_weight_acts_on_the_triton_path(model, model64, kernels, on_cuda):
+    tokens = tokens_for(model)
+    edit = [("blocks.1.attn.pre_compose.hook_kw2", lambda x, hook: 3 * x)]
+    with torch.no_grad(), model.hooks(fwd_hooks=edit), model64.hooks(fwd_hooks=edit):
+        edited = model(tokens)
+        assert set(on_cuda) == {"triton"}
+        with all_branches_hooked(model), all_branches_hooked(model64):
+            reference, exact = model(tokens), model64(tokens)
+    assert_as_exact_as(edited, reference, exact, "logits")
+    with torch.no_grad():
+        assert (model(tokens) - edited).abs().max() > 1e-3  # the edit did something
+
+
+# Plain MHA by scaled_dot_product_attention.
+
+
+@pytest.fixture(scope="module")
+def mha_models():
+    """A plain-MHA model per window layout, and its float64 copy."""
+    out = {}
+    for name, window in {"global": {}, "windows": dict(window_type="LG", window_size=5)}.items():
+        torch.manual_seed(0)
+        cfg = DCFormerConfig(
+            n_layers=2, d_model=32, n_heads=4, d_head=8, d_mlp=64, d_vocab=50, n_ctx=64, use_dcmha=False, **window
+        )
+        model = HookedDCFormer(cfg).eval().requires_grad_(False)
+        out[name] = (model, float64_copy(model))
+    return out
+
+
+def pattern_hooked(model):
+    return model.hooks(fwd_hooks=[(lambda name: name.endswith("hook_pattern"), lambda x, hook: None)])
+
+
+@pytest.mark.parametrize("layout", ["global", "windows", "windows, official-inference"])
+@pytest.mark.parametrize("case", ["prompt", "left padding", "cache", "cache, left padding"])
+def test_plain_mha_by_sdpa_equals_the_einsum_path(mha_models, layout, case, paths, monkeypatch):
+    model, model64 = mha_models[layout.split(",")[0]]
+    if "official" in layout:
+        monkeypatch.setattr(model.cfg, "window", "official-inference")
+        monkeypatch.setattr(model64.cfg, "window", "official-inference")
+    tokens = tokens_for(model, length=19)
+    mask = torch.ones_like(tokens)
+    if "padding" in case:
+        mask[0, :6] = 0
+    chunks = [(0, 8), (8, 18), (18, 19)] if "cache" in case else None
+    out = run(model, tokens, mask, chunks)
+    calls = len(paths)
+    with pattern_hooked(model):
+        reference = run(model, tokens, mask, chunks)
+    with pattern_hooked(model64):
+        exact = run(model64, tokens, mask, chunks)
+    assert paths == ["sdpa"] * calls + ["materialised"] * 2 * calls
+    for i, (a, b, c) in enumerate(zip(out, reference, exact, strict=True)):
+        assert_as_exact_as(a, b, c, f"{layout}, {case} [{i}]")
