@@ -41,6 +41,13 @@ With 0 the compose starts at the official random initialisation and trains from 
 OV transformation) combinations out of the training corpus, for the held-out composition study (paper
 Sec. 4.3); every pattern and transformation must still occur in another task.
 
+Runs for a study. `--seeds 0-4` (or `0,2,5`) trains each seed's DCMHA model and its MHA twin into
+`<out>/seed<N>/<name>/`, the twins paired (same data order, same initial shared weights). Each run writes
+`checkpoint.pt` every `--checkpoint-every` (`5m`, `300s`, or steps: `500`; written to a temporary file and renamed)
+and on Ctrl-C, SIGTERM, `--max-minutes` or `--stop-after`; `--resume` continues from it bit for bit (weights,
+AdamW state, schedule position, data stream, every random state). `python -m dcinterp.train summarize RUNS_DIR`
+writes the folder's table with the paired differences (`dcinterp.study`).
+
 Optimiser as in the paper's App. C: AdamW (beta 0.9, 0.95), weight decay 0.1 (on matrices, not on norms and
 biases), gradient clipping 1.0, linear warmup over 1% of the steps and cosine decay to 10% of the peak rate.
 """
