@@ -620,7 +620,9 @@ def train(
 
     show_bar = progress and sys.stderr.isatty()
     bar = tqdm(total=cfg.steps, initial=done.step, desc=f"train {cfg.arch}", disable=not show_bar, dynamic_ncols=True)
-    log = open(log_file, "a") if log_file else None
+    log = open(log_file, "w" if resume else "a") if log_file else None
+    if log and resume:  # the log of the run so far, without the steps since the checkpoint that will be run again
+        log.writelines(json.dumps(entry) + "\n" for entry in done.history)
     session_start = last_checkpoint = time.time()
 
     def wall_time() -> float:

@@ -74,21 +74,30 @@ def assert_same_run(model, recipe, reference_model, reference_recipe) -> None:
 @pytest.fixture(scope="module")
 def never_stopped(tmp_path_factory):
     out = tmp_path_factory.mktemp("never_stopped")
-    model, recipe = train(STATEFUL, out_dir=out, progress=False, evaluate_after=False)
+    model, recipe = train(STATEFUL, out_dir=out, progress=False, evaluate_after=False, log_file=out / "log.jsonl")
     assert not (out / CHECKPOINT_FILE).exists()  # a finished run removes its checkpoint
+    recipe["log"] = (out / "log.jsonl").read_text()
     return model, recipe
 
 
+def logged(text: str) -> list[dict]:
+    return without_times([json.loads(line) for line in text.splitlines()])
+
+
 def test_a_run_stopped_twice_and_resumed_is_the_run_that_never_stopped(tmp_path, never_stopped):
-    _, stopped = train(STATEFUL, out_dir=tmp_path, progress=False, evaluate_after=False, stop_after=3)
+    log = tmp_path / "log.jsonl"
+    _, stopped = train(STATEFUL, out_dir=tmp_path, progress=False, evaluate_after=False, stop_after=3, log_file=log)
     assert stopped["stopped_early"] and stopped["steps"] == 3 and (tmp_path / CHECKPOINT_FILE).exists()
     assert "accuracy" not in stopped and json.loads((tmp_path / "recipe.json").read_text())["steps"] == 3
     scramble_global_random_states()
-    _, again = train(STATEFUL, out_dir=tmp_path, progress=False, evaluate_after=False, resume=True, stop_after=5)
+    _, again = train(
+        STATEFUL, out_dir=tmp_path, progress=False, evaluate_after=False, resume=True, stop_after=5, log_file=log
+    )
     assert again["steps"] == 5 and again["resumed_at"] == [3]
     scramble_global_random_states()
-    model, recipe = train(STATEFUL, out_dir=tmp_path, progress=False, evaluate_after=False, resume=True)
+    model, recipe = train(STATEFUL, out_dir=tmp_path, progress=False, evaluate_after=False, resume=True, log_file=log)
     assert recipe["resumed_at"] == [3, 5] and not recipe["stopped_early"]
+    assert logged(log.read_text()) == logged(never_stopped[1]["log"])
     assert not (tmp_path / CHECKPOINT_FILE).exists()
     assert_same_run(model, recipe, *never_stopped)
     assert recipe["steps"] == 8 and len(recipe["history"]) == 8
@@ -109,11 +118,22 @@ def test_a_run_killed_between_checkpoints_resumes_from_the_last_one(tmp_path, mo
         return draw(self)
 
     monkeypatch.setattr(train_module.Batcher, "__next__", dies_at_the_fifth_draw)
+    log = tmp_path / "log.jsonl"
     with pytest.raises(RuntimeError, match="killed"):
-        train(STATEFUL, out_dir=tmp_path, progress=False, evaluate_after=False, checkpoint_every="2", resume=True)
+        train(
+            STATEFUL,
+            out_dir=tmp_path,
+            progress=False,
+            evaluate_after=False,
+            checkpoint_every="2",
+            resume=True,
+            log_file=log,
+        )
     monkeypatch.setattr(train_module.Batcher, "__next__", draw)
     assert torch.load(tmp_path / CHECKPOINT_FILE, weights_only=True)["progress"]["step"] == 4
-    model, recipe = train(STATEFUL, out_dir=tmp_path, progress=False, evaluate_after=False, resume=True)
+    assert len(log.read_text().splitlines()) == 5  # step 5 was logged, and is lost with the process
+    model, recipe = train(STATEFUL, out_dir=tmp_path, progress=False, evaluate_after=False, resume=True, log_file=log)
+    assert logged(log.read_text()) == logged(never_stopped[1]["log"])  # the log without step 5 twice
     assert recipe["resumed_at"] == [1, 4]
     assert_same_run(model, recipe, *never_stopped)
 
