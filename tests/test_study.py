@@ -139,3 +139,19 @@ def test_summarize_cli_writes_the_csv_and_markdown(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "| released | qk_pattern | matching-person |" in out and "paired seeds: 0, 1, 2" in out
     assert (tmp_path / "summary.csv").exists() and (tmp_path / "summary.md").read_text().strip() == out.strip()
+
+
+def test_summarize_help_is_fast():
+    """Like `python -m dcinterp.train --help` (tests/test_cli.py): no torch to import for the table."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; from dcinterp.train import main\n"
+        "try:\n    main(['summarize', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+        "print('torch' in sys.modules)"
+    )
+    repo = Path(__file__).parents[1]
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=repo, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "RUNS_DIR" in result.stdout and result.stdout.strip().splitlines()[-1] == "False"
