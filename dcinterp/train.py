@@ -997,7 +997,10 @@ class Run:
     cfg: TrainConfig
     out_dir: Path
     name: str
-    state: str = "new"  # "new", "stopped" (a checkpoint to continue) or "finished" (a recipe.json, no checkpoint)
+    # "new", "stopped" (a checkpoint to continue), "finished" (a recipe.json, no checkpoint), or "other" (the
+    # recipe.json of a run with other settings, which --resume does not overwrite: the mismatch says which)
+    state: str = "new"
+    mismatch: str | None = None
 
 
 def plan_runs(args: argparse.Namespace, arches, task_ids, focus_ids) -> list[Run]:
@@ -1009,19 +1012,26 @@ def plan_runs(args: argparse.Namespace, arches, task_ids, focus_ids) -> list[Run
             name = ARCH_NAMES[arch] + args.name_suffix
             out_dir = Path(args.out) / (f"seed{seed}" if args.seeds is not None else "") / name
             cfg = dataclasses.replace(config_from_args(args, arch, task_ids, focus_ids), seed=seed)
-            runs.append(Run(cfg, out_dir, name, run_state(cfg, out_dir)))
+            runs.append(Run(cfg, out_dir, name, *run_state(cfg, out_dir)))
     return runs
 
 
-def run_state(cfg: TrainConfig, out_dir: Path) -> str:
+def run_state(cfg: TrainConfig, out_dir: Path) -> tuple[str, str | None]:
+    """(Run.state, Run.mismatch) of the run `cfg` describes, from what its folder holds."""
     if (out_dir / CHECKPOINT_FILE).exists():
-        return "stopped"
+        return "stopped", None
     recipe_path = out_dir / "recipe.json"
     if recipe_path.exists():
-        recipe = json.loads(recipe_path.read_text())
-        if not recipe.get("stopped_early") and config_mismatch(recipe.get("train_config", {}), cfg) is None:
-            return "finished"
-    return "new"
+        try:
+            recipe = json.loads(recipe_path.read_text())
+        except json.JSONDecodeError as e:
+            return "other", f"{recipe_path} is not readable JSON ({e})"
+        mismatch = config_mismatch(recipe.get("train_config", {}), cfg)
+        if mismatch:
+            return "other", f"{recipe_path} is another run's: {mismatch}"
+        if not recipe.get("stopped_early"):
+            return "finished", None
+    return "new", None
 
 
 def check_resumable(runs: list[Run], resume: bool) -> None:
@@ -1038,6 +1048,8 @@ def check_resumable(runs: list[Run], resume: bool) -> None:
     for run in runs:
         if run.state == "stopped":
             load_checkpoint(run.out_dir / CHECKPOINT_FILE, run.cfg)
+        elif run.state == "other":
+            raise ResumeError(f"--resume: {run.mismatch}")
     if all(run.state == "new" for run in runs):
         where = runs[0].out_dir / CHECKPOINT_FILE
         raise ResumeError(

@@ -236,6 +236,9 @@ def test_resume_of_another_recipe_names_the_file_and_the_setting(capsys, tmp_pat
     torch.save({"step": 2}, checkpoint)
     err = one_line_error(capsys, [*TINY_CLI, "--arch", "mha", "--out", str(tmp_path), "--resume"])
     assert f"{checkpoint} is not a dcinterp.train checkpoint" in err
+    checkpoint.unlink()  # left: the recipe.json of the stopped run; --resume does not start over another run's
+    err = one_line_error(capsys, [*TINY_CLI, "--arch", "mha", "--out", str(tmp_path), "--resume", "--lr", "1e-3"])
+    assert f"{tmp_path / 'pythia-synth' / 'recipe.json'} is another run's: it was written with lr=0.003" in err
 
 
 def test_seeds_put_each_pair_of_twins_in_its_own_folder_and_resume_continues_the_sweep(capsys, tmp_path):
