@@ -130,9 +130,10 @@ def summary_table(runs: list[RunResult], level: float = 0.95, n_resamples: int =
     """One row per (eval_set, measure, group); see the module's docstring for the columns."""
     by_arch = {arch: {run.seed: run for run in runs if run.arch == arch} for arch in ARCHES}
     seeds = sorted({run.seed for run in runs})
+    eval_sets = list(dict.fromkeys(eval_set for run in runs for eval_set in run.accuracy))  # as the recipes list them
     rows_index = sorted(
         {(eval_set, *key) for run in runs for eval_set, values in run.accuracy.items() for key in values},
-        key=lambda row: (row[0], MEASURES.index(row[1]), row[2]),
+        key=lambda row: (eval_sets.index(row[0]), MEASURES.index(row[1]), row[2]),
     )
     rows = []
     for eval_set, measure, group in rows_index:
