@@ -39,7 +39,7 @@ from .cli import Parser
 
 ARCHES = ("dcmha", "mha")
 MEASURES = ("overall", "qk_pattern", "ov_transformation", "held_out_combos")
-SEED_KEYS = ("seed", "arch", "threads", "max_minutes")  # train_config keys that may differ within a study
+MAY_DIFFER = ("seed", "arch", "threads", "max_minutes", "log_every", "eval_every")  # in one study: not what is learned
 
 
 @dataclass
@@ -95,8 +95,8 @@ def read_runs(runs_dir: Path) -> tuple[list[RunResult], list[str]]:
 
 
 def check_one_recipe(runs: list[RunResult]) -> None:
-    """Every run of the folder trained with the same settings but its seed and architecture (and how many threads
-    ran it), and no seed has two runs of one architecture: else the pairs would compare more than the architecture."""
+    """Every run of the folder trained with the same settings but those of MAY_DIFFER, and no seed has two runs of
+    one architecture: else the pairs would compare more than the architecture."""
     seen: dict[tuple[str, int], Path] = {}
     for run in runs:
         if (run.arch, run.seed) in seen:
@@ -106,7 +106,7 @@ def check_one_recipe(runs: list[RunResult]) -> None:
         seen[run.arch, run.seed] = run.path
         first = runs[0]
         for key in sorted(set(run.config) | set(first.config)):
-            if key not in SEED_KEYS and run.config.get(key) != first.config.get(key):
+            if key not in MAY_DIFFER and run.config.get(key) != first.config.get(key):
                 raise ValueError(
                     f"{run.path}: train_config {key}={run.config.get(key)!r}, but {first.path} has "
                     f"{first.config.get(key)!r}: summarize one recipe's runs at a time"
