@@ -41,6 +41,13 @@ With 0 the compose starts at the official random initialisation and trains from 
 OV transformation) combinations out of the training corpus, for the held-out composition study (paper
 Sec. 4.3); every pattern and transformation must still occur in another task.
 
+Runs for a study. `--seeds 0-4` (or `0,2,5`) trains each seed's DCMHA model and its MHA twin into
+`<out>/seed<N>/<name>/`, the twins paired (same data order, same initial shared weights). Each run writes
+`checkpoint.pt` every `--checkpoint-every` (`5m`, `300s`, or steps: `500`; written to a temporary file and renamed)
+and on Ctrl-C, SIGTERM, `--max-minutes` or `--stop-after`; `--resume` continues from it bit for bit (weights,
+AdamW state, schedule position, data stream, every random state). `python -m dcinterp.train summarize RUNS_DIR`
+writes the folder's table with the paired differences (`dcinterp.study`).
+
 Optimiser as in the paper's App. C: AdamW (beta 0.9, 0.95), weight decay 0.1 (on matrices, not on norms and
 biases), gradient clipping 1.0, linear warmup over 1% of the steps and cosine decay to 10% of the peak rate.
 """
@@ -51,11 +58,15 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import random
 import shlex
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -123,6 +134,7 @@ class TrainConfig:
     compose_from: float = 0.25  # DCMHA: the compose is the identity (trains as its MHA twin) until this fraction
     bucket_batches: int = 8  # batches drawn at once and grouped by sample length (less padding, less T^2)
     threads: int = 1  # one thread: on a shared 2-core machine two OpenMP threads spin-wait and run slower
+    compile: bool = False  # torch.compile the model: minutes of compilation, then faster steps (docs/training.md)
     max_minutes: float | None = None  # stop early (and say so in the recipe) when the wall time runs out
     log_every: int = 25
     eval_every: int = 0  # every N steps, log the accuracy on a small generated set of the training tasks
@@ -252,32 +264,59 @@ def compact_share_at(step: int, cfg: TrainConfig) -> float:
     return max(0.0, 1.0 - step / end) if end > 0 else 0.0
 
 
-def sample_stream(
-    cfg: TrainConfig,
-    task_ids: list[str] | None,
-    rng: random.Random,
-    compact_share: Callable[[], float] = lambda: 0.0,
-    focus: Callable[[], bool] = lambda: False,
-) -> Iterator[tuple]:
+class SampleStream:
     """(unbracketed sample, answer spans) forever: generator seeds 1000 + 100000 * seed + k, chunks shuffled.
 
     Each sample is written with compact facts with probability `compact_share()` (the same lines, see
     `compact_catalog`), else in the released format. While `focus()`, the samples are of `cfg.focus_tasks` only
-    (if there are any)."""
-    released, compact = load_catalog(), None
-    k = 0
-    while True:
-        seed = TRAIN_SEED_BASE + 100_000 * cfg.seed + k
-        ids = list(cfg.focus_tasks) if cfg.focus_tasks and focus() else task_ids
-        records = generate(seed, cfg.samples_per_task, ids, lines=cfg.lines, catalog=released)
-        if compact_share() > 0:
-            compact = compact or compact_catalog(released)
-            short = generate(seed, cfg.samples_per_task, ids, lines=cfg.lines, catalog=compact)
-            records = [s if rng.random() < compact_share() else r for r, s in zip(records, short, strict=True)]
+    (if there are any). A chunk (one generation seed) is drawn when the previous one is used up. Where the stream
+    stands is `state_dict()`: the next generation seed and the samples of the current chunk not yet drawn; `rng`
+    is the caller's and saved by it."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        task_ids: list[str] | None,
+        rng: random.Random,
+        compact_share: Callable[[], float] = lambda: 0.0,
+        focus: Callable[[], bool] = lambda: False,
+    ):
+        self.cfg, self.task_ids, self.rng = cfg, task_ids, rng
+        self.compact_share, self.focus = compact_share, focus
+        self.released, self.compact = load_catalog(), None
+        self.next_chunk = 0  # k of the next generation seed
+        self.pending: list[tuple[str, list[tuple[int, int]]]] = []  # the current chunk, last to draw first
+
+    def __iter__(self) -> SampleStream:
+        return self
+
+    def __next__(self) -> tuple[str, list[tuple[int, int]]]:
+        if not self.pending:
+            self.pending = self._chunk()[::-1]
+            self.next_chunk += 1
+        return self.pending.pop()
+
+    def _chunk(self) -> list[tuple[str, list[tuple[int, int]]]]:
+        cfg = self.cfg
+        seed = TRAIN_SEED_BASE + 100_000 * cfg.seed + self.next_chunk
+        ids = list(cfg.focus_tasks) if cfg.focus_tasks and self.focus() else self.task_ids
+        records = generate(seed, cfg.samples_per_task, ids, lines=cfg.lines, catalog=self.released)
+        if self.compact_share() > 0:
+            self.compact = self.compact or compact_catalog(self.released)
+            short = generate(seed, cfg.samples_per_task, ids, lines=cfg.lines, catalog=self.compact)
+            records = [
+                s if self.rng.random() < self.compact_share() else r for r, s in zip(records, short, strict=True)
+            ]
         texts = [unbracket_spans(r["texts"]) for r in records]
-        rng.shuffle(texts)
-        yield from texts
-        k += 1
+        self.rng.shuffle(texts)
+        return texts
+
+    def state_dict(self) -> dict:
+        return {"next_chunk": self.next_chunk, "pending": list(self.pending)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_chunk = state["next_chunk"]
+        self.pending = [(text, [tuple(span) for span in spans]) for text, spans in state["pending"]]
 
 
 class Batcher:
@@ -289,7 +328,8 @@ class Batcher:
     def __init__(self, tokenizer, samples: Iterable[str], cfg: TrainConfig, rng: random.Random):
         self.tok, self.samples, self.cfg, self.rng = tokenizer, iter(samples), cfg, rng
         self.knowledge = [self.tok(s + "\n")["input_ids"] for s in knowledge_sentences()]
-        self.order: list[int] = []
+        self.order: list[int] = []  # knowledge sentences still to use in this cycle, last first
+        self.pending: list[list[tuple[list[int], list[bool]]]] = []  # encoded batches still to return, last first
 
     def _knowledge_ids(self, n: int) -> list[int]:
         out: list[int] = []
@@ -320,7 +360,7 @@ class Batcher:
         """(tokens [batch, pos], answer mask [batch, pos]: the token is an answer token)."""
         import torch
 
-        if not getattr(self, "pending", None):
+        if not self.pending:
             self._refill()
         rows = self.pending.pop()
         m = self.cfg.pad_multiple
@@ -331,6 +371,13 @@ class Batcher:
 
     def __iter__(self):
         return self
+
+    def state_dict(self) -> dict:
+        return {"order": list(self.order), "pending": [list(batch) for batch in self.pending]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.order = list(state["order"])
+        self.pending = [[(list(ids), list(answer)) for ids, answer in batch] for batch in state["pending"]]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -354,21 +401,189 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
 
 
 # --------------------------------------------------------------------------------------------------
+# Checkpoints: a run stopped and continued is the run that never stopped
+CHECKPOINT_FILE = "checkpoint.pt"
+CHECKPOINT_FORMAT = "dcinterp.train checkpoint 1"
+RUN_SETTINGS = ("max_minutes",)  # may differ when a run is continued: they say when it stops, not what it learns
+
+
+class ResumeError(ValueError):
+    """A checkpoint that cannot be continued: missing, unreadable, or written by another recipe (one line)."""
+
+
+class RunInterrupted(Exception):
+    """Ctrl-C or SIGTERM stopped the run after the step under way; the message says where its checkpoint is."""
+
+
+@dataclass
+class CheckpointEvery:
+    """How often a run writes its checkpoint: every `steps` steps, or every `seconds` of wall time."""
+
+    steps: int | None = None
+    seconds: float | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> CheckpointEvery:
+        """'500' -> every 500 steps; '300s', '5m', '1h' -> every so much wall time."""
+        units = {"s": 1, "m": 60, "h": 3600}
+        text = str(spec).strip().lower()
+        try:
+            if text[-1:] in units and float(text[:-1]) > 0:
+                return cls(seconds=float(text[:-1]) * units[text[-1]])
+            if text.isdigit() and int(text) > 0:
+                return cls(steps=int(text))
+        except ValueError:
+            pass
+        raise ValueError(f"--checkpoint-every {spec!r}: expected a number of steps (500) or a time (300s, 5m, 1h)")
+
+    def due(self, steps_done: int, seconds_since_last: float) -> bool:
+        if self.steps is not None:
+            return steps_done % self.steps == 0
+        return seconds_since_last >= self.seconds
+
+
+@dataclass
+class Progress:
+    """What a run has done so far (saved in its checkpoint)."""
+
+    step: int = 0  # steps done
+    tokens_seen: int = 0
+    losses: list[float] = dataclasses.field(default_factory=list)  # each step's mean next-token loss
+    answer_losses: list[float] = dataclasses.field(default_factory=list)  # each step's answer-token loss
+    history: list[dict] = dataclasses.field(default_factory=list)  # the log entries, every `log_every` steps
+    elapsed_s: float = 0.0  # wall time of the sessions before this one
+    resumed_at: list[int] = dataclasses.field(default_factory=list)  # the steps it was continued from
+
+
+def config_record(cfg: TrainConfig) -> dict:
+    """The TrainConfig as recipe.json and the checkpoint store it (tuples as lists)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def config_mismatch(saved: dict, cfg: TrainConfig) -> str | None:
+    """The first setting (other than RUN_SETTINGS) in which a saved train_config differs from `cfg`, in words."""
+    now = config_record(cfg)
+    for key in [*now, *(k for k in saved if k not in now)]:
+        if key in RUN_SETTINGS:
+            continue
+        if key not in saved:
+            return f"it has no train_config key {key!r} (this run: {key}={now[key]!r})"
+        if key not in now:
+            return f"its train_config key {key!r} is unknown to this version of dcinterp.train"
+        if saved[key] != now[key]:
+            return f"it was written with {key}={saved[key]!r}, this run has {key}={now[key]!r}"
+    return None
+
+
+def load_checkpoint(path: Path, cfg: TrainConfig) -> dict:
+    """The checkpoint at `path`, checked to be of the run `cfg` describes; ResumeError (one line) if not."""
+    import torch
+
+    if not path.is_file():
+        raise ResumeError(f"--resume: no checkpoint at {path}")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated or foreign file: torch's own message is many lines deep
+        raise ResumeError(f"--resume: {path} is not a readable checkpoint ({type(e).__name__})") from e
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
+        raise ResumeError(f"--resume: {path} is not a dcinterp.train checkpoint (no format {CHECKPOINT_FORMAT!r})")
+    mismatch = config_mismatch(checkpoint["train_config"], cfg)
+    if mismatch:
+        raise ResumeError(f"--resume: {path} is another run's checkpoint: {mismatch}")
+    return checkpoint
+
+
+def save_checkpoint(path: Path, checkpoint: dict) -> None:
+    """Write to a temporary file beside `path`, then rename: a checkpoint on disk is never half written."""
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "wb") as f:
+        torch.save(checkpoint, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+
+
+def random_states(data_rng: random.Random) -> dict:
+    """Every random state a run may draw from: the data's own generator, python's, numpy's and torch's."""
+    import numpy as np
+    import torch
+
+    kind, key, pos, has_gauss, cached_gaussian = np.random.get_state()
+    return {
+        "data": data_rng.getstate(),
+        "python": random.getstate(),
+        "numpy": (kind, key.tolist(), pos, has_gauss, cached_gaussian),
+        "torch": torch.get_rng_state(),
+    }
+
+
+def set_random_states(data_rng: random.Random, states: dict) -> None:
+    import numpy as np
+    import torch
+
+    data_rng.setstate(states["data"])
+    random.setstate(states["python"])
+    kind, key, pos, has_gauss, cached_gaussian = states["numpy"]
+    np.random.set_state((kind, np.array(key, dtype=np.uint32), pos, has_gauss, cached_gaussian))
+    torch.set_rng_state(states["torch"])
+
+
+@contextmanager
+def stop_requests() -> Iterator[list[str]]:
+    """Ctrl-C or SIGTERM while training: the list gets the signal's name, and the loop stops after the step under
+    way (a second Ctrl-C stops at once). Outside the main thread signals cannot be caught: the list stays empty."""
+    requested: list[str] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield requested
+        return
+
+    def handler(signum, frame):
+        if requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        requested.append(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield requested
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+# --------------------------------------------------------------------------------------------------
 # Training
 def train(
     cfg: TrainConfig,
     out_dir=None,
-    texts: Iterable[str] | None = None,
     progress: bool = True,
     log_file=None,
     command: str | None = None,
     evaluate_after: bool = True,
+    checkpoint_every: CheckpointEvery | str = "5m",
+    resume: bool = False,
+    stop_after: int | None = None,
 ) -> tuple[HookedDCFormer, dict]:
-    """Train one model; returns (model, recipe). `texts` replaces the generated corpus (for tests)."""
+    """Train one model; returns (model, recipe), and writes them to `out_dir` if given.
+
+    With `out_dir`, the run writes `out_dir/checkpoint.pt` (model, optimizer, step, every random state, where the
+    data stream stands, the loss log) every `checkpoint_every` ("500": steps; "300s", "5m": wall time), and when it
+    stops early: after `stop_after` steps in all, when `max_minutes` run out, or on Ctrl-C / SIGTERM (after the step
+    under way; then RunInterrupted is raised). `resume=True` continues from that checkpoint, and the run ends bit for
+    bit as the run that never stopped. A run that stops early writes its model and a recipe with `stopped_early`, not
+    evaluated; a finished run writes its model and recipe, evaluated, and then removes its checkpoint."""
     import torch
 
     from .model import HookedDCFormer
 
+    every = (
+        checkpoint_every if isinstance(checkpoint_every, CheckpointEvery) else CheckpointEvery.parse(checkpoint_every)
+    )
+    checkpoint_path = Path(out_dir) / CHECKPOINT_FILE if out_dir is not None else None
+    if resume and checkpoint_path is None:
+        raise ResumeError("--resume: no output directory to find the checkpoint in")
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
@@ -380,122 +595,185 @@ def train(
             model.W_U.copy_(model.W_E.T)
     compose_params = [p for name, p in model.named_parameters() if "W_dyn" in name]  # none for MHA
     opt = make_optimizer(model, cfg)
+    forward = torch.compile(model, dynamic=True) if cfg.compile else model  # compiled at the first step
     train_ids, held_ids = training_tasks(cfg)
     step_now = 0
-    samples = (
-        iter(texts)
-        if texts is not None
-        else sample_stream(
-            cfg,
-            train_ids if cfg.exclude_combos or cfg.tasks else None,
-            rng,
-            lambda: compact_share_at(step_now, cfg),
-            lambda: step_now < cfg.focus_until * cfg.steps,
-        )
+    stream = SampleStream(
+        cfg,
+        train_ids if cfg.exclude_combos or cfg.tasks else None,
+        rng,
+        lambda: compact_share_at(step_now, cfg),
+        lambda: step_now < cfg.focus_until * cfg.steps,
     )
+    batches = Batcher(tokenizer, stream, cfg, rng)
     probe = generate(EVAL_SEED, PROBE_SAMPLES_PER_TASK, train_ids) if cfg.eval_every else None
-    batches = Batcher(tokenizer, samples, cfg, rng)
-    log = open(log_file, "a") if log_file else None
+    done = Progress()
+    if resume:
+        checkpoint = load_checkpoint(checkpoint_path, cfg)
+        model.load_state_dict(checkpoint["model"])
+        opt.load_state_dict(checkpoint["optimizer"])
+        stream.load_state_dict(checkpoint["data"]["stream"])
+        batches.load_state_dict(checkpoint["data"]["batcher"])
+        set_random_states(rng, checkpoint["random"])
+        done = Progress(**checkpoint["progress"])
+        done.resumed_at.append(done.step)
 
     from tqdm.auto import tqdm
 
-    bar = tqdm(range(cfg.steps), desc=f"train {cfg.arch}", disable=not progress, dynamic_ncols=True)
-    start = time.time()
-    tokens_seen, losses, history, steps_done, stopped_early = 0, [], [], 0, False
+    show_bar = progress and sys.stderr.isatty()
+    bar = tqdm(total=cfg.steps, initial=done.step, desc=f"train {cfg.arch}", disable=not show_bar, dynamic_ncols=True)
+    log = open(log_file, "w" if resume else "a") if log_file else None
+    if log and resume:  # the log of the run so far, without the steps since the checkpoint that will be run again
+        log.writelines(json.dumps(entry) + "\n" for entry in done.history)
+    session_start = last_checkpoint = time.time()
+
+    def wall_time() -> float:
+        return done.elapsed_s + time.time() - session_start
+
+    def write_checkpoint() -> None:
+        save_checkpoint(
+            checkpoint_path,
+            {
+                "format": CHECKPOINT_FORMAT,
+                "train_config": config_record(cfg),
+                "progress": dataclasses.asdict(dataclasses.replace(done, elapsed_s=wall_time())),
+                "model": model.state_dict(),
+                "optimizer": opt.state_dict(),
+                "data": {"stream": stream.state_dict(), "batcher": batches.state_dict()},
+                "random": random_states(rng),
+            },
+        )
+
+    stopped_by = None  # why the run stopped before cfg.steps
     model.train()
-    answer_losses: list[float] = []
-    for step in bar:
-        step_now = step
-        compose_trains = step >= cfg.compose_from * cfg.steps
-        for p in compose_params:  # a parameter without a gradient is left alone by AdamW (no decay)
-            p.requires_grad_(compose_trains)
-        x, answer = next(batches)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        per_token = model(x, return_type="loss", loss_per_token=True)  # [batch, pos - 1], predicts x[:, 1:]
-        is_answer = answer[:, 1:].to(per_token.dtype)
-        weights = 1.0 + cfg.answer_weight * is_answer
-        loss = (per_token * weights).sum() / weights.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        tokens_seen += x.numel()
-        with torch.no_grad():
-            losses.append(per_token.mean().item())
-            if is_answer.sum() > 0:
-                answer_losses.append(((per_token * is_answer).sum() / is_answer.sum()).item())
-        steps_done = step + 1
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr_at(step, cfg):.2e}")
-        if steps_done % cfg.log_every == 0 or steps_done == cfg.steps:
-            recent = sum(losses[-cfg.log_every :]) / len(losses[-cfg.log_every :])
-            entry = {
-                "step": steps_done,
-                "loss": round(recent, 4),
-                "lr": lr_at(step, cfg),
-                "tokens": tokens_seen,
-                "elapsed_s": round(time.time() - start, 1),
-            }
-            if answer_losses:
-                tail_a = answer_losses[-cfg.log_every :]
-                entry["answer_loss"] = round(sum(tail_a) / len(tail_a), 4)
-            if probe is not None and steps_done % cfg.eval_every == 0:
-                entry["eval_accuracy"] = probe_accuracy(model, probe)
-            history.append(entry)
-            if log:
-                log.write(json.dumps(entry) + "\n")
-                log.flush()
-        if cfg.max_minutes is not None and time.time() - start > 60 * cfg.max_minutes and steps_done < cfg.steps:
-            stopped_early = True
-            break
+    with stop_requests() as signals:
+        for step in range(done.step, cfg.steps):
+            step_now = step
+            compose_trains = step >= cfg.compose_from * cfg.steps
+            for p in compose_params:  # a parameter without a gradient is left alone by AdamW (no decay)
+                p.requires_grad_(compose_trains)
+            x, answer = next(batches)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            per_token = forward(x, return_type="loss", loss_per_token=True)  # [batch, pos - 1], predicts x[:, 1:]
+            is_answer = answer[:, 1:].to(per_token.dtype)
+            weights = 1.0 + cfg.answer_weight * is_answer
+            loss = (per_token * weights).sum() / weights.sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            done.tokens_seen += x.numel()
+            with torch.no_grad():
+                done.losses.append(per_token.mean().item())
+                if is_answer.sum() > 0:
+                    done.answer_losses.append(((per_token * is_answer).sum() / is_answer.sum()).item())
+            done.step = step + 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{done.losses[-1]:.3f}", lr=f"{lr_at(step, cfg):.2e}")
+            if done.step % cfg.log_every == 0 or done.step == cfg.steps:
+                entry = log_entry(done, cfg, lr_at(step, cfg), wall_time())
+                if probe is not None and done.step % cfg.eval_every == 0:
+                    entry["eval_accuracy"] = probe_accuracy(model, probe)
+                done.history.append(entry)
+                if log:
+                    log.write(json.dumps(entry) + "\n")
+                    log.flush()
+            if done.step < cfg.steps:
+                if signals:
+                    stopped_by = f"stopped by {signals[0]}"
+                elif stop_after is not None and done.step >= stop_after:
+                    stopped_by = f"stopped after {done.step} steps (stop_after)"
+                elif cfg.max_minutes is not None and time.time() - session_start > 60 * cfg.max_minutes:
+                    stopped_by = f"stopped after {cfg.max_minutes} minutes (max_minutes)"
+            if checkpoint_path is not None and (stopped_by or every.due(done.step, time.time() - last_checkpoint)):
+                if done.step < cfg.steps:
+                    write_checkpoint()
+                    last_checkpoint = time.time()
+            if stopped_by:
+                break
     bar.close()
-    wall = time.time() - start
+    if log:
+        log.close()
+    if signals and stopped_by:
+        raise RunInterrupted(
+            f"{stopped_by} at step {done.step} of {cfg.steps}"
+            + (f"; checkpoint {checkpoint_path}: continue with --resume" if checkpoint_path else "")
+        )
     model.eval()
-    tail = losses[-min(len(losses), cfg.log_every) :]
-    last_k = (steps_done * cfg.batch_size) // max(1, len(train_ids) * cfg.samples_per_task)  # seeds drawn
-    recipe = {
-        "name": cfg.model_config(len(tokenizer)).model_name,
+    recipe = make_recipe(model, cfg, done, wall_time(), command, stopped_by, train_ids, held_ids)
+    if evaluate_after and not stopped_by:
+        recipe["accuracy"] = accuracy_report(model, held_ids)
+    if out_dir is not None:
+        save(model, recipe, out_dir)
+        if not stopped_by and checkpoint_path.exists():
+            checkpoint_path.unlink()
+    return model, recipe
+
+
+def log_entry(done: Progress, cfg: TrainConfig, lr: float, wall_time: float) -> dict:
+    """The log line of the last `log_every` steps: mean loss (and answer loss), learning rate, tokens, time."""
+    recent = done.losses[-cfg.log_every :]
+    entry = {
+        "step": done.step,
+        "loss": round(sum(recent) / len(recent), 4),
+        "lr": lr,
+        "tokens": done.tokens_seen,
+        "elapsed_s": round(wall_time, 1),
+    }
+    if done.answer_losses:
+        tail = done.answer_losses[-cfg.log_every :]
+        entry["answer_loss"] = round(sum(tail) / len(tail), 4)
+    return entry
+
+
+def make_recipe(model, cfg, done: Progress, wall_time, command, stopped_by, train_ids, held_ids) -> dict:
+    import torch
+
+    tail = done.losses[-min(len(done.losses), cfg.log_every) :]
+    answer_tail = done.answer_losses[-len(tail) :]
+    last_k = (done.step * cfg.batch_size) // max(1, len(train_ids) * cfg.samples_per_task)  # seeds drawn
+    return {
+        "name": cfg.model_config(len(model.tokenizer)).model_name,
         "command": command,
         "seed": cfg.seed,
-        "steps": steps_done,
+        "steps": done.step,
         "steps_planned": cfg.steps,
-        "stopped_early": stopped_early,
-        "tokens_seen": tokens_seen,
-        "final_loss": round(sum(tail) / len(tail), 4),
+        "stopped_early": stopped_by is not None,
+        **({"stopped_by": stopped_by} if stopped_by else {}),
+        "resumed_at": done.resumed_at,
+        "tokens_seen": done.tokens_seen,
+        "final_loss": round(sum(tail) / len(tail), 4) if tail else None,
         "final_loss_note": f"mean next-token loss (all tokens, unweighted) over the last {len(tail)} steps",
-        "final_answer_loss": round(sum(answer_losses[-len(tail) :]) / len(answer_losses[-len(tail) :]), 4)
-        if answer_losses
-        else None,
-        "first_loss": round(losses[0], 4),
-        "wall_time_s": round(wall, 1),
+        "final_answer_loss": round(sum(answer_tail) / len(answer_tail), 4) if answer_tail else None,
+        "first_loss": round(done.losses[0], 4) if done.losses else None,
+        "wall_time_s": round(wall_time, 1),
         "torch_version": torch.__version__,
         "threads": cfg.threads,
         "n_params": sum(p.numel() for p in model.parameters()),
-        "train_config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()},
+        "train_config": config_record(cfg),
         "data": {
-            "generation_seeds": f"{TRAIN_SEED_BASE + 100_000 * cfg.seed} + k, k = 0..{last_k}"
-            if texts is None
-            else "texts given by the caller",
+            "generation_seeds": f"{TRAIN_SEED_BASE + 100_000 * cfg.seed} + k, k = 0..{last_k}",
             "train_tasks": len(train_ids),
             "tasks": list(cfg.tasks) or "all",
             "excluded_combos": [f"{a}:{b}" for a, b in parse_combos(cfg.exclude_combos)],
             "held_out_tasks": held_ids,
         },
-        "history": history,
+        "history": done.history,
     }
-    if log:
-        log.close()
-    if evaluate_after and texts is None:
-        recipe["accuracy"] = accuracy_report(model, held_ids)
-    if out_dir is not None:
-        save(model, recipe, out_dir)
-    return model, recipe
 
 
 def save(model: HookedDCFormer, recipe: dict, out_dir) -> None:
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
-    (out_dir / "recipe.json").write_text(json.dumps(recipe, indent=2) + "\n")
+    write_recipe(recipe, out_dir)
+
+
+def write_recipe(recipe: dict, out_dir: Path) -> None:
+    """recipe.json, written to a temporary file and renamed (never half written)."""
+    partial = Path(out_dir) / "recipe.json.partial"
+    partial.write_text(json.dumps(recipe, indent=2) + "\n")
+    os.replace(partial, Path(out_dir) / "recipe.json")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -564,7 +842,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="runs", help="directory; each model goes to OUT/<name>")
     p.add_argument("--name-suffix", default="", help="appended to the model names, e.g. '-heldout'")
     p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="one run per architecture, to OUT/<name>")
+    p.add_argument(
+        "--seeds",
+        default=None,
+        help="several seeds, '0-4' or '0,2,5': each to OUT/seed<N>/<name>, the twins of a seed paired "
+        "(same data order, same initial shared weights)",
+    )
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--warmup-frac", type=float, default=d.warmup_frac)
@@ -627,6 +911,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         f"{PROBE_SAMPLES_PER_TASK} samples per training task) every N steps",
     )
     p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model: about 10 minutes of compilation on a busy 2-core CPU, then steps about a "
+        "quarter faster; pays for runs of thousands of steps (the float results differ slightly from eager)",
+    )
     p.add_argument("--max-minutes", type=float, default=None)
     p.add_argument("--no-eval", action="store_true", help="skip the accuracy evaluation after training")
     p.add_argument(
@@ -635,7 +925,26 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="do not train: evaluate OUT/<name> and write the accuracies into its recipe.json",
     )
     p.add_argument("--log-dir", default=None, help="write a JSON-lines loss log per model here")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--checkpoint-every",
+        default="5m",
+        help="write OUT/.../checkpoint.pt every N steps ('500') or so much wall time ('300s', '5m', '1h'); "
+        "default %(default)s",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue each run from its checkpoint (bit for bit the run that never stopped); runs already "
+        "finished are skipped, runs not yet started start",
+    )
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="stop each run after this many steps in all, with a checkpoint (--resume continues it)",
+    )
+    p.add_argument("--quiet", "--no-progress", action="store_true", help="no progress bar (none without a terminal)")
     return p.parse_args(argv)
 
 
@@ -666,6 +975,7 @@ def config_from_args(args: argparse.Namespace, arch: str, task_ids: list[str], f
         tasks=tuple(task_ids),
         eval_every=args.eval_every,
         threads=args.threads,
+        compile=args.compile,
         max_minutes=args.max_minutes,
     )
 
@@ -675,9 +985,98 @@ def usage_error(message: str) -> NoReturn:
     sys.exit(2)
 
 
+def parse_seeds(spec: str) -> list[int]:
+    """'0-4' -> [0, 1, 2, 3, 4]; '0,2,5' -> [0, 2, 5]; '0-2,7' -> [0, 1, 2, 7]."""
+    seeds: list[int] = []
+    for part in spec.split(","):
+        first, dash, last = part.strip().partition("-")
+        last = last if dash else first
+        if not first.isdigit() or not last.isdigit() or int(last) < int(first):
+            raise ValueError(f"--seeds {spec!r}: expected seeds like '0-4' or '0,2,5' (got {part.strip()!r})")
+        seeds.extend(range(int(first), int(last) + 1))
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds {spec!r}: a seed is named twice")
+    return seeds
+
+
+@dataclass
+class Run:
+    """One model of a sweep: its settings, its folder, and what `--resume` finds there."""
+
+    cfg: TrainConfig
+    out_dir: Path
+    name: str
+    # "new", "stopped" (a checkpoint to continue), "finished" (a recipe.json, no checkpoint), or "other" (the
+    # recipe.json of a run with other settings, which --resume does not overwrite: the mismatch says which)
+    state: str = "new"
+    mismatch: str | None = None
+
+
+def plan_runs(args: argparse.Namespace, arches, task_ids, focus_ids) -> list[Run]:
+    """The runs of the command, seed by seed (DCMHA, then its MHA twin), each with its state on disk."""
+    seeds = parse_seeds(args.seeds) if args.seeds is not None else [args.seed]
+    runs = []
+    for seed in seeds:
+        for arch in arches:
+            name = ARCH_NAMES[arch] + args.name_suffix
+            out_dir = Path(args.out) / (f"seed{seed}" if args.seeds is not None else "") / name
+            cfg = dataclasses.replace(config_from_args(args, arch, task_ids, focus_ids), seed=seed)
+            runs.append(Run(cfg, out_dir, name, *run_state(cfg, out_dir)))
+    return runs
+
+
+def run_state(cfg: TrainConfig, out_dir: Path) -> tuple[str, str | None]:
+    """(Run.state, Run.mismatch) of the run `cfg` describes, from what its folder holds."""
+    if (out_dir / CHECKPOINT_FILE).exists():
+        return "stopped", None
+    recipe_path = out_dir / "recipe.json"
+    if recipe_path.exists():
+        try:
+            recipe = json.loads(recipe_path.read_text())
+        except json.JSONDecodeError as e:
+            return "other", f"{recipe_path} is not readable JSON ({e})"
+        mismatch = config_mismatch(recipe.get("train_config", {}), cfg)
+        if mismatch:
+            return "other", f"{recipe_path} is another run's: {mismatch}"
+        if not recipe.get("stopped_early"):
+            return "finished", None
+    return "new", None
+
+
+def check_resumable(runs: list[Run], resume: bool) -> None:
+    """With --resume: every checkpoint is of its run, and there is at least one checkpoint or finished run.
+    Without: no run would start over a stopped run's checkpoint. ValueError (one line) otherwise."""
+    if not resume:
+        for run in runs:
+            if run.state == "stopped":
+                raise ValueError(
+                    f"{run.out_dir / CHECKPOINT_FILE}: a stopped run's checkpoint is there; "
+                    "--resume continues it (or remove the file to start over)"
+                )
+        return
+    for run in runs:
+        if run.state == "stopped":
+            load_checkpoint(run.out_dir / CHECKPOINT_FILE, run.cfg)
+        elif run.state == "other":
+            raise ResumeError(f"--resume: {run.mismatch}")
+    if all(run.state == "new" for run in runs):
+        where = runs[0].out_dir / CHECKPOINT_FILE
+        raise ResumeError(
+            f"--resume: no checkpoint at {where}"
+            if len(runs) == 1
+            else f"--resume: none of the {len(runs)} runs has a checkpoint (the first: {where})"
+        )
+
+
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["summarize"]:
+        from .study import main as summarize_main
+
+        summarize_main(argv[1:])
+        return
     args = parse_args(argv)
-    command = "python -m dcinterp.train " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    command = "python -m dcinterp.train " + " ".join(shlex.quote(a) for a in argv)
     arches = ("dcmha", "mha") if args.arch == "both" else (args.arch,)
     catalog = load_catalog()
     try:
@@ -695,44 +1094,61 @@ def main(argv=None) -> None:
         focus_ids = parse_task_ids(focus_spec, catalog) if focus_spec else []
     except ValueError as e:
         usage_error(f"--focus-tasks: {e}")
-    configs = {arch: config_from_args(args, arch, task_ids, focus_ids) for arch in arches}
     try:
-        for cfg in configs.values():
-            cfg.model_config(d_vocab=1)  # DCFormerConfig checks the size and the window pattern
-            training_tasks(cfg)
+        every = CheckpointEvery.parse(args.checkpoint_every)
+        runs = plan_runs(args, arches, task_ids, focus_ids)
+        for run in runs:
+            run.cfg.model_config(d_vocab=1)  # DCFormerConfig checks the size and the window pattern
+            training_tasks(run.cfg)
+        if not args.eval_only:
+            check_resumable(runs, args.resume)
     except ValueError as e:
         usage_error(str(e))
-    for arch in arches:
-        name = ARCH_NAMES[arch] + args.name_suffix
-        out_dir = Path(args.out) / name
+    for run in runs:
         if args.eval_only:
-            import torch
-
-            from .model import HookedDCFormer
-
-            torch.set_num_threads(args.threads)
-            model = HookedDCFormer.from_pretrained(out_dir)
-            recipe = json.loads((out_dir / "recipe.json").read_text())
-            _, held = split_tasks(args.exclude_combos or recipe["data"].get("excluded_combos") or ())
-            recipe["accuracy"] = accuracy_report(model, held)
-            (out_dir / "recipe.json").write_text(json.dumps(recipe, indent=2) + "\n")
-            print(json.dumps({name: summarize(recipe)}, indent=2))
+            evaluate_saved(run, args)
+            continue
+        if args.resume and run.state == "finished":
+            print(f"{run.out_dir}: finished already, skipped", file=sys.stderr)
             continue
         log_file = None
         if args.log_dir:
             Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-            log_file = Path(args.log_dir) / f"{name}.jsonl"
-        _, recipe = train(
-            configs[arch],
-            out_dir=out_dir,
-            progress=not args.no_progress,
-            log_file=log_file,
-            command=command,
-            evaluate_after=not args.no_eval,
-        )
-        recipe["name"] = name
-        (out_dir / "recipe.json").write_text(json.dumps(recipe, indent=2) + "\n")
-        print(json.dumps({name: summarize(recipe)}, indent=2))
+            prefix = f"seed{run.cfg.seed}-" if args.seeds is not None else ""
+            log_file = Path(args.log_dir) / f"{prefix}{run.name}.jsonl"
+        try:
+            _, recipe = train(
+                run.cfg,
+                out_dir=run.out_dir,
+                progress=not args.quiet,
+                log_file=log_file,
+                command=command,
+                evaluate_after=not args.no_eval,
+                checkpoint_every=every,
+                resume=run.state == "stopped",
+                stop_after=args.stop_after,
+            )
+        except RunInterrupted as e:
+            print(f"python -m dcinterp.train: {run.out_dir}: {e}", file=sys.stderr)
+            sys.exit(130)
+        recipe["name"] = run.name
+        write_recipe(recipe, run.out_dir)
+        print(json.dumps({str(run.out_dir): summarize(recipe)}, indent=2))
+
+
+def evaluate_saved(run: Run, args: argparse.Namespace) -> None:
+    """--eval-only: evaluate the model in the run's folder and write the accuracies into its recipe.json."""
+    import torch
+
+    from .model import HookedDCFormer
+
+    torch.set_num_threads(args.threads)
+    model = HookedDCFormer.from_pretrained(run.out_dir)
+    recipe = json.loads((run.out_dir / "recipe.json").read_text())
+    _, held = split_tasks(args.exclude_combos or recipe["data"].get("excluded_combos") or ())
+    recipe["accuracy"] = accuracy_report(model, held)
+    write_recipe(recipe, run.out_dir)
+    print(json.dumps({run.name: summarize(recipe)}, indent=2))
 
 
 def summarize(recipe: dict) -> dict:

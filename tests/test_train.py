@@ -14,12 +14,12 @@ from dcinterp.tokenizer import build_tokenizer, released_texts, split_words, unk
 from dcinterp.train import (
     DEFAULT_EXCLUDED_COMBOS,
     TEST_SET,
+    SampleStream,
     TrainConfig,
     compact_catalog,
     compact_share_at,
     knowledge_sentences,
     lr_at,
-    sample_stream,
     split_tasks,
     train,
     unbracket_text,
@@ -100,7 +100,7 @@ def test_compact_share_falls_to_zero_and_the_stream_follows_it():
     assert compact_share_at(50, cfg) == 0.0 and compact_share_at(99, cfg) == 0.0
     assert compact_share_at(0, TrainConfig(compact_until=0.0)) == 0.0
     for share in (1.0, 0.0):
-        stream = sample_stream(cfg, ["task10"], random.Random(0), lambda: share)  # noqa: B023 (read in this loop)
+        stream = SampleStream(cfg, ["task10"], random.Random(0), lambda: share)  # noqa: B023 (read in this loop)
         first_facts = [next(stream)[0].split("< ")[1].split(".")[0] for _ in range(3)]  # "Ruth has a cat"
         assert all((" has " in fact) == (share == 0.0) for fact in first_facts), first_facts
 
@@ -108,13 +108,13 @@ def test_compact_share_falls_to_zero_and_the_stream_follows_it():
 def test_focus_tasks_alone_while_focused_then_all_tasks():
     cfg = TrainConfig(samples_per_task=1, focus_tasks=("task56",))
     for focused in (True, False):
-        stream = sample_stream(cfg, ["task10", "task56"], random.Random(0), focus=lambda: focused)  # noqa: B023
+        stream = SampleStream(cfg, ["task10", "task56"], random.Random(0), focus=lambda: focused)  # noqa: B023
         shapes = {
             "list" if text.lstrip().startswith("There are") else "context"
             for text, _ in (next(stream) for _ in range(8))
         }
         assert shapes == ({"list"} if focused else {"list", "context"})
-    no_focus = sample_stream(
+    no_focus = SampleStream(
         dataclasses.replace(cfg, focus_tasks=()), ["task10", "task56"], random.Random(0), focus=lambda: True
     )
     assert {next(no_focus)[0].lstrip().startswith("There are") for _ in range(8)} == {True, False}
