@@ -593,6 +593,10 @@ def train(
     if cfg.tied_init:
         with torch.no_grad():
             model.W_U.copy_(model.W_E.T)
+    if not model.cfg.use_dcmha:
+        # The MHA twin computes its attention as tensors (the einsum path) rather than by SDPA: the arithmetic that
+        # the DCMHA twin, its compose held at the identity, reproduces bit for bit, so the twins learn the same.
+        model.add_hook(lambda name: name.endswith("hook_pattern"), lambda pattern, hook: pattern, is_permanent=True)
     compose_params = [p for name, p in model.named_parameters() if "W_dyn" in name]  # none for MHA
     opt = make_optimizer(model, cfg)
     forward = torch.compile(model, dynamic=True) if cfg.compile else model  # compiled at the first step
