@@ -1,0 +1,1 @@
+"""The ways DCMHA is computed."""

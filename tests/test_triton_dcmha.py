@@ -1,0 +1,151 @@
+"""The fused Triton DCMHA (dcinterp/dcmha/triton_kernels.py) against DCMHA's formulas in float64.
+
+On a machine without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set here before their first
+use; they are decorated then, so another test module importing dcinterp first changes nothing); with CUDA, natively.
+Every comparison is judged against a float64 run of the same inputs: the fused float32 result may be at most a small
+multiple of the float32 reference's own error (plus a floor, see `assert_as_exact`)."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from dcinterp.dcmha import triton_kernels  # noqa: E402
+from dcinterp.dcmha.triton_kernels import BRANCHES, available, fused_dcmha  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BLOCKS = (16, 16, 16)  # the smallest tiles: several query and key blocks, and head-dim chunks, at tiny shapes
+TIMES_REFERENCE_ERROR = 4  # the fused float32 error, at most this multiple of the float32 reference's
+
+pytestmark = pytest.mark.skipif(available(DEVICE) is not None, reason=str(available(DEVICE)))
+
+
+def compose(x, weights):
+    """One compose stage on [b, h, t, s] by the formulas: x (1 + qg + kg) + the rank-R query- and key-wise terms."""
+    if weights is None:
+        return x
+    qw1, qw2, kw1, kw2, qg, kg = weights
+    out = x
+    if qw1 is not None:
+        out = out + torch.einsum("brts,btrm->bmts", torch.einsum("bnts,btrn->brts", x, qw1), qw2)
+    if kw1 is not None:
+        out = out + torch.einsum("brts,bsrm->bmts", torch.einsum("bnts,bsrn->brts", x, kw1), kw2)
+    if qg is not None:
+        out = out + x * qg.transpose(1, 2)[:, :, :, None]
+    if kg is not None:
+        out = out + x * kg.transpose(1, 2)[:, :, None, :]
+    return out
+
+
+def visible(t, past, window, official, real):
+    """[b or 1, 1, t, s]: True where query t (position past + t) sees key s."""
+    position = torch.arange(past, past + t)[:, None]
+    key = torch.arange(past + t)[None, :]
+    seen = key <= position
+    if window is not None:
+        seen &= key > position - window - int(official)
+    if real is not None:
+        seen = seen & (real[:, None, :].cpu() | (key == position))
+    return seen[None, None] if seen.ndim == 2 else seen[:, None]
+
+
+def reference(q, k, v, pre, post, *, window, official, past=0, real=None):
+    """z by the formulas, one [b, h, t, s] tensor at a time."""
+    scores = torch.einsum("bthe,bshe->bhts", q, k) / q.shape[-1] ** 0.5
+    composed = compose(scores, pre)
+    seen = visible(q.shape[1], past, window, official, real).to(q.device)
+    pattern = composed.masked_fill(~seen, float("-inf")).softmax(-1)
+    return torch.einsum("bhts,bshe->bthe", compose(pattern, post), v)
+
+
+def make_inputs(b, t, h, e, rank, past=0, branches=("qp", "kp", "qg", "kg"), stages=("pre", "post"), seed=0):
+    """q, k, v and the dynamic weights (float64, of the sizes the model's are: w1 RMS-normalised, gates tanh)."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator, dtype=torch.float64) * scale).to(DEVICE)
+
+    s = past + t
+    q, k, v = draw(b, t, h, e), draw(b, s, h, e), draw(b, s, h, e)
+    stage_weights = {}
+    for stage in ("pre", "post"):
+        w1 = {"q": draw(b, t, rank, h), "k": draw(b, s, rank, h)}
+        w1 = {side: w / w.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() for side, w in w1.items()}
+        weights = (
+            w1["q"] if "qp" in branches else None,
+            draw(b, t, rank, h, scale=0.3) if "qp" in branches else None,
+            w1["k"] if "kp" in branches else None,
+            draw(b, s, rank, h, scale=0.3) if "kp" in branches else None,
+            draw(b, t, h).tanh() if "qg" in branches else None,
+            draw(b, s, h).tanh() if "kg" in branches else None,
+        )
+        stage_weights[stage] = weights if stage in stages else None
+    return q, k, v, stage_weights["pre"], stage_weights["post"]
+
+
+def flat(pre, post):
+    """The dynamic weights of both stages as one list, None for those that are off."""
+    return [*(pre or (None,) * 6), *(post or (None,) * 6)]
+
+
+def to(x, dtype, grad=False):
+    """A detached copy of x (a tensor or a stage's weights) in dtype, requiring grad when `grad`."""
+    if x is None:
+        return None
+    if isinstance(x, tuple):
+        return tuple(to(w, dtype, grad) for w in x)
+    return x.detach().to(dtype).requires_grad_(grad)
+
+
+def error(x, exact):
+    return (x.double() - exact).abs().max().item()
+
+
+def assert_as_exact(fused, single, exact, what):
+    """|fused - exact| <= TIMES_REFERENCE_ERROR |single - exact| + 1e-6 max|exact|: fused and single (the
+    reference in the same dtype) against exact (float64). The floor is a few float32 ulps of the tensor's largest
+    entry: where the reference happens to round (almost) exactly, a sum taken in another order may not."""
+    allowed = TIMES_REFERENCE_ERROR * error(single, exact) + 1e-6 * exact.abs().max().item()
+    assert error(fused, exact) <= allowed, f"{what}: {error(fused, exact):.3g} > {allowed:.3g}"
+
+
+def check(inputs, *, window=None, official=False, past=0, real=None, gradients=True):
+    """The fused forward (and gradients of every input, for a random dz) against the float64 and float32 references."""
+    q, k, v, pre, post = inputs
+    options = dict(window=window, official=official, past=past, real=real)
+    runs = {}
+    for name, dtype in (("exact", torch.float64), ("single", torch.float32), ("fused", torch.float32)):
+        args = [to(x, dtype, gradients) for x in (q, k, v, pre, post)]
+        z = (fused_dcmha(*args, **options, blocks=BLOCKS) if name == "fused" else reference(*args, **options))
+        leaves = [x for x in args[:3] + flat(*args[3:]) if x is not None]
+        grads = []
+        if gradients:
+            dz = torch.randn(z.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEVICE)
+            grads = torch.autograd.grad(z, leaves, dz.to(dtype))
+        runs[name] = (z, grads)
+    assert_as_exact(runs["fused"][0], runs["single"][0], runs["exact"][0], "z")
+    names = [n for n, x in zip(["q", "k", "v"] + [f"{s} {b}" for s in ("pre", "post") for b in BRANCHES],
+                               [q, k, v, *flat(pre, post)], strict=True) if x is not None]  # fmt: skip
+    for i, name in enumerate(names if gradients else []):
+        assert_as_exact(runs["fused"][1][i], runs["single"][1][i], runs["exact"][1][i], f"d {name}")
+
+
+@pytest.mark.parametrize(
+    "b, t, h, e, rank",
+    [(2, 37, 3, 24, 2), (1, 40, 6, 16, 1), (2, 19, 4, 32, 2), (1, 33, 1, 16, 2)],
+    ids=["heads-3-dim-24", "heads-6-rank-1", "heads-4-dim-32", "one-head"],
+)
+def test_global_layer(b, t, h, e, rank):
+    check(make_inputs(b, t, h, e, rank))
+
+
+@pytest.mark.parametrize("official", [False, True], ids=["training", "official-inference"])
+@pytest.mark.parametrize("window", [1, 5, 20])
+def test_local_window(window, official):
+    check(make_inputs(2, 35, 3, 16, 2), window=window, official=official)
