@@ -16,7 +16,6 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from dcinterp.dcmha import triton_kernels  # noqa: E402
 from dcinterp.dcmha.triton_kernels import BRANCHES, available, fused_dcmha  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -108,10 +107,11 @@ def error(x, exact):
 
 
 def assert_as_exact(fused, single, exact, what):
-    """|fused - exact| <= TIMES_REFERENCE_ERROR |single - exact| + 1e-6 max|exact|: fused and single (the
-    reference in the same dtype) against exact (float64). The floor is a few float32 ulps of the tensor's largest
+    """|fused - exact| <= TIMES_REFERENCE_ERROR |single - exact| + eps max|exact|: fused and single (the reference
+    in the same dtype) against exact (float64). The floor is one rounding (eps of the dtype) of the tensor's largest
     entry: where the reference happens to round (almost) exactly, a sum taken in another order may not."""
-    allowed = TIMES_REFERENCE_ERROR * error(single, exact) + 1e-6 * exact.abs().max().item()
+    floor = torch.finfo(fused.dtype).eps * exact.abs().max().item()
+    allowed = TIMES_REFERENCE_ERROR * error(single, exact) + floor
     assert error(fused, exact) <= allowed, f"{what}: {error(fused, exact):.3g} > {allowed:.3g}"
 
 
@@ -122,7 +122,7 @@ def check(inputs, *, window=None, official=False, past=0, real=None, gradients=T
     runs = {}
     for name, dtype in (("exact", torch.float64), ("single", torch.float32), ("fused", torch.float32)):
         args = [to(x, dtype, gradients) for x in (q, k, v, pre, post)]
-        z = (fused_dcmha(*args, **options, blocks=BLOCKS) if name == "fused" else reference(*args, **options))
+        z = fused_dcmha(*args, **options, blocks=BLOCKS) if name == "fused" else reference(*args, **options)
         leaves = [x for x in args[:3] + flat(*args[3:]) if x is not None]
         grads = []
         if gradients:
@@ -149,3 +149,103 @@ def test_global_layer(b, t, h, e, rank):
 @pytest.mark.parametrize("window", [1, 5, 20])
 def test_local_window(window, official):
     check(make_inputs(2, 35, 3, 16, 2), window=window, official=official)
+
+
+def test_padding():
+    """Left padding in one row, holes in the other: padded keys are hidden, except from their own query."""
+    real = torch.ones(2, 29, dtype=torch.bool)
+    real[0, :7] = False
+    real[1, [3, 4, 17, 28]] = False
+    check(make_inputs(2, 29, 3, 16, 2), real=real.to(DEVICE))
+
+
+@pytest.mark.parametrize(
+    "past, t, window",
+    [(30, 1, None), (27, 5, None), (40, 5, 8), (3, 16, 5)],
+    ids=["1-new", "5-new", "5-new-window", "16-new"],
+)
+def test_cache(past, t, window):
+    """Decoding: a few new queries (positions past ..) against every cached key, the key-side weights of all of them."""
+    real = torch.ones(1, past + t, dtype=torch.bool)
+    real[0, :2] = False
+    check(make_inputs(1, t, 4, 16, 2, past=past), past=past, window=window, real=real.to(DEVICE))
+
+
+@pytest.mark.parametrize(
+    "branches, stages",
+    [
+        (("qp",), ("pre", "post")),
+        (("kp",), ("pre", "post")),
+        (("qg",), ("pre", "post")),
+        (("kg",), ("pre", "post")),
+        (("qp", "kp", "qg", "kg"), ("post",)),
+        (("qp", "kp", "qg", "kg"), ("pre",)),
+        ((), ()),
+    ],
+    ids=["qp-alone", "kp-alone", "qg-alone", "kg-alone", "pre-off", "post-off", "plain-attention"],
+)
+def test_branches_on_and_off(branches, stages):
+    check(make_inputs(1, 21, 3, 16, 2, branches=branches, stages=stages))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_forward(dtype):
+    """Products in the half dtype, sums in float32: no further from float64 than the reference run in that dtype
+    (whose softmax and sums round in it too)."""
+    q, k, v, pre, post = make_inputs(1, 24, 3, 16, 2)
+    exact = reference(q, k, v, pre, post, window=None, official=False)
+    half = [to(x, dtype) for x in (q, k, v, pre, post)]
+    single = reference(*half, window=None, official=False)
+    fused = fused_dcmha(*half, window=None, official=False, blocks=BLOCKS)
+    assert fused.dtype == dtype
+    assert_as_exact(fused, single, exact, f"z in {dtype}")
+
+
+def test_same_inputs_give_the_same_bits():
+    q, k, v, pre, post = [to(x, torch.float32, True) for x in make_inputs(1, 35, 3, 16, 2)]
+    leaves = [x for x in (q, k, v, *flat(pre, post)) if x is not None]
+    runs = []
+    for _ in range(2):
+        z = fused_dcmha(q, k, v, pre, post, window=7, official=False, blocks=BLOCKS)
+        runs.append([z, *torch.autograd.grad(z, leaves, torch.ones_like(z))])
+    for first, second in zip(*runs, strict=True):
+        assert torch.equal(first, second)
+
+
+def test_without_gradients_the_same_forward():
+    """Under no_grad the kernels run without the autograd.Function: the same z, bit for bit."""
+    inputs = [to(x, torch.float32, True) for x in make_inputs(1, 20, 3, 16, 1)]
+    z = fused_dcmha(*inputs, window=None, official=False, blocks=BLOCKS)
+    with torch.no_grad():
+        assert torch.equal(z, fused_dcmha(*inputs, window=None, official=False, blocks=BLOCKS))
+
+
+def test_second_derivatives_raise_clearly():
+    q, k, v, pre, post = [to(x, torch.float32, True) for x in make_inputs(1, 16, 2, 16, 1)]
+    z = fused_dcmha(q, k, v, pre, post, window=None, official=False, blocks=BLOCKS)
+    with pytest.raises(RuntimeError, match="materialised path"):
+        torch.autograd.grad(z.sum(), q, create_graph=True)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(k=lambda k: k[:, :-1]), "k and v must be"),
+        (dict(qw1=lambda w: w[:, :, :, :-1]), "pre qw1 must be"),
+        (dict(real=lambda r: r[:, :-1]), "real must be"),
+        (dict(blocks=(16, 24, 16)), "blocks must be"),
+    ],
+    ids=["keys", "weight", "padding", "blocks"],
+)
+def test_bad_input_says_which_argument(change, message):
+    q, k, v, pre, post = [to(x, torch.float32) for x in make_inputs(1, 16, 2, 16, 1)]
+    real = torch.ones(1, 16, dtype=torch.bool, device=DEVICE)
+    if "k" in change:
+        k, v = change["k"](k), change["k"](v)
+    if "qw1" in change:
+        pre = (change["qw1"](pre[0]), *pre[1:])
+    if "real" in change:
+        real = change["real"](real)
+    blocks = change.get("blocks", BLOCKS)
+    with pytest.raises(ValueError, match=f"^fused_dcmha: {message}"):
+        fused_dcmha(q, k, v, pre, post, window=None, official=False, real=real, blocks=blocks)

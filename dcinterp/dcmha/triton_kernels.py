@@ -90,9 +90,13 @@ def _kernels_interpreted() -> bool:
 
 
 def _dot(a, b, HALF: tl.constexpr):
-    """a @ b over the last two axes, float32 result: IEEE float32 products, or products in b's half dtype."""
-    if HALF:
+    """a @ b over the last two axes, float32 result: IEEE float32 products, or products of a rounded to b's half
+    dtype and b (the interpreter's bfloat16 dot is wrong, so there the same products, exact in float32, are taken
+    in float32)."""
+    if HALF and not _INTERPRETED:
         return tl.dot(a.to(b.dtype), b, out_dtype=tl.float32)
+    if HALF:
+        a = a.to(b.dtype)
     return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
 
@@ -945,6 +949,7 @@ _KERNELS = (
 )
 _decorated = False
 _decorated_interpreted = False
+_INTERPRETED = False  # the kernels' constant, set by _decorate
 
 
 def _decorate() -> None:
@@ -952,10 +957,12 @@ def _decorate() -> None:
     global _decorated, _decorated_interpreted
     if _decorated:
         return
+    _decorated_interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
     module = globals()
+    module["_INTERPRETED"] = tl.constexpr(_decorated_interpreted)
     for name in _KERNELS:
         module[name] = triton.jit(module[name])
-    _decorated, _decorated_interpreted = True, os.environ.get("TRITON_INTERPRET", "0") == "1"
+    _decorated = True
 
 
 # --- the launches --------------------------------------------------------------------------------------------------
