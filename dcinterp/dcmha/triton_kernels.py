@@ -111,6 +111,7 @@ def _accumulate(buffer, row, idx, ok, r, h_idx, h_ok, N, R, H, value):
     offsets = ((row * N + idx[None, :]) * R + r) * H + h_idx[:, None]
     mask = h_ok[:, None] & ok[None, :]
     tl.store(buffer + offsets, tl.load(buffer + offsets, mask=mask, other=0.0) + value, mask=mask)
+    tl.debug_barrier()  # every thread holding a copy of an entry has stored it before any reads it again
 
 
 def _rows(x, row, idx, ok, h_idx, h_ok, e, e_ok, N, H, E):
@@ -125,6 +126,7 @@ def _accumulate_rows(buffer, row, idx, ok, h_idx, h_ok, e, e_ok, N, H, E, value)
     offsets = ((row * N + idx[None, :, None]) * H + h_idx[:, None, None]) * E + e[None, None, :]
     mask = h_ok[:, None, None] & ok[None, :, None] & e_ok[None, None, :]
     tl.store(buffer + offsets, tl.load(buffer + offsets, mask=mask, other=0.0) + value, mask=mask)
+    tl.debug_barrier()
 
 
 def _visible(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING: tl.constexpr):
@@ -996,7 +998,10 @@ class _Launch:
 
     def constants(self) -> dict:
         blocks = dict(BQ=self.block_queries, BK=self.block_keys, BE=self.block_dim)
-        return dict(HP=triton.next_power_of_2(self.n_heads), **blocks, **self.flags)
+        # num_stages=1: no software pipelining, whose early loads could read a float32 accumulator (z, dq, ...) before
+        # the previous iteration stored it; eight warps for tiles of [heads, 16, 32] and more
+        launch = dict(num_warps=8, num_stages=1)
+        return dict(HP=triton.next_power_of_2(self.n_heads), **blocks, **self.flags, **launch)
 
 
 def _pointers(tensors, stand_in: Tensor) -> list[Tensor]:
