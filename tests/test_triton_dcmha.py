@@ -201,6 +201,26 @@ def test_half_precision_forward(dtype):
     assert_as_exact(fused, single, exact, f"z in {dtype}")
 
 
+def test_keys_before_the_window_are_never_read():
+    """Decoding 5 queries after 40 cached keys with a window of 6: the keys before the first query's window are never
+    read (forward or backward): NaN in them and in their weights changes no bit, and their gradients stay 0."""
+    past, window = 40, 6
+    clean = [to(x, torch.float32) for x in make_inputs(1, 5, 3, 16, 2, past=past)]
+    poisoned = [to(x, torch.float32) for x in clean]
+    hidden = slice(0, past - window + 1)  # query `past` sees keys after past - window
+    for x in [poisoned[1], poisoned[2], *[w for i, w in enumerate(flat(*poisoned[3:])) if i % 6 in (2, 3, 5)]]:
+        x[:, hidden] = float("nan")
+    runs = []
+    for q, k, v, pre, post in (clean, poisoned):
+        inputs = [to(x, torch.float32, True) for x in (q, k, v, pre, post)]
+        z = fused_dcmha(*inputs, window=window, official=False, past=past, blocks=BLOCKS)
+        leaves = [x for x in inputs[:3] + flat(*inputs[3:]) if x is not None]
+        runs.append([z, *torch.autograd.grad(z, leaves, torch.ones_like(z))])
+    for first, second in zip(*runs, strict=True):
+        assert torch.equal(first, second)
+    assert not runs[1][2][:, hidden].any()  # dk
+
+
 def test_same_inputs_give_the_same_bits():
     q, k, v, pre, post = [to(x, torch.float32, True) for x in make_inputs(1, 35, 3, 16, 2)]
     leaves = [x for x in (q, k, v, *flat(pre, post)) if x is not None]

@@ -363,7 +363,7 @@ def _forward_kernel(
     running_sum = tl.zeros((HP, BQ), dtype=tl.float32)
     for s0 in range(first_key, end_key, BK):
         s_idx = s0 + tl.arange(0, BK)
-        s_ok = s_idx < S
+        s_ok = s_idx < end_key  # keys past the block's last query are not even read
         _, composed, _ = _pre_composed(
             q,
             k,
@@ -409,7 +409,7 @@ def _forward_kernel(
 
     for s0 in range(first_key, end_key, BK):
         s_idx = s0 + tl.arange(0, BK)
-        s_ok = s_idx < S
+        s_ok = s_idx < end_key
         _, composed, seen = _pre_composed(
             q,
             k,
@@ -544,7 +544,7 @@ def _backward_query_kernel(
     d_row = tl.zeros((HP, BQ), dtype=tl.float32)
     for s0 in range(first_key, end_key, BK):
         s_idx = s0 + tl.arange(0, BK)
-        s_ok = s_idx < S
+        s_ok = s_idx < end_key  # keys past the block's last query are not even read
         _, composed, seen = _pre_composed(
             q,
             k,
@@ -617,7 +617,7 @@ def _backward_query_kernel(
 
     for s0 in range(first_key, end_key, BK):
         s_idx = s0 + tl.arange(0, BK)
-        s_ok = s_idx < S
+        s_ok = s_idx < end_key
         scores, composed, seen = _pre_composed(
             q,
             k,
@@ -783,7 +783,7 @@ def _backward_key_kernel(
     s0 = tl.program_id(0) * BK
     row = tl.program_id(1)
     s_idx = s0 + tl.arange(0, BK)
-    s_ok = s_idx < S
+    s_ok = (s_idx < S) & (s_idx > past - span)  # keys before the first query's window are not even read
     h_idx = tl.arange(0, HP)
     h_ok = h_idx < H
     first_query = tl.maximum(s0 - past, 0)
@@ -791,7 +791,7 @@ def _backward_key_kernel(
 
     for t0 in range(first_query, end_query, BQ):
         t_idx = t0 + tl.arange(0, BQ)
-        t_ok = t_idx < T
+        t_ok = t_idx < end_query  # nor queries past the last that sees the block
         stats = (row * H + h_idx[:, None]) * T + t_idx[None, :]
         stats_ok = h_ok[:, None] & t_ok[None, :]
         maxima = tl.load(row_max + stats, mask=stats_ok, other=0.0)
