@@ -16,6 +16,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from dcinterp.dcmha import triton_kernels  # noqa: E402
 from dcinterp.dcmha.triton_kernels import BRANCHES, available, fused_dcmha  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -115,14 +116,14 @@ def assert_as_exact(fused, single, exact, what):
     assert error(fused, exact) <= allowed, f"{what}: {error(fused, exact):.3g} > {allowed:.3g}"
 
 
-def check(inputs, *, window=None, official=False, past=0, real=None, gradients=True):
+def check(inputs, *, window=None, official=False, past=0, real=None, gradients=True, blocks=BLOCKS):
     """The fused forward (and gradients of every input, for a random dz) against the float64 and float32 references."""
     q, k, v, pre, post = inputs
     options = dict(window=window, official=official, past=past, real=real)
     runs = {}
     for name, dtype in (("exact", torch.float64), ("single", torch.float32), ("fused", torch.float32)):
         args = [to(x, dtype, gradients) for x in (q, k, v, pre, post)]
-        z = fused_dcmha(*args, **options, blocks=BLOCKS) if name == "fused" else reference(*args, **options)
+        z = fused_dcmha(*args, **options, blocks=blocks) if name == "fused" else reference(*args, **options)
         leaves = [x for x in args[:3] + flat(*args[3:]) if x is not None]
         grads = []
         if gradients:
@@ -143,6 +144,11 @@ def check(inputs, *, window=None, official=False, past=0, real=None, gradients=T
 )
 def test_global_layer(b, t, h, e, rank):
     check(make_inputs(b, t, h, e, rank))
+
+
+def test_default_blocks_at_a_large_models_width():
+    """32 heads of 128 (DCPythia-6.9B's), the default tiles, 3 new queries against 50 cached keys."""
+    check(make_inputs(1, 3, 32, 128, 2, past=50), past=50, blocks=triton_kernels.BLOCKS)
 
 
 @pytest.mark.parametrize("official", [False, True], ids=["training", "official-inference"])

@@ -57,7 +57,7 @@ except ImportError as error:  # dcinterp runs without triton; available() says w
 else:
     _IMPORT_ERROR = None
 
-BLOCK_QUERIES, BLOCK_KEYS, BLOCK_DIM = 16, 32, 64  # a tile's queries, keys, and a chunk of the head dim
+BLOCKS = (16, 32, 64)  # a tile's queries and keys, and a chunk of the head dim (powers of two, at least 16)
 BRANCHES = ("qw1", "qw2", "kw1", "kw2", "qg", "kg")  # a stage's dynamic weights, in this order
 
 
@@ -1075,7 +1075,7 @@ def fused_dcmha(
     official: bool,
     past: int = 0,
     real: Bool[Tensor, "b s"] | None = None,
-    blocks: tuple[int, int, int] = (BLOCK_QUERIES, BLOCK_KEYS, BLOCK_DIM),
+    blocks: tuple[int, int, int] = BLOCKS,
 ) -> Float[Tensor, "b t h e"]:
     """z of DCMHA, differentiable in q, k, v and every dynamic weight (fused backward). s = past + t.
 
