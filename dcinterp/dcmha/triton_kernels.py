@@ -10,29 +10,32 @@ The compose mixes the heads of one (query, key) pair and nothing else, so a tile
 `[heads, queries, keys]` (heads padded to a power of two, the padding masked), and reads only its own queries' and
 keys' dynamic weights, in their low-rank form.
 
-Forward (`_forward_kernel`, one program per (block of queries, batch row)): pass 1 over the keys the block's queries
-see (keys after its last query, and before a local window, are never visited) computes the scores, the pre-compose,
-the mask and each (head, query)'s running softmax max and sum; pass 2 recomputes them, normalises with the final
-statistics, applies the post-compose and accumulates P' V. Only q, k, v, the dynamic weights and the per-row max and
-sum are kept for the backward: memory grows with the prompt, not with its square.
+Forward (`_forward_kernel`, grid (query blocks, batch rows), one program per block of queries of one row): pass 1
+over the keys the block's queries see (keys after its last query, and before a local window, are not even read)
+computes the scores, the pre-compose, the mask and each (head, query)'s running softmax max and sum; pass 2
+recomputes them, normalises with the final statistics, applies the post-compose and accumulates P' V. Only q, k, v,
+the dynamic weights and the per-(head, query) max and sum are kept for the backward: memory grows with the prompt,
+not with its square. A decoding step (`past` cached positions, 1 to 16 new queries) is the same kernel: one launch
+per layer, its one block of queries against every key it sees.
 
-Backward (FlashAttention's recomputation; the post-compose moves the softmax's `D = sum_s P dP` from rowsum(dz z)
-to a pass of its own):
+Backward (FlashAttention's recomputation; the post-compose makes the softmax's `D = sum_s P dP` a pass of its own,
+where FlashAttention takes rowsum(dz z)):
+
 - `_backward_query_kernel`, per block of queries: pass 1 recomputes P, dP' = dz v, dP through the transposed
-  post-compose and D; pass 2 gives dA = P (dP - D), dS through the transposed pre-compose, and every query-side sum
-  over keys: dq and the gradients of qw1, qw2, qg of both stages.
-- `_backward_key_kernel`, per block of keys, over the queries that see it: the key-side sums over queries, dk, dv and
-  the gradients of kw1, kw2, kg of both stages.
+  post-compose and D; pass 2 gives dA = P (dP - D), dS through the transposed pre-compose, and every sum over keys:
+  dq and the gradients of both stages' qw1, qw2, qg.
+- `_backward_key_kernel`, per block of keys, over the queries that see it: every sum over queries, dk, dv and the
+  gradients of both stages' kw1, kw2, kg.
 
-Registers: the [heads, queries, keys] tiles (32 x 16 x 32 at 32 heads) are what a program holds. Every head's q or
-output rows at e = 128 would be 64K floats more, so the head dim is walked in chunks (QK^T and P' V are batched
-`tl.dot`s over the heads, one chunk at a time) and sums over key or query blocks (z, dq, dk, dv, the weights'
-gradients) are added into float32 buffers in global memory, each row owned by exactly one program. Nothing is
-summed by atomics and every loop runs in a fixed order, so the same inputs give the same bits.
+Registers: a program holds [heads, queries, keys] tiles (32 x 16 x 32 at 32 heads). Every head's q rows or output
+rows at e = 128 would be 64K floats more, so the head dim is walked in chunks (QK^T and P' V are `tl.dot`s batched
+over the heads, one chunk at a time), and the sums over key or query blocks (z, dq, dk, dv, the weights' gradients)
+are added into float32 buffers in global memory, each row owned by exactly one program. Nothing is summed by
+atomics and every loop runs in a fixed order, so the same inputs give the same bits.
 
 float32 inputs use IEEE float32 products (not TF32); float16 / bfloat16 inputs multiply in their own dtype, like
 FlashAttention, and everything accumulates in float32. Not supported: second derivatives (`create_graph=True`: the
-backward raises; the materialised path gives them), static (non-dynamic) compose weights.
+backward raises; the materialised path gives them).
 
 Triton decides when a kernel is decorated whether it runs natively or under its CPU interpreter
 (`TRITON_INTERPRET=1`), so the kernels are decorated at their first use, not when dcinterp is imported.
@@ -67,6 +70,8 @@ def available(device: torch.device) -> str | None:
     device = torch.device(device)
     if _IMPORT_ERROR is not None:
         return _IMPORT_ERROR
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 6):
+        return f"the fused kernels need Triton 3.6 or newer (found {triton.__version__})"
     interpreted = _kernels_interpreted()
     if device.type == "cuda":
         if not torch.cuda.is_available():
