@@ -13,6 +13,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -205,6 +207,26 @@ def test_half_precision_forward(dtype):
     fused = fused_dcmha(*half, window=None, official=False, blocks=BLOCKS)
     assert fused.dtype == dtype
     assert_as_exact(fused, single, exact, f"z in {dtype}")
+
+
+@given(data=st.data())
+@settings(max_examples=10, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@seed(0)  # fixed draws that do not depend on the test's source text (derandomize's would)
+def test_any_combination(data):
+    """Shapes, masks and branches drawn together: padding in a window against a cache, a stage with some branches."""
+    heads, dim, rank = (
+        data.draw(st.integers(1, 5)),
+        data.draw(st.sampled_from([16, 24, 40])),
+        data.draw(st.integers(1, 2)),
+    )
+    t, past = data.draw(st.integers(1, 24)), data.draw(st.sampled_from([0, 0, 3, 17]))
+    window = data.draw(st.sampled_from([None, 1, 4, 9]))
+    official = data.draw(st.booleans())
+    branches = data.draw(st.sets(st.sampled_from(["qp", "kp", "qg", "kg"])))
+    stages = data.draw(st.sets(st.sampled_from(["pre", "post"])))
+    real = torch.rand(2, past + t, generator=torch.Generator().manual_seed(t)) > data.draw(st.sampled_from([0.0, 0.3]))
+    inputs = make_inputs(2, t, heads, dim, rank, past=past, branches=branches, stages=stages, seed=t + past)
+    check(inputs, window=window, official=official, past=past, real=real.to(DEVICE))
 
 
 def test_keys_before_the_window_are_never_read():
