@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 pytest.importorskip("triton")
@@ -110,10 +110,12 @@ def error(x, exact):
 
 
 def assert_as_exact(fused, single, exact, what):
-    """|fused - exact| <= TIMES_REFERENCE_ERROR |single - exact| + eps max|exact|: fused and single (the reference
-    in the same dtype) against exact (float64). The floor is one rounding (eps of the dtype) of the tensor's largest
-    entry: where the reference happens to round (almost) exactly, a sum taken in another order may not."""
-    floor = torch.finfo(fused.dtype).eps * exact.abs().max().item()
+    """|fused - exact| <= TIMES_REFERENCE_ERROR |single - exact| + 8 eps max|exact|: fused and single (the reference
+    in the same dtype) against exact (float64), each by its largest error. The floor, a few roundings of the tensor's
+    largest entry (8 eps: about 1e-6 in float32), is for sums with cancellations (the softmax's P (dP - D), summed
+    again into a weight's gradient): the reference's largest error may fall on a well-conditioned entry where the
+    fused path's falls on an ill-conditioned one, summed in another order. A wrong term errs by the entries' size."""
+    floor = 8 * torch.finfo(fused.dtype).eps * exact.abs().max().item()
     allowed = TIMES_REFERENCE_ERROR * error(single, exact) + floor
     assert error(fused, exact) <= allowed, f"{what}: {error(fused, exact):.3g} > {allowed:.3g}"
 
@@ -210,7 +212,13 @@ def test_half_precision_forward(dtype):
 
 
 @given(data=st.data())
-@settings(max_examples=10, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=40,
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+    phases=[Phase.explicit, Phase.generate],
+)
 @seed(0)  # fixed draws that do not depend on the test's source text (derandomize's would)
 def test_any_combination(data):
     """Shapes, masks and branches drawn together: padding in a window against a cache, a stage with some branches."""
