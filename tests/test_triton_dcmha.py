@@ -276,6 +276,16 @@ def test_without_gradients_the_same_forward():
         assert torch.equal(z, fused_dcmha(*inputs, window=None, official=False, blocks=BLOCKS))
 
 
+def test_views_give_what_contiguous_tensors_give():
+    """q, k, v as the model makes them (views of [h, b, p, e] tensors), key-side weights as views of key-last ones."""
+    q, k, v, pre, post = [to(x, torch.float32) for x in make_inputs(2, 18, 3, 16, 2)]
+    z = fused_dcmha(q, k, v, pre, post, window=None, official=False, blocks=BLOCKS)
+    views = [x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for x in (q, k, v)]
+    pre = (*pre[:2], *[w.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2) for w in pre[2:4]], *pre[4:])
+    assert not views[0].is_contiguous() and not pre[2].is_contiguous()
+    assert torch.equal(z, fused_dcmha(*views, pre, post, window=None, official=False, blocks=BLOCKS))
+
+
 def test_second_derivatives_raise_clearly():
     q, k, v, pre, post = [to(x, torch.float32, True) for x in make_inputs(1, 16, 2, 16, 1)]
     z = fused_dcmha(q, k, v, pre, post, window=None, official=False, blocks=BLOCKS)
