@@ -286,6 +286,23 @@ def test_views_give_what_contiguous_tensors_give():
     assert torch.equal(z, fused_dcmha(*views, pre, post, window=None, official=False, blocks=BLOCKS))
 
 
+def test_the_forward_saves_the_inputs_and_row_statistics_only():
+    """What autograd keeps for the backward: the inputs themselves and [b, h, t] statistics, nothing [t, s]-sized."""
+    inputs = [to(x, torch.float32, True) for x in make_inputs(2, 20, 3, 16, 2)]
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fused_dcmha(*inputs, window=None, official=False, blocks=BLOCKS)
+    leaves = [x for x in inputs[:3] + flat(*inputs[3:]) if x is not None]
+    statistics = [x for x in saved if not any(x is leaf for leaf in leaves)]
+    assert len(saved) == len(leaves) + len(statistics)
+    assert [tuple(x.shape) for x in statistics] == [(2, 3, 20)] * 2  # each (head, query)'s max and sum
+
+
 def test_second_derivatives_raise_clearly():
     q, k, v, pre, post = [to(x, torch.float32, True) for x in make_inputs(1, 16, 2, 16, 1)]
     z = fused_dcmha(q, k, v, pre, post, window=None, official=False, blocks=BLOCKS)
