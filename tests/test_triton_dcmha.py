@@ -111,28 +111,31 @@ def error(x, exact):
 
 def assert_as_exact(fused, single, exact, what):
     """|fused - exact| <= TIMES_REFERENCE_ERROR |single - exact| + 8 eps max|exact|: fused and single (the reference
-    in the same dtype) against exact (float64), each by its largest error. The floor, a few roundings of the tensor's
-    largest entry (8 eps: about 1e-6 in float32), is for sums with cancellations (the softmax's P (dP - D), summed
+    in the same dtype) against exact (float64), each by its largest error. The floor, a few float32 roundings of the
+    tensor's largest entry (8 eps: about 1e-6), is for sums with cancellations (the softmax's P (dP - D), summed
     again into a weight's gradient): the reference's largest error may fall on a well-conditioned entry where the
     fused path's falls on an ill-conditioned one, summed in another order. A wrong term errs by the entries' size."""
-    floor = 8 * torch.finfo(fused.dtype).eps * exact.abs().max().item()
+    floor = 8 * torch.finfo(torch.float32).eps * exact.abs().max().item()
     allowed = TIMES_REFERENCE_ERROR * error(single, exact) + floor
     assert error(fused, exact) <= allowed, f"{what}: {error(fused, exact):.3g} > {allowed:.3g}"
 
 
-def check(inputs, *, window=None, official=False, past=0, real=None, gradients=True, blocks=BLOCKS):
-    """The fused forward (and gradients of every input, for a random dz) against the float64 and float32 references."""
+def check(
+    inputs, *, window=None, official=False, past=0, real=None, gradients=True, blocks=BLOCKS, dtype=torch.float32
+):
+    """The fused forward and the gradients of every input (for a random dz) against the float64 reference and the
+    reference in `dtype` (float32 unless told)."""
     q, k, v, pre, post = inputs
     options = dict(window=window, official=official, past=past, real=real)
     runs = {}
-    for name, dtype in (("exact", torch.float64), ("single", torch.float32), ("fused", torch.float32)):
-        args = [to(x, dtype, gradients) for x in (q, k, v, pre, post)]
+    for name, run_dtype in (("exact", torch.float64), ("single", dtype), ("fused", dtype)):
+        args = [to(x, run_dtype, gradients) for x in (q, k, v, pre, post)]
         z = fused_dcmha(*args, **options, blocks=blocks) if name == "fused" else reference(*args, **options)
         leaves = [x for x in args[:3] + flat(*args[3:]) if x is not None]
         grads = []
         if gradients:
             dz = torch.randn(z.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEVICE)
-            grads = torch.autograd.grad(z, leaves, dz.to(dtype))
+            grads = torch.autograd.grad(z, leaves, dz.to(run_dtype))
         runs[name] = (z, grads)
     assert_as_exact(runs["fused"][0], runs["single"][0], runs["exact"][0], "z")
     names = [n for n, x in zip(["q", "k", "v"] + [f"{s} {b}" for s in ("pre", "post") for b in BRANCHES],
@@ -199,16 +202,12 @@ def test_branches_on_and_off(branches, stages):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_forward(dtype):
+def test_half_precision(dtype):
     """Products in the half dtype, sums in float32: no further from float64 than the reference run in that dtype
-    (whose softmax and sums round in it too)."""
+    (whose softmax and sums round in it too), forward and backward."""
     q, k, v, pre, post = make_inputs(1, 24, 3, 16, 2)
-    exact = reference(q, k, v, pre, post, window=None, official=False)
-    half = [to(x, dtype) for x in (q, k, v, pre, post)]
-    single = reference(*half, window=None, official=False)
-    fused = fused_dcmha(*half, window=None, official=False, blocks=BLOCKS)
-    assert fused.dtype == dtype
-    assert_as_exact(fused, single, exact, f"z in {dtype}")
+    assert fused_dcmha(*[to(x, dtype) for x in (q, k, v, pre, post)], window=None, official=False).dtype == dtype
+    check((q, k, v, pre, post), window=5, dtype=dtype)
 
 
 @given(data=st.data())
@@ -317,8 +316,10 @@ def test_second_derivatives_raise_clearly():
         (dict(qw1=lambda w: w[:, :, :, :-1]), "pre qw1 must be"),
         (dict(real=lambda r: r[:, :-1]), "real must be"),
         (dict(blocks=(16, 24, 16)), "blocks must be"),
+        (dict(post=lambda weights: weights[:5]), "post must be"),
+        (dict(v=lambda v: v.double()), "q, k, v must share"),
     ],
-    ids=["keys", "weight", "padding", "blocks"],
+    ids=["keys", "weight", "padding", "blocks", "stage", "dtype"],
 )
 def test_bad_input_says_which_argument(change, message):
     q, k, v, pre, post = [to(x, torch.float32) for x in make_inputs(1, 16, 2, 16, 1)]
@@ -329,6 +330,10 @@ def test_bad_input_says_which_argument(change, message):
         pre = (change["qw1"](pre[0]), *pre[1:])
     if "real" in change:
         real = change["real"](real)
+    if "post" in change:
+        post = change["post"](post)
+    if "v" in change:
+        v = change["v"](v)
     blocks = change.get("blocks", BLOCKS)
     with pytest.raises(ValueError, match=f"^fused_dcmha: {message}"):
         fused_dcmha(q, k, v, pre, post, window=None, official=False, real=real, blocks=blocks)

@@ -577,8 +577,12 @@ def fused_dcmha(
     if reason is not None:
         raise RuntimeError(f"fused_dcmha: {reason}")
     _decorate()
-    weights = tuple((*(stage if stage is not None else (None,) * 6),) for stage in (pre, post))
-    weights = tuple(None if w is None else w.contiguous() for w in weights[0] + weights[1])
+    for name, stage in (("pre", pre), ("post", post)):
+        if stage is not None and len(stage) != 6:
+            raise ValueError(
+                f"fused_dcmha: {name} must be (qw1, qw2, kw1, kw2, qg, kg) or None (got {len(stage)} items)"
+            )
+    weights = tuple(None if w is None else w.contiguous() for w in (*(pre or (None,) * 6), *(post or (None,) * 6)))
     _check(q, k, v, weights, past, real, window, blocks)
     if real is not None:
         real = real.to(device=q.device, dtype=torch.int8).contiguous()
@@ -595,6 +599,11 @@ def _check(q, k, v, weights, past, real, window, blocks) -> None:
         raise ValueError(f"fused_dcmha: q, k, v must be [b, t, h, e], [b, s, h, e] (got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)})")  # fmt: skip
     b, t, h, e = q.shape
+    devices = {x.device for x in (q, k, v, real, *weights) if x is not None}
+    if len(devices) > 1:
+        raise ValueError(
+            f"fused_dcmha: every tensor must be on q's device, {q.device} (got {sorted(map(str, devices))})"
+        )
     if k.shape[0] != b or k.shape[2:] != q.shape[2:] or k.shape[1] != past + t:
         raise ValueError(
             f"fused_dcmha: k and v must be [b, past + t, h, e] = {[b, past + t, h, e]}, got {list(k.shape)}"
