@@ -6,6 +6,8 @@ Every comparison is judged against a float64 run of the same inputs: the fused f
 multiple of the float32 reference's own error (plus a floor, see `assert_as_exact`)."""
 
 import os
+import subprocess
+import sys
 
 import torch
 
@@ -337,3 +339,39 @@ def test_bad_input_says_which_argument(change, message):
     blocks = change.get("blocks", BLOCKS)
     with pytest.raises(ValueError, match=f"^fused_dcmha: {message}"):
         fused_dcmha(q, k, v, pre, post, window=None, official=False, real=real, blocks=blocks)
+
+
+COMPILE_FOR_A_HOPPER_GPU = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dcinterp.dcmha import triton_kernels
+
+triton_kernels._decorate()
+constants = dict(HP=4, BQ=16, BK=16, BE=32, PADDING=True, HALF=True)
+constants.update({f"{stage}_{branch}": True for stage in ("PRE", "POST") for branch in ("QP", "KP", "QG", "KG")})
+scalars = dict(T="i32", S="i32", H="i32", E="i32", R="i32", past="i32", span="i32", scale="fp32")
+for name in ("_forward_kernel", "_backward_query_kernel", "_backward_key_kernel"):
+    kernel = getattr(triton_kernels, name)
+    signature = {
+        arg: "constexpr" if arg in constants else scalars.get(arg) or
+        ("*bf16" if arg in ("q", "k", "v", "dz") else "*i8" if arg == "real" else "*fp32")
+        for arg in kernel.arg_names
+    }
+    paths = {(kernel.arg_names.index(arg),): value for arg, value in constants.items()}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=paths)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=1))
+    assert compiled.metadata.shared <= 227 * 1024, (name, compiled.metadata.shared)
+"""
+
+
+def test_the_kernels_compile_for_a_hopper_gpu():
+    """Triton's compiler, without a GPU, takes each kernel down to an sm_90 binary (bfloat16, every branch on,
+    padding): what the interpreter never checks (layouts, 3D dots, shared memory) is checked here, in a process of
+    its own, where the kernels are decorated natively."""
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    environment["TRITON_DEFAULT_FP_FUSION"] = environment.get("TRITON_DEFAULT_FP_FUSION", "1")
+    run = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_A_HOPPER_GPU], env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
