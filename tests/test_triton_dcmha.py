@@ -3,11 +3,15 @@
 On a machine without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set here before their first
 use; they are decorated then, so another test module importing dcinterp first changes nothing); with CUDA, natively.
 Every comparison is judged against a float64 run of the same inputs: the fused float32 result may be at most a small
-multiple of the float32 reference's own error (plus a floor, see `assert_as_exact`)."""
+multiple of the float32 reference's own error (plus a floor, see `assert_as_exact`). The reference is DCMHA's
+formulas written here with einsums (`reference`), and, for the reference checkpoints' layers, the model's own
+materialised path. What the interpreter cannot check, that the kernels compile for a GPU, is checked by Triton's
+compiler targeting an H100 (no GPU needed)."""
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -20,9 +24,11 @@ from hypothesis import strategies as st  # noqa: E402
 
 pytest.importorskip("triton")
 
+from dcinterp import HookedDCFormer  # noqa: E402
 from dcinterp.dcmha import triton_kernels  # noqa: E402
 from dcinterp.dcmha.triton_kernels import BRANCHES, available, fused_dcmha  # noqa: E402
 
+FIXTURES = Path(__file__).parent / "fixtures"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCKS = (16, 16, 16)  # the smallest tiles: several query and key blocks, and head-dim chunks, at tiny shapes
 TIMES_REFERENCE_ERROR = 4  # the fused float32 error, at most this multiple of the float32 reference's
@@ -339,6 +345,35 @@ def test_bad_input_says_which_argument(change, message):
     blocks = change.get("blocks", BLOCKS)
     with pytest.raises(ValueError, match=f"^fused_dcmha: {message}"):
         fused_dcmha(q, k, v, pre, post, window=None, official=False, real=real, blocks=blocks)
+
+
+BRANCH_OF = {"qw1": "qp", "qw2": "qp", "kw1": "kp", "kw2": "kp", "qg": "qg", "kg": "kg"}
+
+
+@pytest.mark.parametrize("name", ["dcformer-tiny", "dcpythia-tiny", "official-inference"])
+def test_the_models_layers(name):
+    """Each layer of the reference checkpoints (local and global layers, QK-norm, rotary), fed what the model's hooks
+    show (rotated q and k, v, each stage's dynamic weights), gives the z of the model's materialised path (hook_z
+    under run_with_cache), judged against the model run in float64."""
+    model = HookedDCFormer.from_pretrained(FIXTURES / ("dcpythia-tiny" if name == "official-inference" else name))
+    if name == "official-inference":
+        model.cfg.window = "official-inference"
+    tokens = torch.randint(0, model.cfg.d_vocab, (2, 21), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    _, single = model.run_with_cache(tokens)
+    _, exact = model.to(torch.float64).run_with_cache(tokens)
+    for layer, block in enumerate(model.blocks):
+        attn = f"blocks.{layer}.attn"
+        stages = [
+            None if compose is None else tuple(
+                single[f"{attn}.{compose.stage}_compose.hook_{w}"] if BRANCH_OF[w] in compose.branches else None
+                for w in BRANCHES
+            )
+            for compose in (block.attn.pre_compose, block.attn.post_compose)
+        ]  # fmt: skip
+        q, k, v = (single[f"{attn}.hook_{hook}"] for hook in ("rot_q", "rot_k", "v"))
+        official = model.cfg.window == "official-inference"
+        z = fused_dcmha(q, k, v, *stages, window=block.attn.window, official=official, blocks=BLOCKS)
+        assert_as_exact(z, single[f"{attn}.hook_z"], exact[f"{attn}.hook_z"], f"layer {layer} z")
 
 
 COMPILE_FOR_A_HOPPER_GPU = """
