@@ -192,6 +192,24 @@ def test_cache(past, t, window):
     check(make_inputs(1, t, 4, 16, 2, past=past), past=past, window=window, real=real.to(DEVICE))
 
 
+def test_a_cache_filled_in_chunks():
+    """A prompt run in chunks of 9, 1, 16 and 5 queries, each against the keys so far (a window of 6), gives the z
+    of the whole prompt at once."""
+    q, k, v, pre, post = [to(x, torch.float32) for x in make_inputs(1, 31, 3, 16, 2)]
+    exact = reference(*[to(x, torch.float64) for x in (q, k, v, pre, post)], window=6, official=False)
+    single = reference(q, k, v, pre, post, window=6, official=False)
+    chunks = []
+    for start, end in [(0, 9), (9, 10), (10, 26), (26, 31)]:
+        stages = [
+            (w[0][:, start:end], w[1][:, start:end], w[2][:, :end], w[3][:, :end], w[4][:, start:end], w[5][:, :end])
+            for w in (pre, post)
+        ]
+        chunks.append(
+            fused_dcmha(q[:, start:end], k[:, :end], v[:, :end], *stages, window=6, official=False, past=start)
+        )
+    assert_as_exact(torch.cat(chunks, 1), single, exact, "z")
+
+
 @pytest.mark.parametrize(
     "branches, stages",
     [
