@@ -1,0 +1,430 @@
+"""The fused Triton DCMHA (dcinterp/dcmha/triton_kernels.py) against DCMHA's formulas in float64.
+
+On a machine without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set here before their first
+use; they are decorated then, so another test module importing dcinterp first changes nothing); with CUDA, natively.
+Every comparison is judged against a float64 run of the same inputs: the fused float32 result may be at most a small
+multiple of the float32 reference's own error (plus a floor, see `assert_as_exact`). The reference is DCMHA's
+formulas written here with einsums (`reference`), and, for the reference checkpoints' layers, the model's own
+materialised path. What the interpreter cannot check, that the kernels compile for a GPU, is checked by Triton's
+compiler targeting an H100 (no GPU needed)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+pytest.importorskip("triton")
+
+from dcinterp import HookedDCFormer  # noqa: E402
+from dcinterp.dcmha import triton_kernels  # noqa: E402
+from dcinterp.dcmha.triton_kernels import BRANCHES, available, fused_dcmha  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures"
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BLOCKS = (16, 16, 16)  # the smallest tiles: several query and key blocks, and head-dim chunks, at tiny shapes
+TIMES_REFERENCE_ERROR = 4  # the fused float32 error, at most this multiple of the float32 reference's
+
+pytestmark = pytest.mark.skipif(available(DEVICE) is not None, reason=str(available(DEVICE)))
+
+
+def compose(x, weights):
+    """One compose stage on [b, h, t, s] by the formulas: x (1 + qg + kg) + the rank-R query- and key-wise terms."""
+    if weights is None:
+        return x
+    qw1, qw2, kw1, kw2, qg, kg = weights
+    out = x
+    if qw1 is not None:
+        out = out + torch.einsum("brts,btrm->bmts", torch.einsum("bnts,btrn->brts", x, qw1), qw2)
+    if kw1 is not None:
+        out = out + torch.einsum("brts,bsrm->bmts", torch.einsum("bnts,bsrn->brts", x, kw1), kw2)
+    if qg is not None:
+        out = out + x * qg.transpose(1, 2)[:, :, :, None]
+    if kg is not None:
+        out = out + x * kg.transpose(1, 2)[:, :, None, :]
+    return out
+
+
+def visible(t, past, window, official, real):
+    """[b or 1, 1, t, s]: True where query t (position past + t) sees key s."""
+    position = torch.arange(past, past + t)[:, None]
+    key = torch.arange(past + t)[None, :]
+    seen = key <= position
+    if window is not None:
+        seen &= key > position - window - int(official)
+    if real is not None:
+        seen = seen & (real[:, None, :].cpu() | (key == position))
+    return seen[None, None] if seen.ndim == 2 else seen[:, None]
+
+
+def reference(q, k, v, pre, post, *, window, official, past=0, real=None):
+    """z by the formulas, one [b, h, t, s] tensor at a time."""
+    scores = torch.einsum("bthe,bshe->bhts", q, k) / q.shape[-1] ** 0.5
+    composed = compose(scores, pre)
+    seen = visible(q.shape[1], past, window, official, real).to(q.device)
+    pattern = composed.masked_fill(~seen, float("-inf")).softmax(-1)
+    return torch.einsum("bhts,bshe->bthe", compose(pattern, post), v)
+
+
+def make_inputs(b, t, h, e, rank, past=0, branches=("qp", "kp", "qg", "kg"), stages=("pre", "post"), seed=0):
+    """q, k, v and the dynamic weights (float64, of the sizes the model's are: w1 RMS-normalised, gates tanh)."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator, dtype=torch.float64) * scale).to(DEVICE)
+
+    s = past + t
+    q, k, v = draw(b, t, h, e), draw(b, s, h, e), draw(b, s, h, e)
+    stage_weights = {}
+    for stage in ("pre", "post"):
+        w1 = {"q": draw(b, t, rank, h), "k": draw(b, s, rank, h)}
+        w1 = {side: w / w.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() for side, w in w1.items()}
+        weights = (
+            w1["q"] if "qp" in branches else None,
+            draw(b, t, rank, h, scale=0.3) if "qp" in branches else None,
+            w1["k"] if "kp" in branches else None,
+            draw(b, s, rank, h, scale=0.3) if "kp" in branches else None,
+            draw(b, t, h).tanh() if "qg" in branches else None,
+            draw(b, s, h).tanh() if "kg" in branches else None,
+        )
+        stage_weights[stage] = weights if stage in stages else None
+    return q, k, v, stage_weights["pre"], stage_weights["post"]
+
+
+def flat(pre, post):
+    """The dynamic weights of both stages as one list, None for those that are off."""
+    return [*(pre or (None,) * 6), *(post or (None,) * 6)]
+
+
+def to(x, dtype, grad=False):
+    """A detached copy of x (a tensor or a stage's weights) in dtype, requiring grad when `grad`."""
+    if x is None:
+        return None
+    if isinstance(x, tuple):
+        return tuple(to(w, dtype, grad) for w in x)
+    return x.detach().to(dtype).requires_grad_(grad)
+
+
+def error(x, exact):
+    return (x.double() - exact).abs().max().item()
+
+
+def assert_as_exact(fused, single, exact, what):
+    """|fused - exact| <= TIMES_REFERENCE_ERROR |single - exact| + 8 eps max|exact|: fused and single (the reference
+    in the same dtype) against exact (float64), each by its largest error. The floor, a few float32 roundings of the
+    tensor's largest entry (8 eps: about 1e-6), is for sums with cancellations (the softmax's P (dP - D), summed
+    again into a weight's gradient): the reference's largest error may fall on a well-conditioned entry where the
+    fused path's falls on an ill-conditioned one, summed in another order. A wrong term errs by the entries' size."""
+    floor = 8 * torch.finfo(torch.float32).eps * exact.abs().max().item()
+    allowed = TIMES_REFERENCE_ERROR * error(single, exact) + floor
+    assert error(fused, exact) <= allowed, f"{what}: {error(fused, exact):.3g} > {allowed:.3g}"
+
+
+def check(
+    inputs, *, window=None, official=False, past=0, real=None, gradients=True, blocks=BLOCKS, dtype=torch.float32
+):
+    """The fused forward and the gradients of every input (for a random dz) against the float64 reference and the
+    reference in `dtype` (float32 unless told)."""
+    q, k, v, pre, post = inputs
+    options = dict(window=window, official=official, past=past, real=real)
+    runs = {}
+    for name, run_dtype in (("exact", torch.float64), ("single", dtype), ("fused", dtype)):
+        args = [to(x, run_dtype, gradients) for x in (q, k, v, pre, post)]
+        z = fused_dcmha(*args, **options, blocks=blocks) if name == "fused" else reference(*args, **options)
+        leaves = [x for x in args[:3] + flat(*args[3:]) if x is not None]
+        grads = []
+        if gradients:
+            dz = torch.randn(z.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEVICE)
+            grads = torch.autograd.grad(z, leaves, dz.to(run_dtype))
+        runs[name] = (z, grads)
+    assert_as_exact(runs["fused"][0], runs["single"][0], runs["exact"][0], "z")
+    names = [n for n, x in zip(["q", "k", "v"] + [f"{s} {b}" for s in ("pre", "post") for b in BRANCHES],
+                               [q, k, v, *flat(pre, post)], strict=True) if x is not None]  # fmt: skip
+    for i, name in enumerate(names if gradients else []):
+        assert_as_exact(runs["fused"][1][i], runs["single"][1][i], runs["exact"][1][i], f"d {name}")
+
+
+@pytest.mark.parametrize(
+    "b, t, h, e, rank",
+    [(2, 37, 3, 24, 2), (1, 40, 6, 16, 1), (2, 19, 4, 32, 2), (1, 33, 1, 16, 2)],
+    ids=["heads-3-dim-24", "heads-6-rank-1", "heads-4-dim-32", "one-head"],
+)
+def test_global_layer(b, t, h, e, rank):
+    check(make_inputs(b, t, h, e, rank))
+
+
+def test_default_blocks_at_a_large_models_width():
+    """32 heads of 128 (DCPythia-6.9B's), the default tiles, 3 new queries against 50 cached keys."""
+    check(make_inputs(1, 3, 32, 128, 2, past=50), past=50, blocks=triton_kernels.BLOCKS)
+
+
+@pytest.mark.parametrize("official", [False, True], ids=["training", "official-inference"])
+@pytest.mark.parametrize("window", [1, 5, 20])
+def test_local_window(window, official):
+    check(make_inputs(2, 35, 3, 16, 2), window=window, official=official)
+
+
+def test_padding():
+    """Left padding in one row, holes in the other: padded keys are hidden, except from their own query."""
+    real = torch.ones(2, 29, dtype=torch.bool)
+    real[0, :7] = False
+    real[1, [3, 4, 17, 28]] = False
+    check(make_inputs(2, 29, 3, 16, 2), real=real.to(DEVICE))
+
+
+@pytest.mark.parametrize(
+    "past, t, window",
+    [(30, 1, None), (27, 5, None), (40, 5, 8), (3, 16, 5)],
+    ids=["1-new", "5-new", "5-new-window", "16-new"],
+)
+def test_cache(past, t, window):
+    """Decoding: a few new queries (positions past ..) against every cached key, the key-side weights of all of them."""
+    real = torch.ones(1, past + t, dtype=torch.bool)
+    real[0, :2] = False
+    check(make_inputs(1, t, 4, 16, 2, past=past), past=past, window=window, real=real.to(DEVICE))
+
+
+def test_a_cache_filled_in_chunks():
+    """A prompt run in chunks of 9, 1, 16 and 5 queries, each against the keys so far (a window of 6), gives the z
+    of the whole prompt at once."""
+    q, k, v, pre, post = [to(x, torch.float32) for x in make_inputs(1, 31, 3, 16, 2)]
+    exact = reference(*[to(x, torch.float64) for x in (q, k, v, pre, post)], window=6, official=False)
+    single = reference(q, k, v, pre, post, window=6, official=False)
+    chunks = []
+    for start, end in [(0, 9), (9, 10), (10, 26), (26, 31)]:
+        stages = [
+            (w[0][:, start:end], w[1][:, start:end], w[2][:, :end], w[3][:, :end], w[4][:, start:end], w[5][:, :end])
+            for w in (pre, post)
+        ]
+        chunks.append(
+            fused_dcmha(q[:, start:end], k[:, :end], v[:, :end], *stages, window=6, official=False, past=start)
+        )
+    assert_as_exact(torch.cat(chunks, 1), single, exact, "z")
+
+
+@pytest.mark.parametrize(
+    "branches, stages",
+    [
+        (("qp",), ("pre", "post")),
+        (("kp",), ("pre", "post")),
+        (("qg",), ("pre", "post")),
+        (("kg",), ("pre", "post")),
+        (("qp", "kp", "qg", "kg"), ("post",)),
+        (("qp", "kp", "qg", "kg"), ("pre",)),
+        ((), ()),
+    ],
+    ids=["qp-alone", "kp-alone", "qg-alone", "kg-alone", "pre-off", "post-off", "plain-attention"],
+)
+def test_branches_on_and_off(branches, stages):
+    check(make_inputs(1, 21, 3, 16, 2, branches=branches, stages=stages))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision(dtype):
+    """Products in the half dtype, sums in float32: no further from float64 than the reference run in that dtype
+    (whose softmax and sums round in it too), forward and backward."""
+    q, k, v, pre, post = make_inputs(1, 24, 3, 16, 2)
+    assert fused_dcmha(*[to(x, dtype) for x in (q, k, v, pre, post)], window=None, official=False).dtype == dtype
+    check((q, k, v, pre, post), window=5, dtype=dtype)
+
+
+@given(data=st.data())
+@settings(
+    max_examples=40,
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+    phases=[Phase.explicit, Phase.generate],
+)
+@seed(0)  # fixed draws that do not depend on the test's source text (derandomize's would)
+def test_any_combination(data):
+    """Shapes, masks and branches drawn together: padding in a window against a cache, a stage with some branches."""
+    heads, dim, rank = (
+        data.draw(st.integers(1, 5)),
+        data.draw(st.sampled_from([16, 24, 40])),
+        data.draw(st.integers(1, 2)),
+    )
+    t, past = data.draw(st.integers(1, 24)), data.draw(st.sampled_from([0, 0, 3, 17]))
+    window = data.draw(st.sampled_from([None, 1, 4, 9]))
+    official = data.draw(st.booleans())
+    branches = data.draw(st.sets(st.sampled_from(["qp", "kp", "qg", "kg"])))
+    stages = data.draw(st.sets(st.sampled_from(["pre", "post"])))
+    real = torch.rand(1, past + t, generator=torch.Generator().manual_seed(t)) > data.draw(st.sampled_from([0.0, 0.3]))
+    inputs = make_inputs(1, t, heads, dim, rank, past=past, branches=branches, stages=stages, seed=t + past)
+    check(inputs, window=window, official=official, past=past, real=real.to(DEVICE))
+
+
+def test_keys_before_the_window_are_never_read():
+    """Decoding 5 queries after 40 cached keys with a window of 6: the keys before the first query's window are never
+    read (forward or backward): NaN in them and in their weights changes no bit, and their gradients stay 0."""
+    past, window = 40, 6
+    clean = [to(x, torch.float32) for x in make_inputs(1, 5, 3, 16, 2, past=past)]
+    poisoned = [to(x, torch.float32) for x in clean]
+    hidden = slice(0, past - window + 1)  # query `past` sees keys after past - window
+    for x in [poisoned[1], poisoned[2], *[w for i, w in enumerate(flat(*poisoned[3:])) if i % 6 in (2, 3, 5)]]:
+        x[:, hidden] = float("nan")
+    runs = []
+    for q, k, v, pre, post in (clean, poisoned):
+        inputs = [to(x, torch.float32, True) for x in (q, k, v, pre, post)]
+        z = fused_dcmha(*inputs, window=window, official=False, past=past, blocks=BLOCKS)
+        leaves = [x for x in inputs[:3] + flat(*inputs[3:]) if x is not None]
+        runs.append([z, *torch.autograd.grad(z, leaves, torch.ones_like(z))])
+    for first, second in zip(*runs, strict=True):
+        assert torch.equal(first, second)
+    assert not runs[1][2][:, hidden].any()  # dk
+
+
+def test_same_inputs_give_the_same_bits():
+    q, k, v, pre, post = [to(x, torch.float32, True) for x in make_inputs(1, 35, 3, 16, 2)]
+    leaves = [x for x in (q, k, v, *flat(pre, post)) if x is not None]
+    runs = []
+    for _ in range(2):
+        z = fused_dcmha(q, k, v, pre, post, window=7, official=False, blocks=BLOCKS)
+        runs.append([z, *torch.autograd.grad(z, leaves, torch.ones_like(z))])
+    for first, second in zip(*runs, strict=True):
+        assert torch.equal(first, second)
+
+
+def test_without_gradients_the_same_forward():
+    """Under no_grad the kernels run without the autograd.Function: the same z, bit for bit."""
+    inputs = [to(x, torch.float32, True) for x in make_inputs(1, 20, 3, 16, 1)]
+    z = fused_dcmha(*inputs, window=None, official=False, blocks=BLOCKS)
+    with torch.no_grad():
+        assert torch.equal(z, fused_dcmha(*inputs, window=None, official=False, blocks=BLOCKS))
+
+
+def test_views_give_what_contiguous_tensors_give():
+    """q, k, v as the model makes them (views of [h, b, p, e] tensors), key-side weights as views of key-last ones."""
+    q, k, v, pre, post = [to(x, torch.float32) for x in make_inputs(2, 18, 3, 16, 2)]
+    z = fused_dcmha(q, k, v, pre, post, window=None, official=False, blocks=BLOCKS)
+    views = [x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for x in (q, k, v)]
+    pre = (*pre[:2], *[w.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2) for w in pre[2:4]], *pre[4:])
+    assert not views[0].is_contiguous() and not pre[2].is_contiguous()
+    assert torch.equal(z, fused_dcmha(*views, pre, post, window=None, official=False, blocks=BLOCKS))
+
+
+def test_the_forward_saves_the_inputs_and_row_statistics_only():
+    """What autograd keeps for the backward: the inputs themselves and [b, h, t] statistics, nothing [t, s]-sized."""
+    inputs = [to(x, torch.float32, True) for x in make_inputs(2, 20, 3, 16, 2)]
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fused_dcmha(*inputs, window=None, official=False, blocks=BLOCKS)
+    leaves = [x for x in inputs[:3] + flat(*inputs[3:]) if x is not None]
+    statistics = [x for x in saved if not any(x is leaf for leaf in leaves)]
+    assert len(saved) == len(leaves) + len(statistics)
+    assert [tuple(x.shape) for x in statistics] == [(2, 3, 20)] * 2  # each (head, query)'s max and sum
+
+
+def test_second_derivatives_raise_clearly():
+    q, k, v, pre, post = [to(x, torch.float32, True) for x in make_inputs(1, 16, 2, 16, 1)]
+    z = fused_dcmha(q, k, v, pre, post, window=None, official=False, blocks=BLOCKS)
+    with pytest.raises(RuntimeError, match="materialised path"):
+        torch.autograd.grad(z.sum(), q, create_graph=True)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(k=lambda k: k[:, :-1]), "k and v must be"),
+        (dict(qw1=lambda w: w[:, :, :, :-1]), "pre qw1 must be"),
+        (dict(real=lambda r: r[:, :-1]), "real must be"),
+        (dict(blocks=(16, 24, 16)), "blocks must be"),
+        (dict(post=lambda weights: weights[:5]), "post must be"),
+        (dict(v=lambda v: v.double()), "q, k, v must share"),
+    ],
+    ids=["keys", "weight", "padding", "blocks", "stage", "dtype"],
+)
+def test_bad_input_says_which_argument(change, message):
+    q, k, v, pre, post = [to(x, torch.float32) for x in make_inputs(1, 16, 2, 16, 1)]
+    real = torch.ones(1, 16, dtype=torch.bool, device=DEVICE)
+    if "k" in change:
+        k, v = change["k"](k), change["k"](v)
+    if "qw1" in change:
+        pre = (change["qw1"](pre[0]), *pre[1:])
+    if "real" in change:
+        real = change["real"](real)
+    if "post" in change:
+        post = change["post"](post)
+    if "v" in change:
+        v = change["v"](v)
+    blocks = change.get("blocks", BLOCKS)
+    with pytest.raises(ValueError, match=f"^fused_dcmha: {message}"):
+        fused_dcmha(q, k, v, pre, post, window=None, official=False, real=real, blocks=blocks)
+
+
+BRANCH_OF = {"qw1": "qp", "qw2": "qp", "kw1": "kp", "kw2": "kp", "qg": "qg", "kg": "kg"}
+
+
+@pytest.mark.parametrize("name", ["dcformer-tiny", "dcpythia-tiny", "official-inference"])
+def test_the_models_layers(name):
+    """Each layer of the reference checkpoints (local and global layers, QK-norm, rotary), fed what the model's hooks
+    show (rotated q and k, v, each stage's dynamic weights), gives the z of the model's materialised path (hook_z
+    under run_with_cache), judged against the model run in float64."""
+    model = HookedDCFormer.from_pretrained(FIXTURES / ("dcpythia-tiny" if name == "official-inference" else name))
+    if name == "official-inference":
+        model.cfg.window = "official-inference"
+    tokens = torch.randint(0, model.cfg.d_vocab, (2, 21), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    _, single = model.run_with_cache(tokens)
+    _, exact = model.to(torch.float64).run_with_cache(tokens)
+    for layer, block in enumerate(model.blocks):
+        attn = f"blocks.{layer}.attn"
+        stages = [
+            None if compose is None else tuple(
+                single[f"{attn}.{compose.stage}_compose.hook_{w}"] if BRANCH_OF[w] in compose.branches else None
+                for w in BRANCHES
+            )
+            for compose in (block.attn.pre_compose, block.attn.post_compose)
+        ]  # fmt: skip
+        q, k, v = (single[f"{attn}.hook_{hook}"] for hook in ("rot_q", "rot_k", "v"))
+        official = model.cfg.window == "official-inference"
+        z = fused_dcmha(q, k, v, *stages, window=block.attn.window, official=official, blocks=BLOCKS)
+        assert_as_exact(z, single[f"{attn}.hook_z"], exact[f"{attn}.hook_z"], f"layer {layer} z")
+
+
+COMPILE_FOR_A_HOPPER_GPU = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dcinterp.dcmha import triton_kernels
+
+triton_kernels._decorate()
+constants = dict(HP=4, BQ=16, BK=16, BE=32, PADDING=True, HALF=True)
+constants.update({f"{stage}_{branch}": True for stage in ("PRE", "POST") for branch in ("QP", "KP", "QG", "KG")})
+scalars = dict(T="i32", S="i32", H="i32", E="i32", R="i32", past="i32", span="i32", scale="fp32")
+for name in ("_forward_kernel", "_backward_query_kernel", "_backward_key_kernel"):
+    kernel = getattr(triton_kernels, name)
+    signature = {
+        arg: "constexpr" if arg in constants else scalars.get(arg) or
+        ("*bf16" if arg in ("q", "k", "v", "dz") else "*i8" if arg == "real" else "*fp32")
+        for arg in kernel.arg_names
+    }
+    paths = {(kernel.arg_names.index(arg),): value for arg, value in constants.items()}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=paths)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=1))
+    assert compiled.metadata.shared <= 227 * 1024, (name, compiled.metadata.shared)
+"""
+
+
+def test_the_kernels_compile_for_a_hopper_gpu():
+    """Triton's compiler, without a GPU, takes each kernel down to an sm_90 binary (bfloat16, every branch on,
+    padding): what the interpreter never checks (layouts, 3D dots, shared memory) is checked here, in a process of
+    its own, where the kernels are decorated natively."""
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    environment["TRITON_DEFAULT_FP_FUSION"] = environment.get("TRITON_DEFAULT_FP_FUSION", "1")
+    run = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_A_HOPPER_GPU], env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
