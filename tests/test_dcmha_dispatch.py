@@ -11,6 +11,7 @@
   semantics, left padding, the key-value cache in chunks, float32 judged by float64 (tests/numerics.py).
 """
 
+import os
 import sys
 import types
 import warnings
@@ -18,6 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # the real kernels run under Triton's interpreter (read at their first use)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import dcinterp.dcmha as dcmha
 from dcinterp import DCFormerConfig, HookedDCFormer
@@ -278,6 +282,36 @@ def test_the_triton_path_equals_the_materialised_path(model, model64, kernels, o
     with all_branches_hooked(model64):
         exact = run(model64, tokens, mask, chunks)
     assert set(on_cuda[len(kernels.calls) :]) == {"materialised"}
+    for i, (a, b, c) in enumerate(zip(out, reference, exact, strict=True)):
+        assert_as_exact_as(a, b, c, f"{case} [{i}]")
+
+
+@pytest.fixture
+def real_kernels(monkeypatch):
+    """The Triton kernels themselves: natively with CUDA, else under Triton's interpreter (when TRITON_INTERPRET=1 was
+    set before their first use, as tests/test_triton_dcmha.py sets it for the whole run on a machine without CUDA)."""
+    triton_kernels = pytest.importorskip("dcinterp.dcmha.triton_kernels")
+    reason = triton_kernels.available(CUDA if torch.cuda.is_available() else CPU)
+    if reason is not None:
+        pytest.skip(reason)
+    monkeypatch.setattr(dcmha, "triton_unavailable", lambda device: None)
+    return triton_kernels
+
+
+@pytest.mark.parametrize("case", ["prompt, left padding", "cache"])
+def test_the_real_kernels_through_the_model_equal_the_materialised_path(model, model64, real_kernels, on_cuda, case):
+    """The model on the Triton path with the real kernels (not the stand-in): logits and every gradient."""
+    tokens = tokens_for(model, length=20)
+    mask = torch.ones_like(tokens)
+    if "padding" in case:
+        mask[1, :5] = 0
+    chunks = [(0, 12), (12, 17), (17, 20)] if case == "cache" else None
+    out = run(model, tokens, mask, chunks)
+    assert set(on_cuda) == {"triton"}
+    with all_branches_hooked(model):
+        reference = run(model, tokens, mask, chunks)
+    with all_branches_hooked(model64):
+        exact = run(model64, tokens, mask, chunks)
     for i, (a, b, c) in enumerate(zip(out, reference, exact, strict=True)):
         assert_as_exact_as(a, b, c, f"{case} [{i}]")
 
