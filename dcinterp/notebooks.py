@@ -113,8 +113,9 @@ def _typed_like(default, value: str, name: str):
     return value
 
 
-def check_parameters(parameters: dict) -> None:
-    """Check, before the kernel starts, the parameters this machine can check: the device."""
+def check_parameters(parameters: dict, notebook: Path | None = None) -> None:
+    """Check, before the kernel starts, the parameters this machine can check: the device, and the case study's
+    checkpoint, twin and head (`check_case_study`)."""
     from .devices import check_device
 
     if isinstance(parameters.get("device"), str):
@@ -122,6 +123,91 @@ def check_parameters(parameters: dict) -> None:
             check_device(parameters["device"])
         except ValueError as error:
             raise NotebookError(f"-p device: {error}") from None
+    if notebook is not None and notebook.stem == "case_study":
+        values = {**notebook_parameters(notebook), **parameters}
+        check_case_study(
+            values["checkpoint"], values["prompt"], values["twin_checkpoint"], values["layer"], values["head"]
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# The case study's parameters, checked before any model runs
+# An embedded model's plain-MHA twin, explained beside it when the case study names no other.
+EMBEDDED_TWINS = {"dcpythia-synth": "pythia-synth"}
+
+
+def check_case_study(checkpoint, prompt: str, twin_checkpoint=None, layer=None, head=None):
+    """Check the case study's checkpoint, twin and head from config.json and tokenizer alone (no weights loaded).
+
+    Returns (twin, layer, head): the twin to explain beside the model (`twin_checkpoint`; None: the embedded model's
+    own twin, none for a checkpoint directory; "": none) or None, and the head to follow as integers (or None: the
+    head integrated gradients rank first). Raises a NotebookError naming the parameter at fault: a twin whose
+    tokenizer reads the prompt as other tokens, a layer or head out of range, one given without the other."""
+    cfg = _config(checkpoint, "checkpoint")
+    if twin_checkpoint is None:
+        twin_checkpoint = EMBEDDED_TWINS.get(str(checkpoint), "")
+    twin = str(twin_checkpoint) or None
+    if twin is not None:
+        twin_cfg = _config(twin, "twin_checkpoint")
+        if (twin_cfg.n_layers, twin_cfg.n_heads) != (cfg.n_layers, cfg.n_heads):
+            raise NotebookError(
+                f"twin_checkpoint={twin}: {twin_cfg.n_layers} layers x {twin_cfg.n_heads} heads, the model "
+                f"{cfg.n_layers} x {cfg.n_heads}"
+            )
+        ours = _prompt_pieces(checkpoint, cfg, prompt, "checkpoint")
+        theirs = _prompt_pieces(twin, twin_cfg, prompt, "twin_checkpoint")
+        if ours != theirs:
+            pairs = enumerate(zip(ours, theirs, strict=False))
+            at = next((i for i, (a, b) in pairs if a != b), min(len(ours), len(theirs)))
+            raise NotebookError(
+                f"twin_checkpoint={twin}: its tokenizer reads the prompt as other tokens than the model's "
+                f"({len(theirs)} tokens against {len(ours)}; from token {at}: "
+                f"{theirs[at : at + 3]} against {ours[at : at + 3]}); name a twin with the same tokenizer, "
+                "or none with -p twin_checkpoint ''"
+            )
+    if (layer is None) != (head is None):
+        given, missing = ("layer", "head") if head is None else ("head", "layer")
+        raise NotebookError(f"{given} is given without {missing}: name both (e.g. -p layer 16 -p head 11), or neither")
+    if layer is not None:
+        layer = _index(layer, cfg.n_layers, "layer", "layers")
+        head = _index(head, cfg.n_heads, "head", "heads")
+    return twin, layer, head
+
+
+def _config(checkpoint, name: str):
+    from .loading import CheckpointError, load_config
+
+    try:
+        return load_config(checkpoint)
+    except CheckpointError as error:
+        raise NotebookError(f"{name}: {error}") from None
+
+
+def _prompt_pieces(checkpoint, cfg, prompt: str, name: str) -> list[str]:
+    """The prompt's tokens as `to_tokens` reads them (a BOS where the config prepends one), as strings."""
+    from .loading import CheckpointError, load_tokenizer, resolve_checkpoint
+
+    try:
+        tokenizer = load_tokenizer(resolve_checkpoint(checkpoint))
+    except CheckpointError as error:
+        raise NotebookError(f"{name}: {error}") from None
+    if tokenizer is None:
+        raise NotebookError(f"{name}: the checkpoint has no tokenizer (tokenizer.json), so it cannot read the prompt")
+    ids = tokenizer(prompt)["input_ids"]
+    if cfg.default_prepend_bos and ids[:1] != [tokenizer.bos_token_id]:
+        ids = [tokenizer.bos_token_id, *ids]
+    return tokenizer.convert_ids_to_tokens(ids)
+
+
+def _index(value, size: int, name: str, plural: str) -> int:
+    """A layer or head index from a parameter (`-p layer 16` arrives as the string "16"), checked against the model."""
+    try:
+        index = int(value)
+    except (TypeError, ValueError):
+        raise NotebookError(f"{name}={value!r}: expected an integer from 0 to {size - 1}") from None
+    if not 0 <= index < size:
+        raise NotebookError(f"{name}={index}: the model has {size} {plural} (0 to {size - 1})")
+    return index
 
 
 # --------------------------------------------------------------------------------------------------
@@ -256,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         figures = args.figures if args.figures is not None else Path(parameters.get("figures_dir", out.parent))
         check_writable_file(out, "--out")
         check_writable_dir(figures, "--figures")
-        check_parameters(parameters)
+        check_parameters(parameters, notebook)
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
