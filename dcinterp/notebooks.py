@@ -149,11 +149,6 @@ def check_case_study(checkpoint, prompt: str, twin_checkpoint=None, layer=None, 
     twin = str(twin_checkpoint) or None
     if twin is not None:
         twin_cfg = _config(twin, "twin_checkpoint")
-        if (twin_cfg.n_layers, twin_cfg.n_heads) != (cfg.n_layers, cfg.n_heads):
-            raise NotebookError(
-                f"twin_checkpoint={twin}: {twin_cfg.n_layers} layers x {twin_cfg.n_heads} heads, the model "
-                f"{cfg.n_layers} x {cfg.n_heads}"
-            )
         ours = _prompt_pieces(checkpoint, cfg, prompt, "checkpoint")
         theirs = _prompt_pieces(twin, twin_cfg, prompt, "twin_checkpoint")
         if ours != theirs:
