@@ -107,6 +107,10 @@ def test_the_comparison_with_the_site_copy_forgives_rounding_only():
     committed = site_copies("L1H2: A = 0.224 -> A' = 0.337 (relative gap 1.5e-07); 12 heads, delta -0.0001")
     rounding = "L1H2:  A = 0.225 -> A' = 0.336 (relative gap 3.1e-08); 12 heads, delta +0.0000"  # another CPU
     assert rendered_differences(site_copies(rounding), committed) == []
+    split = site_copies("L1H2: A = 0.224 -> A' = 0.3")  # the same print, flushed in two pieces
+    split.cells[0].outputs.insert(1, nbformat.v4.new_output("stream", name="stdout", text="37 (relative gap 1.5e-07)"))
+    split.cells[0].outputs[1].text += "; 12 heads, delta -0.0001"
+    assert rendered_differences(split, committed) == []
     for changed in [
         "L1H2: A = 0.231 -> A' = 0.337 (relative gap 1.5e-07); 12 heads, delta -0.0001",  # a number moved
         "L1H0: A = 0.224 -> A' = 0.337 (relative gap 1.5e-07); 12 heads, delta -0.0001",  # another head
