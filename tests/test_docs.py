@@ -280,8 +280,11 @@ def test_notebook_pages_show_their_outputs(site):
         notebook = nbformat.read(RENDERED_DIR / f"{name}.ipynb", as_version=4)
         images = sum("image/png" in o.get("data", {}) for cell in notebook.cells for o in cell.get("outputs", []))
         assert images and page.count('src="data:image/png;base64,') == images, f"{name}: {images} figures"
-        printed = next(o.text for c in notebook.cells for o in c.get("outputs", []) if o.output_type == "stream")
-        assert html.escape(printed.splitlines()[0], quote=False) in page, f"{name}: its printed output is not shown"
+        outputs = [output for cell in notebook.cells for output in cell.get("outputs", [])]
+        for printed in [o.text.splitlines()[0] for o in outputs if o.output_type == "stream"][:3]:
+            assert html.escape(printed, quote=False) in page, f"{name}: its printed output {printed!r} is not shown"
+        tables = sum('class="dataframe"' in o.get("data", {}).get("text/html", "") for o in outputs)
+        assert page.count('class="dataframe"') == tables, f"{name}: {tables} tables"
         assert "python -m dcinterp.notebooks render" in page and f"dcinterp.notebooks run {name}" in page
         assert path.stat().st_size < 3_000_000, f"{name}: {path.stat().st_size / 1e6:.1f} MB"
         assert (path.parent / f"{name}.ipynb").is_file(), f"{name}: the notebook is not offered for download"
