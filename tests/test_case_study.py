@@ -8,7 +8,7 @@ import torch
 
 from dcinterp import DCFormerConfig, HookedDCFormer
 from dcinterp.checks import word_pieces
-from dcinterp.notebooks import main, run_notebook
+from dcinterp.notebooks import check_case_study, main, run_notebook
 from dcinterp.random_checkpoint import DCPYTHIA_6_9B, PYTHIA_6_9B, scaled, write_random_checkpoint, write_tokenizer
 from tests.bpe import byte_level_bpe
 
@@ -153,3 +153,11 @@ def test_a_local_layer_that_cannot_reach_the_key_is_refused_before_the_attributi
     assert "layer=0: a local layer whose window (8 tokens) ends before key_token='burger'" in err, err
     executed = nbformat.read(tmp_path / "out.ipynb", as_version=4)
     assert not any("HeadAttribution" in str(cell.get("outputs")) for cell in executed.cells)
+
+
+def test_the_twin_by_default_is_the_embedded_models_own_and_none_for_a_directory(released):
+    model, twin = released
+    assert check_case_study("dcpythia-synth", PROMPT) == ("pythia-synth", None, None)
+    assert check_case_study("dcpythia-synth", PROMPT, twin_checkpoint="") == (None, None, None)
+    assert check_case_study(model, PAPER_PROMPT) == (None, None, None)
+    assert check_case_study(model, PAPER_PROMPT, str(twin), "1", "2") == (str(twin), 1, 2)
