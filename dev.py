@@ -4,6 +4,7 @@
     python3 dev.py demo      # the main job: score the embedded models on the released synthetic tasks
     python3 dev.py test      # the whole test suite
     python3 dev.py notebook NOTEBOOK [-p NAME VALUE ...]   # run one notebook with parameters
+    python3 dev.py notebook render [NAME ...]             # the docs site's copies of the notebooks, with outputs
     python3 dev.py docs      # serve the documentation site at http://127.0.0.1:8000, rebuilt on every save
     python3 dev.py docs build    # build it (strictly, as mkdocs.yml says) into site/
 
@@ -58,6 +59,8 @@ def main(argv: list[str]) -> int:
         cmd = [PYTHON, "-m", "dcinterp.synth", "eval", *rest]
     elif command == "test":
         cmd = [PYTHON, "-m", "pytest", "-q", *rest]
+    elif command == "notebook" and rest[:1] == ["render"]:
+        cmd = [PYTHON, "-m", "dcinterp.notebooks", *rest]
     elif command == "notebook":
         cmd = [PYTHON, "-m", "dcinterp.notebooks", "run", *rest]
     elif command == "docs":  # mkdocs from the venv (it is not on the PATH): `serve` unless told otherwise

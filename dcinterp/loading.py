@@ -60,24 +60,10 @@ def load_pretrained(
     `model_class`: the class to build (`HookedDCFormer.from_pretrained` passes itself).
     """
     directory = resolve_checkpoint(path_or_name)
-    config_file = directory / "config.json"
-    raw = read_json(config_file)
+    raw = read_json(directory / "config.json")
     model_type = raw.get("model_type")
     dtype = resolve_dtype(dtype)
-    if model_type == "dcinterp":
-        try:
-            values = {k: v for k, v in raw.items() if k not in ("model_type", "weight_processing")}
-            cfg = DCFormerConfig.from_dict(values, source=str(config_file))
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{config_file}: {e}") from None
-        convert = convert_own
-    elif model_type in ("dcpythia", "dcformer"):
-        cfg, convert = config_from_official(raw, config_file), convert_official
-    elif model_type == "gpt_neox":
-        cfg, convert = config_from_gpt_neox(raw, config_file), convert_gpt_neox
-    else:
-        known = ["dcinterp", "dcpythia", "dcformer", "gpt_neox"]
-        raise CheckpointError(f"{config_file}: unknown model_type {model_type!r} (known: {', '.join(known)})")
+    cfg, convert = _config_and_converter(raw, directory / "config.json")
     cfg.dtype = dtype
 
     with torch.device("meta"):
@@ -105,6 +91,29 @@ def load_pretrained(
         model.process_weights_(**processing)
     dispatch(model, device_map, offload_folder)
     return model.eval().requires_grad_(False)  # inference: no autograd graph over the weights
+
+
+def load_config(path_or_name) -> DCFormerConfig:
+    """The configuration of a checkpoint directory or embedded model, read from its config.json alone (no weights)."""
+    config_file = resolve_checkpoint(path_or_name) / "config.json"
+    return _config_and_converter(read_json(config_file), config_file)[0]
+
+
+def _config_and_converter(raw: dict, config_file: Path):
+    """The config.json's model configuration, and the function that converts its checkpoint's tensors."""
+    model_type = raw.get("model_type")
+    if model_type == "dcinterp":
+        try:
+            values = {k: v for k, v in raw.items() if k not in ("model_type", "weight_processing")}
+            return DCFormerConfig.from_dict(values, source=str(config_file)), convert_own
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{config_file}: {e}") from None
+    if model_type in ("dcpythia", "dcformer"):
+        return config_from_official(raw, config_file), convert_official
+    if model_type == "gpt_neox":
+        return config_from_gpt_neox(raw, config_file), convert_gpt_neox
+    known = ["dcinterp", "dcpythia", "dcformer", "gpt_neox"]
+    raise CheckpointError(f"{config_file}: unknown model_type {model_type!r} (known: {', '.join(known)})")
 
 
 def add_folded_biases(model: HookedDCFormer, files: "CheckpointFiles") -> None:

@@ -1,19 +1,28 @@
 """Run the project's notebooks with parameters (papermill), e.g. on your own checkpoint.
 
     python -m dcinterp.notebooks list
-    python -m dcinterp.notebooks run case_study -p checkpoint /models/DCPythia-6.9B -p device cuda -p dtype bfloat16
+    python -m dcinterp.notebooks run case_study -p checkpoint /models/DCPythia-6.9B -p device cuda -p dtype bfloat16 \
+        -p twin_checkpoint /models/pythia-6.9b -p layer 16 -p head 11 -p prompt "... Michelle owns a kind of"
     python -m dcinterp.notebooks run synthetic_eval -y "{limit: 74, checkpoints: [dcpythia-synth]}" --out out/eval.ipynb
     python -m dcinterp.notebooks run head_diversity --figures figures     # re-render the repository's figures
+    python -m dcinterp.notebooks render                  # the docs site's copies, with outputs (docs/notebooks/)
 
 Parameters: each notebook has a cell tagged `parameters` (`run NAME --help-parameters` lists them).
 `-p NAME VALUE` passes VALUE as typed, as a string (line breaks, quotes and ": " included); only where the
 notebook's default is a number or a boolean is VALUE read as one. `-y YAML` passes a YAML mapping of parameters,
-for lists, dicts, None and numbers where the default is None. A name the notebook does not have is refused.
+for lists, dicts, None and numbers where the default is None. A name the notebook does not have is refused; the
+case study's twin, layer and head are checked against the checkpoints before the kernel starts (`check_case_study`).
 
 Where things go: the executed notebook to `--out` (default `out/notebooks/<name>.ipynb`), its figures next to it
 (or to `--figures DIR`); the repository's `figures/` is written only when `--figures` names it. Both are checked
 before the notebook starts. The kernel runs in the current directory, so relative paths in parameters mean what
 they mean here. Each cell's output streams to the console as it runs.
+
+`render [NAME ...]` executes the notebooks on the embedded models with the parameters the site shows
+(`SITE_PARAMETERS`) and writes the executed copies, outputs included, to `docs/notebooks/<name>.ipynb`: the site's
+notebook pages. Run it after changing a notebook, a figure or the code they call (about a minute for all six on two
+CPU cores); the tests re-execute each notebook and compare its outputs with the committed copy (`rendered_differences`).
+`render --check` does that comparison without writing anything.
 
 Exit status: 0 success, 1 a cell raised (one line: the cell and the error), 2 bad arguments (one line, nothing run).
 """
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 import ast
 import logging
+import re
 import sys
 import time
 from pathlib import Path
@@ -113,8 +123,9 @@ def _typed_like(default, value: str, name: str):
     return value
 
 
-def check_parameters(parameters: dict) -> None:
-    """Check, before the kernel starts, the parameters this machine can check: the device."""
+def check_parameters(parameters: dict, notebook: Path | None = None) -> None:
+    """Check, before the kernel starts, the parameters this machine can check: the device, and the case study's
+    checkpoint, twin and head (`check_case_study`)."""
     from .devices import check_device
 
     if isinstance(parameters.get("device"), str):
@@ -122,6 +133,86 @@ def check_parameters(parameters: dict) -> None:
             check_device(parameters["device"])
         except ValueError as error:
             raise NotebookError(f"-p device: {error}") from None
+    if notebook is not None and notebook.stem == "case_study":
+        values = {**notebook_parameters(notebook), **parameters}
+        check_case_study(
+            values["checkpoint"], values["prompt"], values["twin_checkpoint"], values["layer"], values["head"]
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# The case study's parameters, checked before any model runs
+# An embedded model's plain-MHA twin, explained beside it when the case study names no other.
+EMBEDDED_TWINS = {"dcpythia-synth": "pythia-synth"}
+
+
+def check_case_study(checkpoint, prompt: str, twin_checkpoint=None, layer=None, head=None):
+    """Check the case study's checkpoint, twin and head from config.json and tokenizer alone (no weights loaded).
+
+    Returns (twin, layer, head): the twin to explain beside the model (`twin_checkpoint`; None: the embedded model's
+    own twin, none for a checkpoint directory; "": none) or None, and the head to follow as integers (or None: the
+    head integrated gradients rank first). Raises a NotebookError naming the parameter at fault: a twin whose
+    tokenizer reads the prompt as other tokens, a layer or head out of range, one given without the other."""
+    cfg = _config(checkpoint, "checkpoint")
+    if twin_checkpoint is None:
+        twin_checkpoint = EMBEDDED_TWINS.get(str(checkpoint), "")
+    twin = str(twin_checkpoint) or None
+    if twin is not None:
+        twin_cfg = _config(twin, "twin_checkpoint")
+        ours = _prompt_pieces(checkpoint, cfg, prompt, "checkpoint")
+        theirs = _prompt_pieces(twin, twin_cfg, prompt, "twin_checkpoint")
+        if ours != theirs:
+            pairs = enumerate(zip(ours, theirs, strict=False))
+            at = next((i for i, (a, b) in pairs if a != b), min(len(ours), len(theirs)))
+            raise NotebookError(
+                f"twin_checkpoint={twin}: its tokenizer reads the prompt as other tokens than the model's "
+                f"({len(theirs)} tokens against {len(ours)}; from token {at}: "
+                f"{theirs[at : at + 3]} against {ours[at : at + 3]}); name a twin with the same tokenizer, "
+                "or none with -p twin_checkpoint ''"
+            )
+    if (layer is None) != (head is None):
+        given, missing = ("layer", "head") if head is None else ("head", "layer")
+        raise NotebookError(f"{given} is given without {missing}: name both (e.g. -p layer 16 -p head 11), or neither")
+    if layer is not None:
+        layer = _index(layer, cfg.n_layers, "layer", "layers")
+        head = _index(head, cfg.n_heads, "head", "heads")
+    return twin, layer, head
+
+
+def _config(checkpoint, name: str):
+    from .loading import CheckpointError, load_config
+
+    try:
+        return load_config(checkpoint)
+    except CheckpointError as error:
+        raise NotebookError(f"{name}: {error}") from None
+
+
+def _prompt_pieces(checkpoint, cfg, prompt: str, name: str) -> list[str]:
+    """The prompt's tokens as `to_tokens` reads them (a BOS where the config prepends one), as strings."""
+    from .loading import CheckpointError, load_tokenizer, resolve_checkpoint
+
+    try:
+        tokenizer = load_tokenizer(resolve_checkpoint(checkpoint))
+    except CheckpointError as error:
+        raise NotebookError(f"{name}: {error}") from None
+    if tokenizer is None:
+        raise NotebookError(f"{name}: the checkpoint has no tokenizer (tokenizer.json), so it cannot read the prompt")
+    ids = tokenizer(prompt)["input_ids"]
+    if cfg.default_prepend_bos and ids[:1] != [tokenizer.bos_token_id]:
+        ids = [tokenizer.bos_token_id, *ids]
+    return tokenizer.convert_ids_to_tokens(ids)
+
+
+def _index(value, size: int, name: str, plural: str) -> int:
+    """A layer or head index from a parameter (`-p layer 16` arrives as the string "16"), checked against the model."""
+    try:
+        index = int(value)
+    except (TypeError, ValueError):
+        raise NotebookError(f"{name}={value!r}: expected an integer from 0 to {size - 1}") from None
+    if not 0 <= index < size:
+        raise NotebookError(f"{name}={index}: the model has {size} {plural} (0 to {size - 1})")
+    return index
 
 
 # --------------------------------------------------------------------------------------------------
@@ -190,6 +281,175 @@ def written_since(directory: Path, start: float) -> list[Path]:
 
 
 # --------------------------------------------------------------------------------------------------
+# The docs site's copies, with outputs
+RENDERED_DIR = Path(__file__).resolve().parent.parent / "docs" / "notebooks"
+# What the site's copies are run with: the notebook's defaults where they take seconds on the CPU; smaller where the
+# full run takes minutes (each page says so, and gives the command of the full run). The tests run the same.
+SITE_PARAMETERS = {
+    "case_study": {"n_steps": 16},
+    "synthetic_eval": {"limit": 74},
+    "composition_maps": {},
+    "head_diversity": {},
+    "branch_analysis": {"tasks": "2,10", "pairs_per_task": 2, "ablation_samples": 12},
+    "circuit_discovery": {"tasks": "2", "pairs_per_task": 2, "n_steps": 2, "exact_top": 6},
+}
+_FIGURES_SHOWN_AS = "figures"  # the figures folder, as the site's copies name it (the run's is a temporary one)
+
+
+def render(names=None, out_dir=RENDERED_DIR, log_output: bool = False) -> list[Path]:
+    """Execute each notebook with its `SITE_PARAMETERS` and write its site copy (`site_copy`) to `out_dir`."""
+    import tempfile
+
+    import nbformat
+
+    written = []
+    for name in names or sorted(SITE_PARAMETERS):
+        with tempfile.TemporaryDirectory(prefix=f"render-{name}-") as scratch:
+            figures = Path(scratch) / "figures"
+            executed = run_notebook(
+                name,
+                SITE_PARAMETERS[name],
+                Path(scratch) / f"{name}.ipynb",
+                figures,
+                cwd=scratch,
+                log_output=log_output,
+            )
+            copy = site_copy(nbformat.read(executed, as_version=4), name, figures)
+        out = Path(out_dir) / f"{name}.ipynb"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(copy, out)
+        written.append(out)
+    return written
+
+
+def site_copy(executed, name: str, figures: Path):
+    """The executed notebook as the site shows it: a note of the parameters it ran with (and the full run's command)
+    after the title; the run's figures folder named `figures`; no stderr (progress bars, timings) and no execution
+    timestamps, so that rendering twice gives the same file."""
+    import nbformat
+
+    notebook = nbformat.from_dict(executed)  # a copy
+    for cell in notebook.cells:
+        for key in ("execution", "papermill"):
+            cell.metadata.pop(key, None)
+        cell.source = cell.source.replace(str(figures.resolve()), _FIGURES_SHOWN_AS)
+        if cell.cell_type != "code":
+            continue
+        outputs = []
+        for output in cell.outputs:
+            if output.output_type == "stream" and output.name == "stderr":
+                continue
+            if output.output_type == "stream":
+                output.text = output.text.replace(str(figures.resolve()), _FIGURES_SHOWN_AS)
+                if outputs and outputs[-1].output_type == "stream":  # one print split by when it was flushed
+                    outputs[-1].text += output.text
+                    continue
+            outputs.append(output)
+        cell.outputs = outputs
+    notebook.metadata.pop("papermill", None)
+    for cell in notebook.cells:
+        if "injected-parameters" in cell.metadata.get("tags", []):  # papermill's: the run's scratch figures_dir
+            cell.source = "\n".join(line for line in cell.source.splitlines() if not line.startswith("figures_dir ="))
+            cell.id = f"{name}-injected-parameters"  # papermill draws a new one each run
+    notebook.cells = [cell for cell in notebook.cells if cell.source.strip() not in ("", "# Parameters")]
+    notebook.cells.insert(1, nbformat.v4.new_markdown_cell(_site_note(name), id=f"{name}-site-note"))
+    return notebook
+
+
+def _site_note(name: str) -> str:
+    parameters = SITE_PARAMETERS[name]
+    defaults = notebook_parameters(resolve(name))
+    command = f"python -m dcinterp.notebooks run {name}"
+    if not parameters:
+        how = "with its default parameters"
+    else:
+        changed = ", ".join(f"`{key}={value!r}` (default `{defaults[key]!r}`)" for key, value in parameters.items())
+        how = f"with {changed}, smaller than its default run to keep the page's run short"
+    return (
+        f"*This page is the notebook as `python -m dcinterp.notebooks render` executed it on the embedded models, "
+        f"{how}; figures went to a scratch folder (shown as `{_FIGURES_SHOWN_AS}`). "
+        f"To run it yourself at full size: `{command}` (`--help-parameters` lists what it takes).*"
+    )
+
+
+_NUMBER = re.compile(r"(?<![\w.])[-+]?(\d+)(?:\.(\d+))?(?:[eE]([-+]?\d+))?(?!\w)")
+
+
+def rendered_differences(fresh, committed) -> list[str]:
+    """What differs between two site copies of a notebook (`site_copy`), one line each; [] when they agree.
+
+    Cells' sources must be identical. Text outputs (streams and `text/plain`) must read the same once runs of
+    whitespace are collapsed, word for word, and number for number within the rounding of another CPU: integers
+    (counts, indices) exactly; other numbers when they differ by at most 2 units of their last printed digit plus
+    1e-4 of their size (a float32 printed in full, 22.153275, after long sums that another CPU orders otherwise),
+    or when both are below 1e-4 (float32 rounding errors themselves, "relative gap 1.5e-07").
+    Each cell must show as many images (PNG) as before; their pixels are not compared."""
+    problems = []
+    if len(fresh.cells) != len(committed.cells):
+        return [f"{len(fresh.cells)} cells, the committed copy {len(committed.cells)}"]
+    for index, (new, old) in enumerate(zip(fresh.cells, committed.cells, strict=True)):
+        where = f"cell {index}"
+        if new.source != old.source:
+            problems.append(f"{where}: the source differs")
+            continue
+        if new.cell_type != "code":
+            continue
+        if _images(new) != _images(old):
+            problems.append(f"{where}: {_images(new)} images, the committed copy {_images(old)}")
+        new_text, old_text = _text(new), _text(old)
+        new_words, new_numbers = _skeleton(new_text)
+        old_words, old_numbers = _skeleton(old_text)
+        if new_words != old_words:
+            problems.append(f"{where}: the text differs: {_first_difference(new_words, old_words)}")
+            continue
+        for (a, a_unit), (b, b_unit) in zip(new_numbers, old_numbers, strict=True):
+            if not (abs(a - b) <= 2 * max(a_unit, b_unit) + 1e-4 * max(abs(a), abs(b)) or max(abs(a), abs(b)) < 1e-4):
+                problems.append(f"{where}: {a!r} where the committed copy has {b!r}")
+                break
+    return problems
+
+
+def _images(cell) -> int:
+    return sum("image/png" in output.get("data", {}) for output in cell.outputs)
+
+
+def _text(cell) -> str:
+    parts, previous = [], None
+    for output in cell.outputs:
+        if output.output_type == "stream" and previous == "stream":
+            parts[-1] += output.text  # one print may come in two streams, split by when it was flushed
+        elif output.output_type == "stream":
+            parts.append(output.text)
+        elif "text/plain" in output.get("data", {}):
+            parts.append(output.data["text/plain"])
+        elif output.output_type == "error":
+            parts.append(f"{output.ename}: {output.evalue}")
+        previous = output.output_type
+    return "\n".join(parts)
+
+
+def _skeleton(text: str) -> tuple[str, list[tuple[float, float]]]:
+    """The text with every number replaced by '#' and whitespace collapsed; the numbers, each with the size of a
+    unit of its last printed digit (0 for an integer)."""
+    numbers = []
+
+    def take(match):
+        decimals, exponent = match.group(2), match.group(3)
+        if decimals is None and exponent is None:  # an integer: a count or an index, exact
+            numbers.append((float(match.group(0)), 0.0))
+        else:
+            numbers.append((float(match.group(0)), 10.0 ** (int(exponent or 0) - len(decimals or ""))))
+        return "#"
+
+    return " ".join(_NUMBER.sub(take, text).split()), numbers
+
+
+def _first_difference(new: str, old: str) -> str:
+    at = next((i for i, (a, b) in enumerate(zip(new, old, strict=False)) if a != b), min(len(new), len(old)))
+    return f"{new[max(0, at - 40) : at + 40]!r}, the committed copy {old[max(0, at - 40) : at + 40]!r}"
+
+
+# --------------------------------------------------------------------------------------------------
 # Command line
 def build_parser() -> Parser:
     parser = Parser(
@@ -230,6 +490,13 @@ def build_parser() -> Parser:
     )
     run.add_argument("--help-parameters", action="store_true", help="list the notebook's parameters and exit")
     run.add_argument("--quiet", action="store_true", help="do not stream the cells' output")
+    render_command = commands.add_parser(
+        "render", help="execute the notebooks as the docs site shows them and write docs/notebooks/<name>.ipynb"
+    )
+    render_command.add_argument("notebooks", nargs="*", metavar="NAME", help="which (default: all)")
+    render_command.add_argument(
+        "--check", action="store_true", help="compare fresh runs with the committed copies instead of writing"
+    )
     return parser
 
 
@@ -245,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
         for path in available():
             print(path.stem)
         return 0
+    if args.command == "render":
+        return _render_command(args.notebooks, args.check)
     try:
         notebook = resolve(args.notebook)
         if args.help_parameters:
@@ -256,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         figures = args.figures if args.figures is not None else Path(parameters.get("figures_dir", out.parent))
         check_writable_file(out, "--out")
         check_writable_dir(figures, "--figures")
-        check_parameters(parameters)
+        check_parameters(parameters, notebook)
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -279,6 +548,48 @@ def main(argv: list[str] | None = None) -> int:
     for path in written_since(figures, start):
         print(f"  wrote {path}")
     return 0
+
+
+def _render_command(names: list[str], check: bool) -> int:
+    import tempfile
+
+    import nbformat
+    import papermill
+
+    if not RENDERED_DIR.parent.is_dir():
+        print(f"error: render writes the docs site's copies into a checkout: no {RENDERED_DIR.parent}", file=sys.stderr)
+        return 2
+    unknown = [name for name in names if name not in SITE_PARAMETERS]
+    if unknown:
+        print(
+            f"error: render {unknown[0]}: no such notebook (available: {', '.join(SITE_PARAMETERS)})", file=sys.stderr
+        )
+        return 2
+    failed = 0
+    for name in names or sorted(SITE_PARAMETERS):
+        start = time.time()
+        with tempfile.TemporaryDirectory() as scratch:
+            try:
+                (out,) = render([name], Path(scratch) if check else RENDERED_DIR)
+            except papermill.PapermillExecutionError as error:
+                print(f"error: {name}: cell {error.exec_count} raised {error.ename}: {error.evalue}", file=sys.stderr)
+                return 1
+            if not check:
+                print(f"rendered {name} -> {out} ({time.time() - start:.0f} s)")
+                continue
+            committed = RENDERED_DIR / f"{name}.ipynb"
+            if not committed.is_file():
+                problems = [f"{committed} is missing"]
+            else:
+                fresh = nbformat.read(out, as_version=4)
+                problems = rendered_differences(fresh, nbformat.read(committed, as_version=4))
+        for problem in problems:
+            print(f"{name}: {problem}", file=sys.stderr)
+        failed += bool(problems)
+        print(f"{name}: {'differs' if problems else 'matches'} the committed copy ({time.time() - start:.0f} s)")
+    if failed:
+        print("error: re-render with: python -m dcinterp.notebooks render", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
+import nbformat
 import pytest
 import yaml
 
@@ -251,14 +252,42 @@ def test_the_guides_examples_run():
     plt.close("all")
 
 
+# A notebook page's article is nbconvert's HTML (mkdocs-jupyter): its own styles, scripts and copy buttons.
+NOTEBOOK_MARKUP = ("a <style>", "a <script>", "<clipboard-copy>")
+
+
 def test_pages_read_as_their_source(site):
     problems = []
     for path in site_pages(site):
         page = RenderedPage.read(path)
-        problems += [f"{path.relative_to(site)}: {problem}" for problem in page.problems]
+        found = page.problems
+        if path.parent.parent == site / "notebooks":
+            found = [problem for problem in found if not problem.startswith(NOTEBOOK_MARKUP)]
+        problems += [f"{path.relative_to(site)}: {problem}" for problem in found]
         if path.name != "404.html":
             assert page.title.strip(), f"{path.relative_to(site)} has no <title>"
     assert not problems, "\n".join(problems)
+
+
+def test_notebook_pages_show_their_outputs(site):
+    """Each notebook is a page with the outputs of its site copy (docs/notebooks/, `dcinterp.notebooks render`):
+    its printed text, its figures inline, the note of how it was run; a reasonable size; its notebook downloadable."""
+    from dcinterp.notebooks import RENDERED_DIR, SITE_PARAMETERS
+
+    for name in SITE_PARAMETERS:
+        path = site / "notebooks" / name / "index.html"
+        page = path.read_text(encoding="utf-8")
+        notebook = nbformat.read(RENDERED_DIR / f"{name}.ipynb", as_version=4)
+        images = sum("image/png" in o.get("data", {}) for cell in notebook.cells for o in cell.get("outputs", []))
+        assert images and page.count('src="data:image/png;base64,') == images, f"{name}: {images} figures"
+        outputs = [output for cell in notebook.cells for output in cell.get("outputs", [])]
+        for printed in [o.text.splitlines()[0] for o in outputs if o.output_type == "stream"][:3]:
+            assert html.escape(printed, quote=False) in page, f"{name}: its printed output {printed!r} is not shown"
+        tables = sum('class="dataframe"' in o.get("data", {}).get("text/html", "") for o in outputs)
+        assert page.count('class="dataframe"') == tables, f"{name}: {tables} tables"
+        assert "python -m dcinterp.notebooks render" in page and f"dcinterp.notebooks run {name}" in page
+        assert path.stat().st_size < 3_000_000, f"{name}: {path.stat().st_size / 1e6:.1f} MB"
+        assert (path.parent / f"{name}.ipynb").is_file(), f"{name}: the notebook is not offered for download"
 
 
 def test_reader_flags_what_a_browser_hides():
@@ -314,6 +343,9 @@ BROWSER_PAGES = [
     "conventions",
     "benchmarks",
     "training",
+    # notebook pages: their code cells and wide tables scroll inside their own boxes, as in Jupyter
+    "notebooks/case_study",
+    "notebooks/circuit_discovery",
 ]
 # Run in each page after it loads (and after the theme's script has added the copy buttons): script errors, entries
 # without a box on screen, elements wider than the column (a code block may scroll: it keeps its lines as written),
@@ -345,7 +377,8 @@ const measure = () => {
   const wide = [];
   for (const el of article.querySelectorAll("*")) {
     if (el.matches("pre > code")) continue;
-    if (el.scrollWidth > el.clientWidth + 8 && getComputedStyle(el).overflowX !== "visible")
+    if (el.scrollWidth > el.clientWidth + 8 && getComputedStyle(el).overflowX !== "visible"
+        && !el.closest(".jp-InputArea, .jp-OutputArea-output"))
       wide.push(el.tagName + " " + el.scrollWidth + " px: " + el.textContent.trim().slice(0, 60));
   }
   const wrapped = [...article.querySelectorAll("pre > code")]

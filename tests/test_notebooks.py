@@ -1,4 +1,5 @@
-"""Every notebook runs top to bottom on the embedded models and writes its figures."""
+"""Every notebook runs top to bottom on the embedded models, writes its figures, and shows what the docs site's
+copy (docs/notebooks/, `python -m dcinterp.notebooks render`) shows."""
 
 import re
 
@@ -6,54 +7,50 @@ import nbformat
 import pytest
 
 from dcinterp import embedded_models
-from dcinterp.notebooks import available, main, run_notebook
+from dcinterp.notebooks import (
+    RENDERED_DIR,
+    SITE_PARAMETERS,
+    available,
+    main,
+    rendered_differences,
+    run_notebook,
+    site_copy,
+)
 
-NOTEBOOKS = {
-    # notebook: (parameters that keep the run short, figures it must write)
-    "case_study": (
-        {"n_steps": 16},
-        [
-            "case_study_attribution.png",
-            "case_study_breakdown.png",
-            "case_study_attention.png",
-            "case_study_attention_heads.html",
-            "case_study_qk.png",
-            "case_study_qk_twin.png",
-            "case_study_qk_keys.html",
-        ],
-    ),
-    "synthetic_eval": ({"limit": 74}, ["synthetic_eval.png"]),
-    "composition_maps": (
-        {},
-        [
-            "composition_maps_pre.png",
-            "composition_maps_post.png",
-            "composition_maps_keys.png",
-            "composition_map_interactive.html",
-            "composition_along_sequence.png",
-        ],
-    ),
-    "head_diversity": ({}, ["head_diversity.png"]),
-    "branch_analysis": (
-        {"tasks": "2,10", "pairs_per_task": 2, "ablation_samples": 12},
-        [
-            "branch_ablation.png",
-            "patching_layers.png",
-            "patching_heads.png",
-            "patching_attribution.png",
-            "patching_agreement.png",
-        ],
-    ),
-    "circuit_discovery": (
-        {"tasks": "2", "pairs_per_task": 2, "n_steps": 2, "exact_top": 6},
-        [
-            "circuit_dcpythia-synth.png",
-            "circuit_faithfulness_dcpythia-synth.png",
-            "circuit_pythia-synth.png",
-            "circuit_faithfulness_pythia-synth.png",
-            "circuit_edge_terms_dcpythia-synth.png",
-        ],
-    ),
+FIGURES = {
+    # notebook: the figures it must write (run with the site's parameters, which keep the run short)
+    "case_study": [
+        "case_study_attribution.png",
+        "case_study_breakdown.png",
+        "case_study_attention.png",
+        "case_study_attention_heads.html",
+        "case_study_qk.png",
+        "case_study_qk_twin.png",
+        "case_study_qk_keys.html",
+    ],
+    "synthetic_eval": ["synthetic_eval.png"],
+    "composition_maps": [
+        "composition_maps_pre.png",
+        "composition_maps_post.png",
+        "composition_maps_keys.png",
+        "composition_map_interactive.html",
+        "composition_along_sequence.png",
+    ],
+    "head_diversity": ["head_diversity.png"],
+    "branch_analysis": [
+        "branch_ablation.png",
+        "patching_layers.png",
+        "patching_heads.png",
+        "patching_attribution.png",
+        "patching_agreement.png",
+    ],
+    "circuit_discovery": [
+        "circuit_dcpythia-synth.png",
+        "circuit_faithfulness_dcpythia-synth.png",
+        "circuit_pythia-synth.png",
+        "circuit_faithfulness_pythia-synth.png",
+        "circuit_edge_terms_dcpythia-synth.png",
+    ],
 }
 
 
@@ -62,7 +59,7 @@ def test_the_embedded_models_are_shipped():
 
 
 def test_every_notebook_is_tested_and_has_a_parameters_cell():
-    assert {path.stem for path in available()} == set(NOTEBOOKS)
+    assert {path.stem for path in available()} == set(FIGURES) == set(SITE_PARAMETERS)
     for path in available():
         notebook = nbformat.read(path, as_version=4)
         tagged = [cell for cell in notebook.cells if "parameters" in cell.metadata.get("tags", [])]
@@ -73,19 +70,58 @@ def test_every_notebook_is_tested_and_has_a_parameters_cell():
         )
 
 
-@pytest.mark.parametrize("name", sorted(NOTEBOOKS))
-def test_notebook_runs_on_the_embedded_models(name, tmp_path):
-    parameters, figures = NOTEBOOKS[name]
-    out = run_notebook(name, {**parameters, "figures_dir": str(tmp_path)}, out=tmp_path / f"{name}.ipynb")
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_notebook_runs_on_the_embedded_models_as_the_site_shows_it(name, tmp_path):
+    figures_dir = tmp_path / "figures"
+    out = run_notebook(name, SITE_PARAMETERS[name], out=tmp_path / f"{name}.ipynb", figures=figures_dir)
     executed = nbformat.read(out, as_version=4)
     errors = [o for cell in executed.cells for o in cell.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
-    for figure in figures:
-        assert (tmp_path / figure).stat().st_size > 1000, figure
+    for figure in FIGURES[name]:
+        assert (figures_dir / figure).stat().st_size > 1000, figure
         if figure.endswith(".html"):  # plotly.js inlined: the page works offline; a browser tab shows its title
-            page = (tmp_path / figure).read_text()
+            page = (figures_dir / figure).read_text()
             assert "<script src=" not in page, figure
             assert re.search(r"<title>[^<]+</title>", page.split("<body>")[0]), f"{figure}: no <title>"
+    shown = [o for cell in executed.cells for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert len(shown) == sum(figure.endswith(".png") for figure in FIGURES[name])  # each PNG is shown, once
+
+    committed = RENDERED_DIR / f"{name}.ipynb"
+    assert committed.is_file(), f"{committed} is missing: python -m dcinterp.notebooks render {name}"
+    differences = rendered_differences(site_copy(executed, name, figures_dir), nbformat.read(committed, as_version=4))
+    assert not differences, (
+        f"docs/notebooks/{name}.ipynb is not what the code gives now (python -m dcinterp.notebooks render {name}):\n"
+        + "\n".join(differences[:10])
+    )
+
+
+def site_copies(text: str, images: int = 1, source: str = "x = 1"):
+    """Two one-cell site copies: one printing `text` with `images` PNGs, to compare."""
+    cell = nbformat.v4.new_code_cell(source)
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=text)]
+    cell.outputs += [nbformat.v4.new_output("display_data", data={"image/png": "iVBORw0K"}) for _ in range(images)]
+    return nbformat.v4.new_notebook(cells=[cell])
+
+
+def test_the_comparison_with_the_site_copy_forgives_rounding_only():
+    committed = site_copies("L1H2: A = 0.224 -> A' = 0.337 (relative gap 1.5e-07); 12 heads, delta -0.0001")
+    rounding = "L1H2:  A = 0.225 -> A' = 0.336 (relative gap 3.1e-08); 12 heads, delta +0.0000"  # another CPU
+    assert rendered_differences(site_copies(rounding), committed) == []
+    split = site_copies("L1H2: A = 0.224 -> A' = 0.3")  # the same print, flushed in two pieces
+    split.cells[0].outputs.insert(1, nbformat.v4.new_output("stream", name="stdout", text="37 (relative gap 1.5e-07)"))
+    split.cells[0].outputs[1].text += "; 12 heads, delta -0.0001"
+    assert rendered_differences(split, committed) == []
+    for changed in [
+        "L1H2: A = 0.231 -> A' = 0.337 (relative gap 1.5e-07); 12 heads, delta -0.0001",  # a number moved
+        "L1H0: A = 0.224 -> A' = 0.337 (relative gap 1.5e-07); 12 heads, delta -0.0001",  # another head
+        "L1H2: A = 0.224 -> A' = 0.337 (relative gap 1.5e-03); 12 heads, delta -0.0001",  # an error grew
+        "L1H2: A = 0.224 -> A' = 0.337 (relative gap 1.5e-07); 13 heads, delta -0.0001",  # a count
+        "L1H2: A = 0.224 -> A' = 0.337 (relative gap 1.5e-07); 12 heads, delta -0.0001 more",  # a word
+    ]:
+        assert rendered_differences(site_copies(changed), committed), changed
+    text = "L1H2: A = 0.224 -> A' = 0.337 (relative gap 1.5e-07); 12 heads, delta -0.0001"
+    assert rendered_differences(site_copies(text, images=0), committed)  # a figure no longer shown
+    assert rendered_differences(site_copies(text, source="x = 2"), committed)  # the code changed
 
 
 def test_cli_reports_an_unknown_notebook(capsys):
@@ -95,4 +131,4 @@ def test_cli_reports_an_unknown_notebook(capsys):
 
 def test_cli_lists_the_notebooks(capsys):
     assert main(["list"]) == 0
-    assert set(capsys.readouterr().out.split()) == set(NOTEBOOKS)
+    assert set(capsys.readouterr().out.split()) == set(FIGURES)
