@@ -572,13 +572,16 @@ def plot_qk_attribution(
     caption: str | None = None,
     contrast: Mapping | None = None,
     label: str = "the score",
+    head_branch_label: str | None = None,
 ) -> Figure:
     """Why a head attends to a key (`dcinterp.qk`), from the result's tables: `pairs` [query component x key
     component] (`pair_table()`), `head_branch` [source head x branch] (`head_branch_table()`), `components`
     (`component_table()`: component, query, key) and `checks` (`causal_checks()`: component, side, source_head,
     estimate, frozen, norms, weights). Means over samples work the same way. `layer` labels the source heads
     L{layer}H{n}. `contrast`: the same tables of a `QKContrast` (keys pairs, head_branch, components, checks,
-    label), drawn as a second column.
+    label, head_branch_label), drawn as a second column. `head_branch_label`: what the source head x branch table
+    adds up to, where it is not what `pairs` adds up to (default `label`; e.g. `pairs` holds one edge's terms and
+    `head_branch` the whole score).
 
     One column per quantity (`label`, then the contrast's), its panels stacked: the quantity as a sum over
     (query component, key component) pairs, each pair summed over source heads and branches (the `top` components
@@ -590,7 +593,16 @@ def plot_qk_attribution(
     on the bar end), with the norms free (circle) and with the dynamic weights free too (triangle: the component
     also leaves what the compose weights read). Each heatmap has its own colour bar, labelled with what it sums
     to: the panels of a column are on one scale when they show the same quantity."""
-    columns = [dict(pairs=pairs, head_branch=head_branch, components=components, checks=checks, label=label)]
+    columns = [
+        dict(
+            pairs=pairs,
+            head_branch=head_branch,
+            components=components,
+            checks=checks,
+            label=label,
+            head_branch_label=head_branch_label,
+        )
+    ]
     if contrast is not None:
         columns.append(dict(contrast))
     if components is not None:  # one order of the components, largest first, for every row, column and bar
@@ -612,7 +624,8 @@ def plot_qk_attribution(
         panel = iter(axes[:, j])
         _draw_qk_pairs(fig, next(panel), values, row_names, col_names, column["label"], left=j == 0)
         if composes:
-            _draw_qk_head_branch(fig, next(panel), column["head_branch"], layer, column["label"], left=j == 0)
+            hb_label = column.get("head_branch_label") or column["label"]
+            _draw_qk_head_branch(fig, next(panel), column["head_branch"], layer, hb_label, left=j == 0)
         if has_bars:
             _draw_qk_components(next(panel), column.get("components"), column.get("checks"), order, column, j == 0)
     _title(fig, title or "QK attribution: the head's composed score at one (query, key)")
