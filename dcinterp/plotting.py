@@ -138,8 +138,11 @@ def _symlog_ticks(limit: float, linthresh: float) -> list[float]:
     powers = [10.0**k for k in range(int(np.floor(np.log10(linthresh))), int(np.floor(np.log10(limit))) + 1)]
     powers = [p for p in powers if linthresh <= p <= limit]
     top = 10.0 ** np.floor(np.log10(limit))
-    top = max(m * top for m in (1, 2, 5) if m * top <= limit)
-    positive = sorted(set(powers[-2:] + [top]))
+    top = float(max(m * top for m in (1, 2, 5) if m * top <= limit))
+    powers = powers[-2:]
+    if not powers or top >= 4 * powers[-1]:  # a log scale crowds two ticks closer than that
+        powers.append(top)
+    positive = sorted(set(powers))
     return [-v for v in reversed(positive)] + [0.0] + positive
 
 
@@ -193,7 +196,7 @@ def plot_head_attribution(
         values,
         fontsize=SMALLEST_TYPE if n_heads <= 12 else 6,
         limit=limit * (0.1 if norm else 1),
-        fmt=lambda v: f"{v:.2g}" if abs(v) < 100 else f"{v:.0f}",
+        fmt=lambda v: _fmt(v) if abs(v) < 100 else f"{v:.0f}",
     )
     order = np.argsort(-values, axis=None)[:top_k]
     top = []
@@ -499,7 +502,7 @@ def plot_attention_distributions(
             fontsize=10,
             loc="left",
         )
-        ax.legend(fontsize=SMALLEST_TYPE, ncol=4, loc="upper left")
+        ax.legend(fontsize=SMALLEST_TYPE, ncol=4, loc="best", framealpha=0.9)
     what = "attention weight" if dist.stage == "post" else "attention score"
     limit = _symmetric_limit(_np(dist.before), _np(dist.after))
     low = min(0.0, float(np.nanmin(_np(dist.before))), float(np.nanmin(_np(dist.after))))
@@ -512,7 +515,7 @@ def plot_attention_distributions(
         ax.set_title(f"L{dist.layer}H{head}", fontsize=10, loc="left")
         ax.grid(alpha=0.3, axis="y")
     handles, names = axes[-1].get_legend_handles_labels()
-    fig.legend(handles, names, loc="outside upper right", ncol=2, fontsize=9)
+    fig.legend(handles, names, loc="outside lower center", ncol=2, fontsize=9)
     axes[-1].set_xticks(x, labels, rotation=90, fontsize=_token_fontsize(n_keys))
     for position in highlight:
         if 0 <= position < n_keys:
@@ -933,8 +936,8 @@ def plot_synthetic_eval(tables: Mapping, title: str | None = None, caption: str 
     qk_patterns = list(dict.fromkeys(tables["qk_pattern"]["qk_pattern"]))
     ov_transformations = list(dict.fromkeys(tables["ov_transformation"]["ov_transformation"]))
     map_height = 0.55 * len(qk_patterns) + 1.9
-    heights = [3.2, 0.3 * max(len(qk_patterns), len(ov_transformations)) * len(checkpoints) + 1.6, map_height]
-    heights += [map_height] if compare else []
+    heights = [3.2, 0.3 * max(len(qk_patterns), len(ov_transformations)) * len(checkpoints) + 1.6]
+    heights += [map_height] * (len(checkpoints) + compare)
     fig = Figure(figsize=(PAGE_WIDTH, sum(heights) + 1.2), layout="constrained")
     rows = fig.subfigures(len(heights), 1, height_ratios=heights)
 
@@ -981,9 +984,9 @@ def plot_synthetic_eval(tables: Mapping, title: str | None = None, caption: str 
     rows[1].legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=SMALLEST_TYPE, frameon=False)
 
     combinations = tables["combination"]
-    map_axes = rows[2].subplots(1, len(checkpoints), squeeze=False)[0]
     cmap = colormaps[SEQUENTIAL].with_extremes(bad="0.9")
-    for j, (ax, checkpoint) in enumerate(zip(map_axes, checkpoints, strict=True)):
+    for j, checkpoint in enumerate(checkpoints):
+        ax = rows[2 + j].subplots()
         values, low, high = (
             _combination_grid(combinations, checkpoint, qk_patterns, ov_transformations, value)
             for value in ("accuracy", "low", "high")
@@ -993,13 +996,13 @@ def plot_synthetic_eval(tables: Mapping, title: str | None = None, caption: str 
             text = "no\nsample" if np.isnan(value) else f"{value:.0%}\n{100 * low[r, c]:.0f}-{100 * high[r, c]:.0f}"
             color = "0.4" if np.isnan(value) else ("black" if value > 0.6 else "white")
             ax.text(c, r, text, ha="center", va="center", fontsize=SMALLEST_TYPE, color=color)
-        _label_combination_axes(ax, qk_patterns, ov_transformations, left=j == 0)
-        ax.set_title(f"{checkpoint}: accuracy", fontsize=10)
-    rows[2].colorbar(image, ax=list(map_axes), label="accuracy (%)", shrink=0.9)
+        _label_combination_axes(ax, qk_patterns, ov_transformations, left=True)
+        ax.set_title(f"{checkpoint}: accuracy per combination, with its interval", fontsize=10)
+        rows[2 + j].colorbar(image, ax=ax, label="accuracy (%)", shrink=0.9)
 
     if compare:
         difference = tables.get("difference")
-        ax = rows[3].subplots()
+        ax = rows[-1].subplots()
         diff = 100 * (
             _combination_grid(combinations, checkpoints[0], qk_patterns, ov_transformations, "accuracy")
             - _combination_grid(combinations, checkpoints[1], qk_patterns, ov_transformations, "accuracy")
@@ -1036,7 +1039,7 @@ def plot_synthetic_eval(tables: Mapping, title: str | None = None, caption: str 
             + (" (framed: the paired 95% interval leaves out 0)" if difference is not None else ""),
             fontsize=10,
         )
-        rows[3].colorbar(image, ax=ax, label="difference\n(percentage points)", shrink=0.9)
+        rows[-1].colorbar(image, ax=ax, label="difference\n(percentage points)", shrink=0.9)
     _title(fig, title or "Synthetic-task evaluation")
     _caption(fig, caption)
     return fig
