@@ -436,3 +436,12 @@ def test_qk_figure_of_plain_mha_has_no_branch_panel():
     check(fig, "qk_mha", ["query component i"])
     assert not any("branch" in ax.get_xlabel() for ax in fig.axes)
     assert not plotting._composes(qk.head_branch_table())
+
+
+def test_synth_qk_figure_titles_say_positions_in_words():
+    """`synth qk`'s figure names its positions as a reader would, not by the command line's role names."""
+    from dcinterp.synth import qk
+
+    assert set(qk.ROLE_WORDS) == set(qk.ROLES)
+    assert not any("-" in words for words in qk.ROLE_WORDS.values())  # 'after-person', 'other-source' spelled out
+    assert qk._in_words("burger") == "'burger'" and qk._score_label("top") == "score at the key"
