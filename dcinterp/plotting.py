@@ -258,13 +258,6 @@ def plot_head_attribution_plotly(
 
 # --------------------------------------------------------------------------------------------------
 # Composition
-COMPOSITION_MAP_CAPTION = (
-    "Drawn as C = W^T, where W is what composition_map returns (A' = A @ W): row h is the composed head, column j "
-    "the head it draws on, A'_h = sum_j C[h, j] A_j. Red: head h takes on head j's attention, blue: it subtracts "
-    "it; one colour scale for all panels."
-)
-
-
 def plot_composition_maps(
     maps: torch.Tensor | Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
     titles: Sequence[str] | None = None,
