@@ -1007,12 +1007,12 @@ def plot_synthetic_eval(tables: Mapping, title: str | None = None, caption: str 
         for (r, c), value in np.ndenumerate(diff):
             if np.isnan(value):
                 continue
-            text, significant = f"{value:+.0f}", False
+            text, significant = f"{round(value):+d}", False
             if difference is not None:
                 cell = difference.set_index(["qk_pattern", "ov_transformation"]).loc[
                     (qk_patterns[r], ov_transformations[c])
                 ]
-                text += f"\n[{100 * cell['low']:+.0f}, {100 * cell['high']:+.0f}]"
+                text += f"\n[{round(100 * cell['low']):+d}, {round(100 * cell['high']):+d}]"  # never -0
                 significant = bool(cell["significant"])
             ax.text(
                 c,
@@ -1229,8 +1229,9 @@ def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str 
     a sender's output to a receiver, coloured by the input they feed (`INPUT_COLORS`: a head's q, k or v, which
     enter its bottom left, middle and right, marked with the letter where heads are few; or an MLP, the compose
     weights, the logits); compose edges are arcs inside their layer (pre-compose below the row of heads,
-    post-compose above), coloured by branch, gates and skip (head to itself) as rings side by side (qg, kg, skip
-    from left to right; their line width, like every edge's, follows |score|, with a key in the legend).
+    post-compose above), coloured by branch; a compose edge from a head to itself (the gates, the skip, a
+    projection's diagonal) is a ring beside it, the branches side by side (qp, qg, kp, kg, skip from left to right).
+    Every edge's line width follows |score|, with a key in the legend.
 
     graph: `dcinterp.discovery.Graph`; scores: [edge] tensor; circuit: bool [edge] mask (the edges drawn)."""
     from matplotlib.lines import Line2D
@@ -1279,7 +1280,7 @@ def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str 
             y = edge.layer + (-0.1 if edge.stage == "pre" else 0.1)
             color = BRANCH_COLORS[edge.branch]
             if edge.source_head == edge.target_head:  # rings of one size, side by side; |score| in their line
-                offset = {"qg": -0.25, "kg": 0.0, "skip": 0.25}.get(edge.branch, 0.0)
+                offset = {"qp": -0.3, "qg": -0.15, "kp": 0.0, "kg": 0.15, "skip": 0.3}[edge.branch]
                 ax.plot(
                     edge.source_head + offset,
                     y + (-0.14 if edge.stage == "pre" else 0.14),
@@ -1397,10 +1398,10 @@ def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str 
         for part, name in [("q", "a head's q"), ("k", "a head's k"), ("v", "a head's v"), ("other", "MLP, W, logits")]
     ]
     if graph.dcmha:
-        handles += [
-            Line2D([], [], color=c, lw=2, label=f"compose {b}" + (" (ring)" if b in ("qg", "kg", "skip") else ""))
-            for b, c in BRANCH_COLORS.items()
-        ]
+        handles += [Line2D([], [], color=c, lw=2, label=f"compose {b}") for b, c in BRANCH_COLORS.items()]
+        handles.append(
+            Line2D([], [], ls="", marker="o", ms=7, mfc="white", mec="0.3", label="ring: compose, a head to itself")
+        )
     handles += [
         Line2D([], [], color="0.3", lw=0.3 + 3.2 * share, label=f"|score| {share * largest:.2g}")
         for share in (1.0, 0.5, 0.1)

@@ -366,10 +366,18 @@ def test_circuit_figure_says_which_input_an_edge_feeds_in_colours_of_its_own(ran
             "faithfulness": [0.0, 0.8, 1.0, 0.0, 0.1, 1.0],
         }
     )
-    check(fig, "circuit", ["|score|", "compose skip (ring)", "residual edge into MLP, W, logits"])
+    check(
+        fig,
+        "circuit",
+        ["|score|", "compose skip", "ring: compose, a head to itself", "residual edge into MLP, W, logits"],
+    )
     # every kind of edge in a colour of its own, and a key for the line widths, from the largest |score| down
     legend = ax.get_legend()
-    kinds = [(h.get_label(), to_rgb(h.get_color())) for h in legend.legend_handles if "|score|" not in h.get_label()]
+    kinds = [
+        (h.get_label(), to_rgb(h.get_color()))
+        for h in legend.legend_handles
+        if h.get_label().startswith(("res", "com"))
+    ]
     assert len({color for _, color in kinds}) == len(kinds), kinds
     widths = [h.get_linewidth() for h in legend.legend_handles if "|score|" in h.get_label()]
     assert len(widths) == 3 and widths == sorted(widths, reverse=True)

@@ -333,7 +333,7 @@ ROLE_WORDS = {  # a role as the figure's title says it
     "last": "the last token",
     "top": "the key it scores highest",
     "source": "the answer's item",
-    "other-source": "the other item (the corrupted prompt's answer)",
+    "other-source": "the other item",  # the corrupted prompt's answer: for a person swap, the other person's
     "person": "the queried person",
     "after-person": "the word after the queried person",
 }
