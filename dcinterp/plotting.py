@@ -692,7 +692,7 @@ def _draw_qk_components(ax, components, checks, order, column, legend: bool) -> 
                     label=legend if side == "query" else None,
                 )
     ax.axvline(0, color="black", linewidth=0.6)
-    ax.set_yticks(y, order)
+    ax.set_yticks(y, order if legend else [""] * len(order))  # one order in every panel: named on the left
     ax.set_ylim(len(order) - 0.5, -0.5)
     ax.set_xlabel(textwrap.fill(f"contribution to {column['label']}", 34))
     ax.set_title("by component, with causal checks" if checks is not None else "by component", fontsize=10)
