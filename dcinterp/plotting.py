@@ -1248,7 +1248,7 @@ def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str 
 
     x_mlp, x_compose = H + 0.6, -1.4
     fig = Figure(
-        figsize=(min(max(7.0, 2.5 + 0.42 * (H + 3)), 18.0), min(max(4.5, 1.5 + 0.62 * (L + 2)), 26.0)),
+        figsize=(PAGE_WIDTH, min(max(4.5, 1.5 + 0.62 * (L + 2)), 26.0) + 1.8),  # the legend below the graph
         layout="constrained",
     )
     ax = fig.subplots()
@@ -1333,7 +1333,9 @@ def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str 
         )
     if H <= 16:  # the input's letter under each arrowhead that feeds a head
         for part, (x, y) in fed_inputs:
-            ax.text(x, y - 0.07, part, color=INPUT_COLORS[part], ha="center", va="top", fontsize=7, zorder=6)
+            ax.text(
+                x, y - 0.07, part, color=INPUT_COLORS[part], ha="center", va="top", fontsize=SMALLEST_TYPE, zorder=6
+            )
     # nodes
     for layer in range(L):
         ax.axhspan(layer - 0.4, layer + 0.55, color="0.96" if layer % 2 else "0.92", zorder=0)
@@ -1406,7 +1408,7 @@ def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str 
         Line2D([], [], color="0.3", lw=0.3 + 3.2 * share, label=f"|score| {share * largest:.2g}")
         for share in (1.0, 0.5, 0.1)
     ]
-    ax.legend(handles=handles, fontsize=SMALLEST_TYPE, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    fig.legend(handles=handles, fontsize=SMALLEST_TYPE, loc="outside lower center", ncol=2, frameon=False)
     ax.set_title(title or f"circuit: {len(chosen)} edges", fontsize=10)
     _caption(fig, caption)
     return fig

@@ -351,7 +351,7 @@ def test_circuit_figure_says_which_input_an_edge_feeds_in_colours_of_its_own(ran
     circuit[list(firsts.values())] = True
     fig = plotting.plot_circuit(graph, torch.linspace(-1, 1, len(graph.edges)), circuit)
     ax = fig.axes[0]
-    labels = [text.get_text() for text in ax.get_legend().get_texts()]
+    labels = [text.get_text() for text in fig.legends[0].get_texts()]
     arrows = {to_rgb(a.arrow_patch.get_edgecolor()) for a in ax.texts if getattr(a, "arrow_patch", None)}
     for part in "qkv":
         assert f"residual edge into a head's {part}" in labels
@@ -372,7 +372,7 @@ def test_circuit_figure_says_which_input_an_edge_feeds_in_colours_of_its_own(ran
         ["|score|", "compose skip", "ring: compose, a head to itself", "residual edge into MLP, W, logits"],
     )
     # every kind of edge in a colour of its own, and a key for the line widths, from the largest |score| down
-    legend = ax.get_legend()
+    (legend,) = fig.legends
     kinds = [
         (h.get_label(), to_rgb(h.get_color()))
         for h in legend.legend_handles
