@@ -204,7 +204,7 @@ def plot_head_attribution(
         layer, head = divmod(int(flat), n_heads)
         ax.add_patch(Rectangle((head - 0.5, layer - 0.5), 1, 1, fill=False, edgecolor="black", linewidth=2))
         ax.text(head - 0.45, layer - 0.45, str(rank + 1), ha="left", va="top", fontsize=8, fontweight="bold")
-        top.append(f"{rank + 1}: L{layer}H{head} ({values[layer, head]:.3g})")
+        top.append(f"{rank + 1}: L{layer}H{head} ({_fmt(values[layer, head])})")
     _head_ticks(ax, n_heads, "x")
     _head_ticks(ax, n_layers, "y")
     ax.set_xlabel("head")
