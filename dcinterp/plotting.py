@@ -1046,7 +1046,7 @@ def _patching_limit(values: np.ndarray) -> float:
     return float(finite.max()) if finite.size and finite.max() > 0 else 1.0
 
 
-def _centred_heatmap(ax, values: np.ndarray, limit: float, fontsize: int = 7, digits: int = 2):
+def _centred_heatmap(ax, values: np.ndarray, limit: float, fontsize: float = SMALLEST_TYPE, digits: int = 2):
     """A heatmap on the diverging colormap over [-limit, limit], each cell's value written in it."""
     image = ax.imshow(values, cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto")
     for (row, col), value in np.ndenumerate(values):
@@ -1087,7 +1087,8 @@ def plot_patching(frames: Mapping[str, object], title: str | None = None, captio
     limit = max(_patching_limit(values) for values, *_ in grids.values())
     n_rows = max(len(rows) for _, rows, _, _ in grids.values())
     n_cols = max(len(cols) for _, _, cols, _ in grids.values())
-    fig = Figure(figsize=(1.6 + (0.55 * n_cols + 1.3) * len(grids), 1.4 + 0.27 * n_rows), layout="constrained")
+    width = min(PAGE_WIDTH, 1.6 + (0.55 * n_cols + 1.3) * len(grids))
+    fig = Figure(figsize=(width, 1.4 + 0.27 * n_rows), layout="constrained")
     axes = fig.subplots(1, len(grids), squeeze=False, sharey=True)[0]
     for ax, (name, (values, rows, cols, column)) in zip(axes, grids.items(), strict=True):
         image = _centred_heatmap(ax, values, limit)
@@ -1097,15 +1098,14 @@ def plot_patching(frames: Mapping[str, object], title: str | None = None, captio
         ax.set_title(name, fontsize=10)
     fig.colorbar(image, ax=list(axes), label="effect (share of clean - corrupt LD)", shrink=0.8)
     if title:
-        fig.suptitle(title, fontsize=11)
-    if caption:
-        fig.text(0.01, 0.0, caption, fontsize=8, ha="left", va="bottom", wrap=True)
-        fig.get_layout_engine().set(rect=(0, 0.05, 1, 0.95))
+        _title(fig, title)
+    _caption(fig, caption)
     return fig
 
 
 def plot_patching_agreement(exact, estimate, title: str | None = None) -> Figure:
-    """Attribution patching against exact patching, one point per site (and head), with y = x and Spearman's rho."""
+    """Attribution patching against exact patching, one point per site (and head), with y = x; the title gives the
+    number of rows and Spearman's rho. Effect: share of the clean - corrupt logit difference."""
     from scipy.stats import spearmanr
 
     x, y = exact["effect"].to_numpy(float), estimate["effect"].to_numpy(float)
@@ -1123,16 +1123,10 @@ def plot_patching_agreement(exact, estimate, title: str | None = None) -> Figure
     ax.set_ylim(-limit, limit)
     ax.set_xlabel("activation patching (exact)")
     ax.set_ylabel("attribution patching (first order)")
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=SMALLEST_TYPE, loc="upper left")
     rho = spearmanr(x, y).statistic
-    ax.set_title(title or "attribution vs exact patching", fontsize=10)
-    fig.text(
-        0.01,
-        0.0,
-        f"{len(x)} rows; Spearman rho = {rho:.2f}. Effect: share of the clean - corrupt logit difference.",
-        fontsize=7,
-    )
-    fig.get_layout_engine().set(rect=(0, 0.04, 1, 0.96))
+    heading = title or "attribution vs exact patching"
+    ax.set_title(textwrap.fill(f"{heading}: {len(x)} rows, Spearman rho = {rho:.2f}", 50), fontsize=10)
     return fig
 
 
@@ -1140,34 +1134,27 @@ def plot_ablation_table(table, title: str | None = None) -> Figure:
     """Accuracy change against the full model (row 'none') when each part of the compose is switched off.
 
     `table` is `dcinterp.synth.ablate.ablation_table(...)`: columns accuracy, qk:* and ov:*. One shared scale
-    in percentage points; the column labels give the full model's accuracy.
+    in percentage points. Columns: all samples, by QK pattern, by OV transformation; their labels give the full
+    model's accuracy in brackets. Chance (a random candidate of the line) is about 35%.
     """
     columns = ["accuracy", *[c for c in table.columns if c.startswith(("qk:", "ov:"))]]
     full = table[table["ablated"] == "none"].iloc[0]
     ablated = table[table["ablated"] != "none"]
     values = 100 * (ablated[columns].to_numpy(float) - full[columns].to_numpy(float)[None])
     limit = _patching_limit(values)
-    fig = Figure(figsize=(max(6.0, 2.5 + 0.55 * len(columns)), 2.0 + 0.3 * len(ablated)), layout="constrained")
+    width = min(PAGE_WIDTH, max(6.0, 2.5 + 0.55 * len(columns)))
+    fig = Figure(figsize=(width, 2.4 + 0.3 * len(ablated)), layout="constrained")
     ax = fig.subplots()
-    image = _centred_heatmap(ax, values, limit, fontsize=7, digits=0)
+    image = _centred_heatmap(ax, values, limit, fontsize=SMALLEST_TYPE, digits=0)
     labels = [f"{'all' if c == 'accuracy' else c[3:]}\n({100 * full[c]:.0f}%)" for c in columns]
-    ax.set_xticks(range(len(columns)), labels, rotation=90, fontsize=7)
-    ax.set_yticks(range(len(ablated)), list(ablated["ablated"]), fontsize=8)
+    ax.set_xticks(range(len(columns)), labels, rotation=90, fontsize=SMALLEST_TYPE)
+    ax.set_yticks(range(len(ablated)), list(ablated["ablated"]), fontsize=SMALLEST_TYPE)
     ax.axvline(0.5, color="black", lw=0.8)
     n_qk = sum(c.startswith("qk:") for c in columns)
     ax.axvline(0.5 + n_qk, color="black", lw=0.8)
     ax.set_ylabel("switched off (in every layer, or one layer's compose)")
     fig.colorbar(image, ax=ax, label="accuracy change (points)", shrink=0.8)
-    ax.set_title(title or "compose switched off", fontsize=10)
-    fig.text(
-        0.01,
-        0.0,
-        "Columns: all samples, by QK pattern, by OV transformation; in brackets the full model's "
-        "accuracy. Chance (a random candidate of the line) is about 35%.",
-        fontsize=7,
-        wrap=True,
-    )
-    fig.get_layout_engine().set(rect=(0, 0.04, 1, 0.96))
+    ax.set_title(textwrap.fill(title or "compose switched off", 60), fontsize=10)
     return fig
 
 

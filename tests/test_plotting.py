@@ -453,3 +453,31 @@ def test_synth_qk_figure_titles_say_positions_in_words():
     assert set(qk.ROLE_WORDS) == set(qk.ROLES)
     assert not any("-" in words for words in qk.ROLE_WORDS.values())  # 'after-person', 'other-source' spelled out
     assert qk._in_words("burger") == "'burger'" and qk._score_label("top") == "score at the key"
+
+
+def test_patching_and_ablation_figures():
+    """Patching tables side by side on one scale, the agreement scatter, the ablation table: legible, no text baked
+    in beyond what the caller passes, the agreement's rho in its title."""
+    rng = np.random.default_rng(0)
+    sites = [(stage, site) for stage in ("pre", "post") for site in ("o_qp", "o_kp", "o_qg", "o_kg", "qw1", "kw1")]
+    frame = pd.DataFrame(
+        [
+            {"layer": layer, "stage": stage, "site": site, "head": "all", "effect": rng.normal(0, 0.3)}
+            for stage, site in sites
+            for layer in range(3)
+        ]
+    )
+    other = frame.assign(effect=frame["effect"] + rng.normal(0, 0.05, len(frame)))
+    fig = plotting.plot_patching({"exact": frame, "first order": other, "third": frame}, title="patching")
+    check(fig, "patching", ["pre.o_qp", "layer", "exact"])
+    limit = max(frame["effect"].abs().max(), other["effect"].abs().max())
+    assert {ax.images[0].get_clim() for ax in fig.axes if ax.images} == {(-limit, limit)}  # one scale
+    assert plotting.plot_patching({"exact": frame}, caption="a caption")._supxlabel.get_text() == "a caption"
+    agreement = plotting.plot_patching_agreement(frame, other)
+    check(agreement, "patching_agreement", ["activation patching (exact)", "36 rows"])
+    assert "rho = 0.9" in agreement.axes[0].get_title()
+    columns = ["accuracy", "qk:same-person", "qk:other-person", "ov:copy", "ov:superclass", "ov:next"]
+    table = pd.DataFrame(
+        [{"ablated": name, **{c: rng.uniform(0.3, 0.9) for c in columns}} for name in ("none", "all", "L1.pre.qp")]
+    )
+    check(plotting.plot_ablation_table(table), "ablation", ["all\n(", "L1.pre.qp", "accuracy change (points)"])
