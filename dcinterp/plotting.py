@@ -1095,7 +1095,7 @@ def plot_patching(frames: Mapping[str, object], title: str | None = None, captio
         ax.set_xticks(range(len(cols)), cols)
         ax.set_yticks(range(len(rows)), rows)
         ax.set_xlabel(column)
-        ax.set_title(name, fontsize=10)
+        ax.set_title(textwrap.fill(name, 24), fontsize=10)
     fig.colorbar(image, ax=list(axes), label="effect (share of clean - corrupt LD)", shrink=0.8)
     if title:
         _title(fig, title)
