@@ -8,8 +8,11 @@ with `write_plotly_page(fig, path)`.
 Token labels are optional everywhere (`str_tokens`, `query_token`, ...): pass `model.to_str_tokens(prompt)`.
 
 Conventions: signed values use a diverging colormap centred at zero, with one scale shared by every panel of a
-figure that shows the same quantity; small heatmaps carry their numbers; each figure ends with a caption line
-(`caption=`; the default says what the figure shows and what to look for).
+figure that shows the same quantity and a colour bar per quantity, labelled with it; small heatmaps carry their
+numbers, in one format per figure. Figures are at most `PAGE_WIDTH` inches wide with type of at least
+`SMALLEST_TYPE` points, so that they stay legible shrunk into a docs page's 690-px column; a wider layout
+stacks its panels. Captions belong to the page (or the notebook's markdown), not the image: each docstring says
+what its figure shows, and `caption=` draws a line under the figure where one is wanted.
 
     plot_head_attribution            layer x head heatmap of IG scores, top heads marked
     plot_composition_maps            H x H composition maps C = W^T (Fig. 1 style), wrapped into a grid
@@ -45,6 +48,10 @@ from .composition import AttentionDistributions, ComposeBreakdown
 DIVERGING = "RdBu_r"
 SEQUENTIAL = "viridis"  # for values in [0, 1] (accuracies)
 MAX_ANNOTATED_CELLS = 200  # heatmaps with more cells than this are not annotated
+# A figure W inches wide shown in a 690-px column is scaled by 690 / (W dpi), so f-point type is 9.6 f / W px
+# there, whatever the dpi: 7.5 inches and 8-point type give 10 px.
+PAGE_WIDTH = 7.5
+SMALLEST_TYPE = 8
 
 
 def _np(x) -> np.ndarray:
@@ -77,10 +84,11 @@ def _head_ticks(ax, n: int, axis: str, labels: Sequence[str] | None = None, max_
 
 
 def _fmt(value: float) -> str:
-    return f"{value:.2f}" if value == 0 or abs(value) >= 0.005 else f"{value:.0e}"
+    """Two decimals, one format for every cell (a value that rounds to zero is written 0.00, never -0.00)."""
+    return f"{value + 0.0:.2f}" if round(value, 2) != 0 else "0.00"
 
 
-def _annotate(ax, values: np.ndarray, fontsize: int = 7, limit: float | None = None, fmt=_fmt) -> None:
+def _annotate(ax, values: np.ndarray, fontsize: float = SMALLEST_TYPE, limit: float | None = None, fmt=_fmt) -> None:
     """Write each cell's value on a heatmap drawn by `_diverging`, in white on the dark cells."""
     if values.size > MAX_ANNOTATED_CELLS:
         return
@@ -110,10 +118,32 @@ def token_label(token: str) -> str:
     return "·" * left + stripped + "·" * right if stripped else "·" * len(text)
 
 
-def _caption(fig: Figure, text: str) -> None:
-    """A caption line under the figure (wrapped to its width), laid out by the constrained layout."""
-    width = max(50, int(fig.get_figwidth() * 12))
-    fig.supxlabel(textwrap.fill(text, width), fontsize=9, color="0.2", x=0.01, ha="left")
+def _caption(fig: Figure, text: str | None) -> None:
+    """The caller's caption as a line under the figure (wrapped to its width), laid out by the constrained layout;
+    none without one (a page says what its figure shows)."""
+    if text:
+        width = max(50, int(fig.get_figwidth() * 12))
+        fig.supxlabel(textwrap.fill(text, width), fontsize=9, color="0.2", x=0.01, ha="left")
+
+
+def _title(fig, text: str, fontsize: float = 11) -> None:
+    """A figure title wrapped to the figure's width."""
+    width = max(40, int(fig.get_figwidth() * 72 / (0.55 * fontsize)))
+    fig.suptitle(textwrap.fill(text, width), fontsize=fontsize)
+
+
+def _symlog_ticks(limit: float, linthresh: float) -> list[float]:
+    """Round ticks for a symmetric-log scale over [-limit, limit]: 0, the powers of ten from the linear range's
+    edge up, and the largest round value (1, 2 or 5 times a power of ten) within the limit."""
+    powers = [10.0**k for k in range(int(np.floor(np.log10(linthresh))), int(np.floor(np.log10(limit))) + 1)]
+    powers = [p for p in powers if linthresh <= p <= limit]
+    top = 10.0 ** np.floor(np.log10(limit))
+    top = float(max(m * top for m in (1, 2, 5) if m * top <= limit))
+    powers = powers[-2:]
+    if not powers or top >= 4 * powers[-1]:  # a log scale crowds two ticks closer than that
+        powers.append(top)
+    positive = sorted(set(powers))
+    return [-v for v in reversed(positive)] + [0.0] + positive
 
 
 # --------------------------------------------------------------------------------------------------
@@ -122,61 +152,67 @@ def plot_head_attribution(
     scores: HeadAttribution | torch.Tensor,
     top_k: int = 3,
     title: str | None = None,
-    label: str = "IG score",
+    label: str | None = None,
     color_scale: str = "symlog",
     caption: str | None = None,
 ) -> Figure:
     """Heatmap of one score per (layer, head), layer 0 at the top; the top_k heads boxed and named L{l}H{h}.
 
+    Each score is how much the target changes along the path that switches every head on at once (the scores add
+    up to the total effect); red raises the target, blue lowers it. `label` names the colour bar with its unit
+    (default, for a `HeadAttribution`: "attribution to the answer's logit (logit units)", or its log p / p).
     `color_scale="symlog"` (default): a symmetric-log diverging scale centred at zero, linear within 1/50 of the
-    largest |score|, so that one dominant head does not wash out the others; "linear" for a plain one. Small
-    grids carry their scores as numbers.
+    largest |score|, so that one dominant head does not wash out the others, with round ticks; "linear" for a
+    plain one. Small grids carry their scores as numbers.
     """
+    if label is None:
+        target = scores.target_type if isinstance(scores, HeadAttribution) else None
+        label = {
+            "logit": "attribution to the answer's logit (logit units)",
+            "logprob": "attribution to the answer's log p (nats)",
+            "prob": "attribution to the answer's p (probability)",
+        }.get(target, "attribution score")
     values = _np(scores.scores if isinstance(scores, HeadAttribution) else scores)
     n_layers, n_heads = values.shape
     limit = _symmetric_limit(values)
     if color_scale not in ("symlog", "linear"):
         raise ValueError(f"color_scale={color_scale!r}: expected 'symlog' or 'linear'")
     norm = SymLogNorm(linthresh=limit / 50, vmin=-limit, vmax=limit, base=10) if color_scale == "symlog" else None
-    fig = Figure(figsize=(max(5.5, 0.45 * n_heads + 3), max(3.8, 0.4 * n_layers + 2.4)), layout="constrained")
+    width = min(PAGE_WIDTH, max(5.5, 0.45 * n_heads + 3))
+    fig = Figure(figsize=(width, max(3.8, 0.4 * n_layers + 2.4)), layout="constrained")
     ax = fig.subplots()
     image = _diverging(ax, values, limit, norm)
-    ticks = [-limit, -limit / 10, 0, limit / 10, limit] if color_scale == "symlog" else None
-    fig.colorbar(
+    ticks = _symlog_ticks(limit, limit / 50) if color_scale == "symlog" else None
+    bar = fig.colorbar(
         image,
         ax=ax,
         ticks=ticks,
-        format="%.2g",
-        label=label + (" (symmetric-log scale)" if color_scale == "symlog" else ""),
+        format="%g",
+        label=textwrap.fill(label, 36) + ("\n(symmetric-log scale)" if color_scale == "symlog" else ""),
     )
+    bar.ax.minorticks_off()
     _annotate(
         ax,
         values,
-        fontsize=8 if n_heads <= 16 else 6,
+        fontsize=SMALLEST_TYPE if n_heads <= 12 else 6,
         limit=limit * (0.1 if norm else 1),
-        fmt=lambda v: f"{v:.2g}" if abs(v) < 100 else f"{v:.0f}",
+        fmt=lambda v: _fmt(v) if abs(v) < 100 else f"{v:.0f}",
     )
     order = np.argsort(-values, axis=None)[:top_k]
     top = []
     for rank, flat in enumerate(order):
         layer, head = divmod(int(flat), n_heads)
         ax.add_patch(Rectangle((head - 0.5, layer - 0.5), 1, 1, fill=False, edgecolor="black", linewidth=2))
-        ax.text(head - 0.45, layer - 0.45, str(rank + 1), ha="left", va="top", fontsize=7, fontweight="bold")
-        top.append(f"{rank + 1}: L{layer}H{head} ({values[layer, head]:.3g})")
+        ax.text(head - 0.45, layer - 0.45, str(rank + 1), ha="left", va="top", fontsize=8, fontweight="bold")
+        top.append(f"{rank + 1}: L{layer}H{head} ({_fmt(values[layer, head])})")
     _head_ticks(ax, n_heads, "x")
     _head_ticks(ax, n_layers, "y")
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
     heading = title or "Head attribution (integrated gradients)"
     lines = [", ".join(top[i : i + 3]) for i in range(0, len(top), 3)]
-    ax.set_title("\n".join([heading, *lines]), fontsize=10)
-    _caption(
-        fig,
-        caption
-        or "One score per head: how much the target changes along the path that switches every "
-        "head on at once (the scores add up to the total effect). Red raises the target, blue lowers it; "
-        "boxed: the top heads by score.",
-    )
+    ax.set_title("\n".join([*textwrap.wrap(heading, 60), *lines]), fontsize=10)
+    _caption(fig, caption)
     return fig
 
 
@@ -222,13 +258,6 @@ def plot_head_attribution_plotly(
 
 # --------------------------------------------------------------------------------------------------
 # Composition
-COMPOSITION_MAP_CAPTION = (
-    "Drawn as C = W^T, where W is what composition_map returns (A' = A @ W): row h is the composed head, column j "
-    "the head it draws on, A'_h = sum_j C[h, j] A_j. Red: head h takes on head j's attention, blue: it subtracts "
-    "it; one colour scale for all panels."
-)
-
-
 def plot_composition_maps(
     maps: torch.Tensor | Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
     titles: Sequence[str] | None = None,
@@ -236,12 +265,16 @@ def plot_composition_maps(
     suptitle: str | None = None,
     ncols: int = 4,
     caption: str | None = None,
+    label: str = "C[h, j]",
 ) -> Figure:
-    """Fig. 1 style: one panel per H x H map W (from `composition_map`, A' = A @ W), `ncols` panels a row.
+    """Fig. 1 style: one panel per H x H map W (from `composition_map`, A' = A @ W), up to `ncols` panels a row
+    (fewer where the row would be wider than `PAGE_WIDTH`).
 
     Drawn as the paper's composition map C = W.T: row h is the composed head, column j the source head,
-    A'_h = sum_j C[h, j] A_j. Diverging colours centred at zero with one scale for all panels; maps of up to
-    8 heads carry their numbers. Pass maps without the identity (`include_identity=False`) to see the mixing.
+    A'_h = sum_j C[h, j] A_j. Red: head h takes on head j's attention, blue: it subtracts it. Diverging colours
+    centred at zero with one scale for all panels, its colour bar labelled `label`; maps of up to 8 heads carry
+    their numbers. Pass maps without the identity (`include_identity=False`) to see the mixing, with
+    `label="(C - I)[h, j]"`.
     """
     if isinstance(maps, torch.Tensor) and maps.ndim == 2:
         maps = [maps]
@@ -250,16 +283,16 @@ def plot_composition_maps(
     maps = [_np(W).T for W in maps]
     titles = titles or [f"map {i}" for i in range(len(maps))]
     n_heads = maps[0].shape[0]
-    ncols = max(1, min(ncols, len(maps)))
+    size = min(3.4, 1.4 + 0.3 * n_heads)
+    ncols = max(1, min(ncols, len(maps), int((PAGE_WIDTH - 1.4) // size)))
     nrows = -(-len(maps) // ncols)
-    size = min(4.0, 1.4 + 0.3 * n_heads)
-    fig = Figure(figsize=(max(6.0, size * ncols + 1.4), size * nrows + 1.6), layout="constrained")
+    fig = Figure(figsize=(max(5.0, size * ncols + 1.4), size * nrows + 1.3), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False)
     limit = _symmetric_limit(*maps)
     for ax, C, title in zip(axes.flat, maps, titles, strict=False):
         image = _diverging(ax, C, limit)
         if n_heads <= 8:
-            _annotate(ax, C, fontsize=8 if n_heads <= 4 else 6, limit=limit)
+            _annotate(ax, C, fontsize=SMALLEST_TYPE if n_heads <= 6 else 6, limit=limit)
         _head_ticks(ax, n_heads, "x", head_labels)
         _head_ticks(ax, n_heads, "y", head_labels)
         ax.set_xlabel("source head j")
@@ -267,9 +300,9 @@ def plot_composition_maps(
         ax.set_title(title, fontsize=10)
     for ax in axes.flat[len(maps) :]:
         ax.set_visible(False)
-    fig.colorbar(image, ax=axes, shrink=0.8 if nrows > 1 else 0.9, label="C[h, j]")
-    fig.suptitle(suptitle or "Composition maps C (A'_h = sum_j C[h, j] A_j)")
-    _caption(fig, caption or COMPOSITION_MAP_CAPTION)
+    fig.colorbar(image, ax=axes, shrink=0.8 if nrows > 1 else 0.9, label=label)
+    _title(fig, suptitle or "Composition maps C (A'_h = sum_j C[h, j] A_j)")
+    _caption(fig, caption)
     return fig
 
 
@@ -302,6 +335,11 @@ def plot_composition_map_plotly(W: torch.Tensor, title: str | None = None) -> go
     return fig
 
 
+def _token_fontsize(n_tokens: int) -> float:
+    """Type for one tick label per token along a `PAGE_WIDTH` axis: as large as the spacing allows."""
+    return float(np.clip(PAGE_WIDTH * 72 / max(n_tokens, 1), 5, 10))
+
+
 def plot_composition_along_sequence(
     values: Mapping[str, torch.Tensor | np.ndarray],
     str_tokens: Sequence[str] | None = None,
@@ -311,17 +349,19 @@ def plot_composition_along_sequence(
     caption: str | None = None,
 ) -> Figure:
     """One line per entry of `values` (e.g. per layer): a value per key 0..query_pos, NaN where the key is out of
-    reach (a local layer's window); the keys a layer can see are drawn, the others left blank."""
+    reach (a local layer's window); the keys a layer can see are drawn, the others left blank. With the default
+    `ylabel`, ||W - I||_F: how far the composition is from the identity (the root of the summed squares of the
+    entries of W - I); 0 means every head keeps its own attention."""
     series = {name: _np(v) for name, v in values.items()}
     n_keys = max(len(v) for v in series.values())
     labels = (
         [token_label(t) for t in str_tokens[:n_keys]] if str_tokens is not None else [str(i) for i in range(n_keys)]
     )
-    fig = Figure(figsize=(min(22.0, max(8.0, 0.2 * n_keys + 2)), 4.6), layout="constrained")
+    fig = Figure(figsize=(PAGE_WIDTH, 4.6), layout="constrained")
     ax = fig.subplots()
     for i, (name, v) in enumerate(series.items()):
         ax.plot(np.arange(len(v)), v, marker="o", markersize=3, linewidth=1.4, color=f"C{i}", label=name)
-    ax.set_xticks(range(n_keys), labels, rotation=90, fontsize=8 if n_keys <= 80 else 6)
+    ax.set_xticks(range(n_keys), labels, rotation=90, fontsize=_token_fontsize(n_keys))
     if query_pos is not None and query_pos < n_keys:
         ax.get_xticklabels()[query_pos].set_fontweight("bold")
     ax.set_xlim(-0.5, n_keys - 0.5)
@@ -330,14 +370,8 @@ def plot_composition_along_sequence(
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
-    ax.set_title(title or "How far the composition is from the identity, key by key")
-    _caption(
-        fig,
-        caption
-        or f"{ylabel} for the query and each key (_F: the Frobenius norm, the root of the summed squares of the "
-        "entries of W - I); 0 means every head keeps its own attention. "
-        "Layers with a local window are drawn only over the keys they can see.",
-    )
+    ax.set_title(textwrap.fill(title or "How far the composition is from the identity, key by key", 70))
+    _caption(fig, caption)
     return fig
 
 
@@ -349,74 +383,73 @@ def plot_compose_breakdown(
     title: str | None = None,
     caption: str | None = None,
 ) -> Figure:
-    """Fig. 7 style: the attention vector before composition, the four branch outputs, and the composed vector
-    (columns A, O_qp, O_qg, O_kp, O_kg, A' with one row per head, annotated), next to the low-rank weights of
-    one side (`side="k"`: w_k1 [head x rank] and w_k2 [rank x head], as in the paper; "q" for w_q1, w_q2).
-    Two diverging scales centred at zero: one for the weights, one for the attention.
+    """Fig. 7 style, two panels stacked. Top: each head's attention at this (query, key) before composition (A),
+    what each branch adds (query-wise / key-wise projection O_qp / O_kp, gates O_qg / O_kg) and the sum A' (the
+    columns add up exactly), one row per head, annotated. Bottom: the key's low-rank dynamic weights of one side
+    (`side="k"`: w_k1 [head x rank], which gathers attention from the heads into rank components, and w_k2
+    [rank x head], which shares it out again, as in the paper; "q" for w_q1, w_q2), and what w_k1 gathers from A.
+    Three diverging scales centred at zero, each with its colour bar: attention, dynamic weights, gathered
+    attention. Heads are named L{layer}H{head} in every panel.
     """
     b = breakdown
     n_heads = len(b.before)
+    heads = [f"L{b.layer}H{h}" for h in range(n_heads)]
     columns = np.stack([_np(v) for v in (b.before, b.o_qp, b.o_qg, b.o_kp, b.o_kg, b.composed)], axis=1)
-    names = ["A", "O_qp", "O_qg", "O_kp", "O_kg", "A'"]
     w1, w2 = _np(getattr(b, f"w_{side}1")), _np(getattr(b, f"w_{side}2")).T  # [head, rank], [rank, head]
+    gathered = _np(b.before)[None] @ w1  # [1, rank]: what w_{side}1 gathers from all heads
     rank = w1.shape[1]
-    weight_limit = _symmetric_limit(w1, w2)
-    height = max(4.2, 0.32 * n_heads + 2.2)
-    fig = Figure(figsize=(4.0 + 0.45 * rank + 0.25 * n_heads + 5.5, height), layout="constrained")
-    grid = fig.add_gridspec(2, 3, width_ratios=[rank + 1.5, max(n_heads, 4) * 0.6, 9], height_ratios=[3, 1])
+    annotate = n_heads <= 16
+    cell = 0.36 if annotate else 0.18
+    fig = Figure(figsize=(PAGE_WIDTH, cell * (2 * n_heads + rank + 1) + 4.2), layout="constrained")
+    top, bottom = fig.subfigures(2, 1, height_ratios=[cell * n_heads + 1.7, cell * (n_heads + 1) + 2.5])
 
-    ax1 = fig.add_subplot(grid[:, 0])
+    ax = top.subplots()
+    what = "attention weight" if b.stage == "post" else "attention score"
+    image = _diverging(ax, columns)
+    top.colorbar(image, ax=ax, label=what)
+    ax.set_xticks(range(6), ["A", "+ O_qp", "+ O_qg", "+ O_kp", "+ O_kg", "= A'"])
+    _head_ticks(ax, n_heads, "y", heads)
+    ax.set_xlabel("before composition, what each branch adds, composed")
+    ax.set_ylabel("head")
+    ax.set_title(f"{what} at this pair, branch by branch", fontsize=10)
+    if annotate:
+        _annotate(ax, columns)
+
+    weight_axes = bottom.subplots(
+        2, 2, gridspec_kw=dict(width_ratios=[rank + 1.5, n_heads], height_ratios=[n_heads, 1])
+    )
+    ax1, ax2, ax3 = weight_axes[0, 0], weight_axes[0, 1], weight_axes[1, 0]
+    weight_axes[1, 1].set_visible(False)
+    weight_limit = _symmetric_limit(w1, w2)
     image = _diverging(ax1, w1, weight_limit)
-    if n_heads * rank <= 64:
-        _annotate(ax1, w1, fontsize=7, limit=weight_limit)
     ax1.set_xticks(range(rank), [str(r) for r in range(rank)])
-    _head_ticks(ax1, n_heads, "y")
+    _head_ticks(ax1, n_heads, "y", heads)
     ax1.set_xlabel("rank r")
     ax1.set_ylabel("head")
     ax1.set_title(f"w_{side}1 (head x rank)", fontsize=10)
-
-    ax2 = fig.add_subplot(grid[0, 1])
     _diverging(ax2, w2, weight_limit)
-    if n_heads * rank <= 64:
-        _annotate(ax2, w2, fontsize=7, limit=weight_limit)
     ax2.set_yticks(range(rank), [str(r) for r in range(rank)])
-    _head_ticks(ax2, n_heads, "x")
-    ax2.set_xlabel("head")
+    _head_ticks(ax2, n_heads, "x", heads)
     ax2.set_ylabel("rank r")
     ax2.set_title(f"w_{side}2 (rank x head)", fontsize=10)
-    fig.colorbar(image, ax=[ax1, ax2], location="bottom", shrink=0.9, label=f"dynamic weight w_{side}1, w_{side}2")
-
-    ax4 = fig.add_subplot(grid[1, 1])
-    hidden = _np(b.before)[None] @ w1  # [1, rank]: what w_{side}1 gathers from all heads
-    _diverging(ax4, hidden)
-    _annotate(ax4, hidden, fontsize=8)
-    ax4.set_xticks(range(rank), [str(r) for r in range(rank)])
-    ax4.set_yticks([])
-    ax4.set_xlabel("rank r")
-    ax4.set_title(f"A @ w_{side}1 (gathered)", fontsize=10)
-
-    ax3 = fig.add_subplot(grid[:, 2])
-    image = _diverging(ax3, columns)
-    fig.colorbar(image, ax=ax3, label="attention weight" if b.stage == "post" else "attention score")
-    ax3.set_xticks(range(6), [names[0], "+ O_qp", "+ O_qg", "+ O_kp", "+ O_kg", "= A'"])
-    _head_ticks(ax3, n_heads, "y", [f"L{b.layer}H{h}" for h in range(n_heads)])
-    ax3.set_xlabel("before composition, branch outputs, composed")
-    ax3.set_ylabel("head")
-    if n_heads <= 40:
-        _annotate(ax3, columns)
+    bottom.colorbar(image, ax=[ax1, ax2], label=f"dynamic weight\nw_{side}1, w_{side}2")
+    ax1.set_xlabel("")
+    gathered_image = _diverging(ax3, gathered)
+    ax3.set_xticks(range(rank), [str(r) for r in range(rank)])
+    ax3.set_yticks([])
+    ax3.set_xlabel("rank r")
+    ax3.set_title(f"A @ w_{side}1 (gathered)", fontsize=10)
+    bottom.colorbar(gathered_image, ax=ax3, location="right", label="gathered\nattention")
+    if annotate:
+        _annotate(ax1, w1, limit=weight_limit)
+        _annotate(ax2, w2, limit=weight_limit)
+        _annotate(ax3, gathered)
     pair = f"{_quote(query_token) or f'pos {b.query_pos}'} -> {_quote(key_token) or f'pos {b.key_pos}'}"
-    fig.suptitle(
-        title
-        or f"Layer {b.layer} {b.stage}-compose of the attention {pair} (query pos {b.query_pos}, key pos {b.key_pos})"
-    )
-    _caption(
+    _title(
         fig,
-        caption
-        or "Right: each head's attention at this pair before composition (A), what each branch "
-        "adds (query-wise / key-wise projection O_qp / O_kp, gates O_qg / O_kg), and the sum A'; the columns "
-        "add up exactly. Left: the key's dynamic weights; w_1 gathers attention from the heads into rank "
-        "components, w_2 shares it out again.",
+        title or f"Layer {b.layer} {b.stage}-compose of the attention {pair} (positions {b.query_pos}, {b.key_pos})",
     )
+    _caption(fig, caption)
     return fig
 
 
@@ -432,6 +465,8 @@ def plot_attention_distributions(
     """Fig. 8 style: top, w_k1[key, head, rank_index] along the keys for `w_k1_heads` (default: the chosen
     heads); below, one panel per chosen head with its attention over the keys before and after composition,
     all on one scale. `highlight`: key positions whose labels are drawn bold and red (e.g. the key studied).
+    Grey: the head's own attention (softmax; pre-compose: its scores); blue: after composition, which adds signed
+    mixtures of the other heads' attention, so that post-compose A' is no longer a distribution.
     """
     n_keys = dist.before.shape[1]
     labels = (
@@ -439,7 +474,7 @@ def plot_attention_distributions(
     )
     has_w = dist.w_k1 is not None
     n_rows = len(dist.heads) + has_w
-    fig = Figure(figsize=(min(22.0, max(7.0, 0.24 * n_keys + 2)), 1.8 * n_rows + 1.8), layout="constrained")
+    fig = Figure(figsize=(PAGE_WIDTH, 1.8 * n_rows + 1.8), layout="constrained")
     axes = fig.subplots(n_rows, 1, sharex=True, squeeze=False)[:, 0]
     x = np.arange(n_keys)
     if has_w:
@@ -460,7 +495,7 @@ def plot_attention_distributions(
             fontsize=10,
             loc="left",
         )
-        ax.legend(fontsize=8, ncol=4, loc="upper left")
+        ax.legend(fontsize=SMALLEST_TYPE, ncol=4, loc="best", framealpha=0.9)
     what = "attention weight" if dist.stage == "post" else "attention score"
     limit = _symmetric_limit(_np(dist.before), _np(dist.after))
     low = min(0.0, float(np.nanmin(_np(dist.before))), float(np.nanmin(_np(dist.after))))
@@ -473,51 +508,36 @@ def plot_attention_distributions(
         ax.set_title(f"L{dist.layer}H{head}", fontsize=10, loc="left")
         ax.grid(alpha=0.3, axis="y")
     handles, names = axes[-1].get_legend_handles_labels()
-    fig.legend(handles, names, loc="outside upper right", ncol=2, fontsize=9)
-    axes[-1].set_xticks(x, labels, rotation=90, fontsize=9 if n_keys <= 80 else 7)
+    fig.legend(handles, names, loc="outside lower center", ncol=2, fontsize=9)
+    axes[-1].set_xticks(x, labels, rotation=90, fontsize=_token_fontsize(n_keys))
     for position in highlight:
         if 0 <= position < n_keys:
             axes[-1].get_xticklabels()[position].set(color="tab:red", fontweight="bold")
     axes[-1].set_xlabel("key token")
     query = labels[dist.query_pos] if dist.query_pos < len(labels) else str(dist.query_pos)
-    fig.suptitle(title or f"Layer {dist.layer}: attention from query {query!r} (pos {dist.query_pos})")
-    _caption(
-        fig,
-        caption
-        or (
-            "Grey: the head's own attention (softmax); blue: after post-compose, which adds signed mixtures of the "
-            "other heads' attention, so A' is no longer a distribution and can be negative or above 1. "
-            if dist.stage == "post"
-            else "Grey: the head's attention scores before pre-compose; blue: after it (scores, before the softmax). "
-        )
-        + "Top: the key-wise weight that gathers attention from each head, along the sequence.",
-    )
+    _title(fig, title or f"Layer {dist.layer}: attention from query {query!r} (pos {dist.query_pos})")
+    _caption(fig, caption)
     return fig
 
 
 # --------------------------------------------------------------------------------------------------
 # QK attribution (dcinterp.qk)
-QK_CAPTION = (
-    "Left: the score as a sum over (query component, key component) pairs, each pair summed over source heads and "
-    "branches; 'others' sums the pairs of the components not shown, so every cell together gives the score. "
-    "Middle: the same score by source head n and compose branch b (W_b[n, m] times head n's pre-compose score), "
-    "summed over components, and each source head's total. Right: each component's terms on the query side and "
-    "on the key side (bars); where it was checked, the score lost when it is removed from every head's query (or "
-    "key) input with ln1, the QK-norm and the dynamic weights frozen (x: sits on the bar end), with the norms "
-    "free (o), and with the dynamic weights free too (^: the component also leaves what the compose weights read)."
-)
-
-
-def _top_pairs(pairs, top: int) -> tuple[np.ndarray, list[str], list[str]]:
-    """The top rows and columns (by sum of |values|) of a [query x key component] table, with an 'others' row and
-    column holding the rest, so that the cells still add up to the total."""
+def _top_pairs(pairs, top: int, rows=None, cols=None) -> tuple[np.ndarray, list[str], list[str]]:
+    """The top rows and columns (by sum of |values|) of a [query x key component] table, or the given ones in their
+    order, with an 'others' row and column holding the rest where some are left out, so that the cells still add up
+    to the total."""
     values = pairs.to_numpy(dtype=float)
-    rows = list(np.argsort(-np.abs(values).sum(1), kind="stable")[:top])
-    cols = list(np.argsort(-np.abs(values).sum(0), kind="stable")[:top])
+    index, columns = [str(i) for i in pairs.index], [str(j) for j in pairs.columns]
+    if rows is None:
+        rows = [index[i] for i in np.argsort(-np.abs(values).sum(1), kind="stable")[:top]]
+    if cols is None:
+        cols = [columns[j] for j in np.argsort(-np.abs(values).sum(0), kind="stable")[:top]]
+    rows = [index.index(r) for r in rows if r in index]
+    cols = [columns.index(c) for c in cols if c in columns]
     other_rows = [i for i in range(values.shape[0]) if i not in rows]
     other_cols = [j for j in range(values.shape[1]) if j not in cols]
     shown = values[np.ix_(rows, cols)]
-    row_names, col_names = [str(pairs.index[i]) for i in rows], [str(pairs.columns[j]) for j in cols]
+    row_names, col_names = [index[i] for i in rows], [columns[j] for j in cols]
     if other_cols:
         shown = np.hstack([shown, values[np.ix_(rows, other_cols)].sum(1, keepdims=True)])
         col_names.append("others")
@@ -528,6 +548,13 @@ def _top_pairs(pairs, top: int) -> tuple[np.ndarray, list[str], list[str]]:
         shown = np.vstack([shown, last])
         row_names.append("others")
     return shown, row_names, col_names
+
+
+def _composes(head_branch) -> bool:
+    """Whether a source head x branch table comes from DCMHA: some head other than the explained one, or some
+    branch other than its own score, contributes (plain MHA's table is the head's own score alone)."""
+    nonzero = head_branch.loc[(head_branch != 0).any(axis=1), (head_branch != 0).any(axis=0)]
+    return nonzero.shape[0] > 1 or nonzero.shape[1] > 1
 
 
 def plot_qk_attribution(
@@ -541,99 +568,136 @@ def plot_qk_attribution(
     caption: str | None = None,
     contrast: Mapping | None = None,
     label: str = "the score",
+    head_branch_label: str | None = None,
 ) -> Figure:
     """Why a head attends to a key (`dcinterp.qk`), from the result's tables: `pairs` [query component x key
     component] (`pair_table()`), `head_branch` [source head x branch] (`head_branch_table()`), `components`
     (`component_table()`: component, query, key) and `checks` (`causal_checks()`: component, side, source_head,
     estimate, frozen, norms, weights). Means over samples work the same way. `layer` labels the source heads
     L{layer}H{n}. `contrast`: the same tables of a `QKContrast` (keys pairs, head_branch, components, checks,
-    label), drawn as a second row."""
-    rows = [dict(pairs=pairs, head_branch=head_branch, components=components, checks=checks, label=label)]
+    label, head_branch_label), drawn as a second column. `head_branch_label`: what the source head x branch table
+    adds up to, where it is not what `pairs` adds up to (default `label`; e.g. `pairs` holds one edge's terms and
+    `head_branch` the whole score).
+
+    One column per quantity (`label`, then the contrast's), its panels stacked: the quantity as a sum over
+    (query component, key component) pairs, each pair summed over source heads and branches (the `top` components
+    by size, in the first column's order in every panel; an 'others' row and column sum the rest where some are
+    left out); then, for a DCMHA model, by source head n and compose branch b (W_b[n, m] times head n's pre-compose
+    score) and each source head's total (plain MHA has no branches: the panel is left out); then each
+    component's terms on the query side and on the key side (bars) with, where checked, the score lost when it is
+    removed from every head's query (or key) input with ln1, the QK-norm and the dynamic weights frozen (x: sits
+    on the bar end), with the norms free (circle) and with the dynamic weights free too (triangle: the component
+    also leaves what the compose weights read). Each heatmap has its own colour bar, labelled with what it sums
+    to: the panels of a column are on one scale when they show the same quantity."""
+    columns = [
+        dict(
+            pairs=pairs,
+            head_branch=head_branch,
+            components=components,
+            checks=checks,
+            label=label,
+            head_branch_label=head_branch_label,
+        )
+    ]
     if contrast is not None:
-        rows.append(dict(contrast))
-    shown = [_top_pairs(row["pairs"], top) for row in rows]
-    n_cols = max(len(names) for _, _, names in shown)
-    n_rows = max(len(names) for _, names, _ in shown)
-    B = rows[0]["head_branch"].shape[1]
-    width = 4.5 + 0.5 * n_cols + 1.2 + 0.7 * B + (5.0 if components is not None else 0)
-    height = max(5.5, 0.36 * n_rows + 3.2)
-    fig = Figure(figsize=(max(12.0, width), height * len(rows)), layout="constrained")
-    panels = fig.subfigures(len(rows), 1) if len(rows) > 1 else [fig]
-    for panel, row, (values, row_names, col_names) in zip(panels, rows, shown, strict=True):
-        _draw_qk_row(panel, row, values, row_names, col_names, layer, top)
-    fig.suptitle(title or "QK attribution: the head's composed score at one (query, key)")
-    _caption(fig, caption or QK_CAPTION)
+        columns.append(dict(contrast))
+    if components is not None:  # one order of the components, largest first, for every row, column and bar
+        table = components.set_index("component")
+        size = table["query"].abs() + table["key"].abs()
+    else:
+        size = pairs.abs().sum(axis=1).add(pairs.abs().sum(axis=0), fill_value=0)
+    order = [str(c) for c in size.sort_values(ascending=False, kind="stable").index[:top]]
+    composes = _composes(head_branch)
+    shown = [_top_pairs(column["pairs"], top, order, order) for column in columns]
+    n_rows = len(shown[0][1])
+    n_sources = int((head_branch != 0).any(axis=1).sum()) if (head_branch != 0).any(axis=None) else 1
+    has_bars = any(column.get("components") is not None for column in columns)
+    heights = [0.3 * n_rows + 2.0] + ([0.3 * n_sources + 1.8] if composes else [])
+    heights += [0.28 * len(order) + 1.9] if has_bars else []
+    fig = Figure(figsize=(PAGE_WIDTH if len(columns) > 1 else 5.0, sum(heights) + 1.0), layout="constrained")
+    axes = fig.subplots(len(heights), len(columns), squeeze=False, gridspec_kw=dict(height_ratios=heights))
+    for j, (column, (values, row_names, col_names)) in enumerate(zip(columns, shown, strict=True)):
+        panel = iter(axes[:, j])
+        _draw_qk_pairs(fig, next(panel), values, row_names, col_names, column["label"], left=j == 0)
+        if composes:
+            hb_label = column.get("head_branch_label") or column["label"]
+            _draw_qk_head_branch(fig, next(panel), column["head_branch"], layer, hb_label, left=j == 0)
+        if has_bars:
+            _draw_qk_components(next(panel), column.get("components"), column.get("checks"), order, column, j == 0)
+    _title(fig, title or "QK attribution: the head's composed score at one (query, key)")
+    _caption(fig, caption)
     return fig
 
 
-def _draw_qk_row(fig, row: Mapping, shown, row_names, col_names, layer, top: int) -> None:
-    """One row of `plot_qk_attribution`: component pairs, source head x branch, and per-component bars."""
-    table = row["head_branch"]
-    table = table[(table != 0).any(axis=1)] if (table != 0).any(axis=None) else table  # plain MHA: the head alone
+def _draw_qk_pairs(fig, ax, values, row_names, col_names, label: str, left: bool) -> None:
+    image = _diverging(ax, values)
+    _annotate(ax, values, fontsize=7 if len(col_names) > 7 else SMALLEST_TYPE)
+    ax.set_xticks(range(len(col_names)), col_names, rotation=90)
+    ax.set_yticks(range(len(row_names)), row_names if left else [""] * len(row_names))
+    ax.set_xlabel("key component j")
+    if left:
+        ax.set_ylabel("query component i")
+    ax.set_title(textwrap.fill(f"{label}: by component pair (i, j)", 34), fontsize=10)
+    fig.colorbar(
+        image, ax=ax, location="bottom", shrink=0.9, aspect=30, label=textwrap.fill(f"contribution to {label}", 34)
+    )
+
+
+def _draw_qk_head_branch(fig, ax, table, layer, label: str, left: bool) -> None:
+    table = table[(table != 0).any(axis=1)] if (table != 0).any(axis=None) else table
     hb = table.to_numpy(dtype=float)
     hb = np.hstack([hb, hb.sum(1, keepdims=True)])  # and each source head's total
-    components, checks = row.get("components"), row.get("checks")
-    ratios = [len(col_names) + 2, hb.shape[1] + 1.5] + ([5] if components is not None else [])
-    axes = fig.subplots(1, len(ratios), gridspec_kw={"width_ratios": ratios})
-    limit = _symmetric_limit(shown, hb)  # one scale: both panels show contributions to the same score
-    image = _diverging(axes[0], shown, limit)
-    _annotate(axes[0], shown, fontsize=7, limit=limit)
-    axes[0].set_xticks(range(len(col_names)), col_names, rotation=90)
-    axes[0].set_yticks(range(len(row_names)), row_names)
-    axes[0].set_xlabel("key component j")
-    axes[0].set_ylabel("query component i")
-    axes[0].set_title(f"{row['label']}: component pairs (i, j)", fontsize=10)
-
-    _diverging(axes[1], hb, limit)
-    _annotate(axes[1], hb, fontsize=7, limit=limit)
-    axes[1].axvline(hb.shape[1] - 1.5, color="black", linewidth=1.5)
+    image = _diverging(ax, hb)
+    _annotate(ax, hb)
+    ax.axvline(hb.shape[1] - 1.5, color="black", linewidth=1.5)
     heads = [f"L{layer}H{n}" if layer is not None else str(n) for n in table.index]
-    axes[1].set_xticks(range(hb.shape[1]), [*table.columns, "= sum"])
-    axes[1].set_yticks(range(hb.shape[0]), heads)
-    axes[1].set_xlabel("compose branch b")
-    axes[1].set_ylabel("source head n")
-    axes[1].set_title("source head x branch", fontsize=10)
+    ax.set_xticks(range(hb.shape[1]), [*table.columns, "sum"])
+    ax.set_yticks(range(hb.shape[0]), heads if left else [""] * len(heads))
+    ax.set_xlabel("compose branch b")
+    if left:
+        ax.set_ylabel("source head n")
+    ax.set_title(textwrap.fill(f"{label}: by source head x branch", 34), fontsize=10)
     fig.colorbar(
-        image,
-        ax=axes[:2].tolist(),
-        location="bottom",
-        shrink=0.6,
-        label=f"contribution to {row['label']} (terms add up to it)",
+        image, ax=ax, location="bottom", shrink=0.9, aspect=30, label=textwrap.fill(f"contribution to {label}", 34)
     )
+
+
+def _draw_qk_components(ax, components, checks, order, column, legend: bool) -> None:
     if components is None:
+        ax.set_visible(False)
         return
-    ax = axes[2]
-    table = components.set_index("component")
-    order = list((table["query"].abs() + table["key"].abs()).sort_values(ascending=False).index[:top])
+    table = components.assign(component=components["component"].astype(str)).set_index("component")
+    table = table.reindex(order).fillna(0.0)
     y = np.arange(len(order))
-    ax.barh(y - 0.2, table.loc[order, "query"], height=0.4, color="tab:orange", label="query side (terms)")
-    ax.barh(y + 0.2, table.loc[order, "key"], height=0.4, color="tab:blue", label="key side (terms)")
+    ax.barh(y - 0.2, table["query"], height=0.4, color="tab:orange", label="query side (terms)")
+    ax.barh(y + 0.2, table["key"], height=0.4, color="tab:blue", label="key side (terms)")
     if checks is not None and len(checks):
         every_head = checks[checks["source_head"].isna() & checks["component"].isin(order)]
-        markers = [("frozen", "x", "removed: norms, weights frozen"), ("norms", "o", "removed: norms free")]
+        markers = [("frozen", "x", "removed, norms and weights frozen"), ("norms", "o", "removed, norms free")]
         if "weights" in every_head and every_head["weights"].notna().any():
-            markers.append(("weights", "^", "removed: norms, weights free"))
+            markers.append(("weights", "^", "removed, norms and weights free"))
         for side, dy in (("query", -0.2), ("key", 0.2)):
             side_rows = every_head[every_head["side"] == side]
             where = [order.index(c) + dy for c in side_rows["component"]]
-            for column, marker, name in markers:
+            for name, marker, legend in markers:
                 ax.scatter(
-                    side_rows[column],
+                    side_rows[name],
                     where,
                     marker=marker,
                     color="black" if marker == "x" else None,
                     facecolor="none" if marker != "x" else None,
                     edgecolor="black" if marker != "x" else None,
                     zorder=3,
-                    s=42,
-                    label=name if side == "query" else None,
+                    s=36,
+                    label=legend if side == "query" else None,
                 )
     ax.axvline(0, color="black", linewidth=0.6)
-    ax.set_yticks(y, order)
-    ax.invert_yaxis()
-    ax.set_xlabel(f"contribution to {row['label']}")
-    ax.set_title("by component, with causal checks", fontsize=10)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    ax.set_yticks(y, order if legend else [""] * len(order))  # one order in every panel: named on the left
+    ax.set_ylim(len(order) - 0.5, -0.5)
+    ax.set_xlabel(textwrap.fill(f"contribution to {column['label']}", 34))
+    ax.set_title("by component, with causal checks" if checks is not None else "by component", fontsize=10)
+    if legend:
+        ax.legend(fontsize=SMALLEST_TYPE, loc="upper left", bbox_to_anchor=(0.0, -0.22), ncol=2, frameon=False)
     ax.grid(alpha=0.3, axis="x")
 
 
@@ -718,11 +782,12 @@ def plot_head_diversity(
     """Fig. 5: mean cumulative captured variance of concatenated QK (left) and OV (right) circuits against the
     number of principal components, one line per model (per_layer adds each layer as a thin line). With two or
     more models a second row shows the first model's curves minus each other's (below zero: the first model's
-    heads are more diverse), per layer (thin) and their mean (thick)."""
+    heads are more diverse), per layer (thin) and their mean (thick). `diversity_verdict(results)` says what the
+    curves show in numbers, for the page beside the figure."""
     results = {"model": results} if isinstance(results, HeadDiversity) else dict(results)
     names = list(results)
     compare = len(results) > 1
-    fig = Figure(figsize=(11, 7.6 if compare else 4.6), layout="constrained")
+    fig = Figure(figsize=(PAGE_WIDTH, 8.4 if compare else 4.4), layout="constrained")
     axes = fig.subplots(2 if compare else 1, 2, squeeze=False, sharex=True)
     styles = ["-", "--", ":", "-."]
     for col, circuit in enumerate(("qk", "ov")):
@@ -742,7 +807,7 @@ def plot_head_diversity(
                 label=f"{name}: area {curves.mean():.3f}",
             )
         ax.plot([0, k[-1]], [0, 1], color="grey", linestyle=":", linewidth=1, label="all components equal")
-        ax.set_title("QK circuits (W_Q W_K^T)" if circuit == "qk" else "OV circuits (W_V W_O)")
+        ax.set_title("QK circuits (W_Q W_K^T)" if circuit == "qk" else "OV circuits (W_V W_O)", fontsize=10)
         ax.set_ylim(0, 1.02)
         ax.legend(fontsize=8, loc="lower right")
         ax.grid(alpha=0.3)
@@ -763,21 +828,23 @@ def plot_head_diversity(
                     color=f"C{i}",
                     linewidth=2.2,
                     linestyle=styles[i % 4],
-                    label=f"minus {name}: mean over layers (thin: each layer)",
+                    label=textwrap.fill(f"minus {name}: mean over layers (thin: each layer)", 32),
                 )
             ax.axhline(0, color="black", linewidth=0.8)
-            ax.set_title(f"{names[0]} minus the other model{'s' if len(names) > 2 else ''}", fontsize=10)
+            ax.set_title(
+                textwrap.fill(f"{names[0]} minus the other model{'s' if len(names) > 2 else ''}", 40), fontsize=10
+            )
             ax.set_ylabel(f"difference (below 0: {names[0].split(' ')[0]}\nmore diverse)")
             ax.legend(fontsize=8, loc="upper right")
             ax.grid(alpha=0.3)
     for ax in axes[-1]:
         ax.set_xlabel("number of principal components k")
-    fig.suptitle(title or "Head diversity: concatenated per-layer circuits (lower = more diverse heads)")
-    _caption(fig, caption or _diversity_verdict(results))
+    _title(fig, title or "Head diversity: concatenated per-layer circuits (lower = more diverse heads)")
+    _caption(fig, caption)
     return fig
 
 
-def _diversity_verdict(results: Mapping[str, HeadDiversity]) -> str:
+def diversity_verdict(results: Mapping[str, HeadDiversity]) -> str:
     """What the curves say, in numbers: each model's area under its mean curve per circuit, and (two or more
     models) in how many layers the second is lower than the first, which is the paper's Fig. 5 finding for
     DCFormer against Transformer."""
@@ -843,119 +910,131 @@ def _label_combination_axes(ax, qk_patterns: list[str], ov_transformations: list
 
 
 def plot_synthetic_eval(tables: Mapping, title: str | None = None, caption: str | None = None) -> Figure:
-    """Accuracy on the synthetic tasks from `dcinterp.synth.accuracy.accuracy_tables(results)`.
+    """Accuracy on the synthetic tasks from `dcinterp.synth.accuracy.accuracy_tables(results)`, panels stacked.
 
-    Top: accuracy by shots K (Fig. 6) with its interval as a band, then by QK pattern and by OV transformation,
-    with intervals as error bars and chance as dashed lines. Bottom: each checkpoint's accuracy per (QK
-    pattern, OV transformation) combination, the tasks grouped as the paper defines them (one shared 0-1 scale,
-    numbers and intervals in the cells), and with two or more checkpoints the first minus the second in
-    percentage points (diverging, centred at zero).
+    Accuracy by shots K (Fig. 6) with its interval as a band; then by QK pattern (which fact to look up) and by OV
+    transformation (what to answer with it), with intervals as error bars and chance (a random candidate of the
+    line: 1/3, 1/2 for odd-one-out) as dashes; then each checkpoint's accuracy per (QK pattern, OV
+    transformation) combination, in percent with its interval, on one shared 0-100% scale (grey: no sample of
+    that combination); and with two or more checkpoints the first minus the second in percentage points with the
+    paired interval of `tables["difference"]` in each cell, the differences whose interval leaves out zero in bold
+    and framed (diverging, centred at zero).
     """
+    from matplotlib.ticker import PercentFormatter
+
     checkpoints = _checkpoints(tables)
     overall = tables["overall"].set_index("checkpoint")
     interval = tables["overall"].attrs.get("interval", "interval")
     compare = len(checkpoints) > 1
     qk_patterns = list(dict.fromkeys(tables["qk_pattern"]["qk_pattern"]))
     ov_transformations = list(dict.fromkeys(tables["ov_transformation"]["ov_transformation"]))
-    n_maps = len(checkpoints) + compare
-    fig = Figure(figsize=(max(16.0, 5.2 * n_maps), 10.5), layout="constrained")
-    grid = fig.add_gridspec(2, 1, height_ratios=[1, 1.05])
-    top = grid[0].subgridspec(1, 3, width_ratios=[1, 1, 1])
-    bottom = grid[1].subgridspec(1, n_maps)
+    map_height = 0.55 * len(qk_patterns) + 1.9
+    heights = [3.2, 0.3 * max(len(qk_patterns), len(ov_transformations)) * len(checkpoints) + 1.6]
+    heights += [map_height] * (len(checkpoints) + compare)
+    fig = Figure(figsize=(PAGE_WIDTH, sum(heights) + 1.2), layout="constrained")
+    rows = fig.subfigures(len(heights), 1, height_ratios=heights)
 
-    ax = fig.add_subplot(top[0])
+    ax = rows[0].subplots()
     by_k = tables["k_shot"]
     for i, checkpoint in enumerate(checkpoints):
-        rows = by_k[by_k["checkpoint"] == checkpoint].sort_values("k_shot")
+        k_rows = by_k[by_k["checkpoint"] == checkpoint].sort_values("k_shot")
         o = overall.loc[checkpoint]
         ax.plot(
-            rows["k_shot"],
-            rows["accuracy"],
+            k_rows["k_shot"],
+            k_rows["accuracy"],
             marker="o",
             color=f"C{i}",
             label=f"{checkpoint}: {o['accuracy']:.1%} [{o['low']:.1%}, {o['high']:.1%}]",
         )
-        ax.fill_between(rows["k_shot"], rows["low"], rows["high"], color=f"C{i}", alpha=0.2, linewidth=0)
+        ax.fill_between(k_rows["k_shot"], k_rows["low"], k_rows["high"], color=f"C{i}", alpha=0.2, linewidth=0)
     chance = float(tables["overall"]["chance"].mean())
     ax.axhline(chance, color="black", linestyle="--", linewidth=1.2, label=f"chance ({chance:.0%})")
     ax.set_xlabel("shots K (lines before the answer's line)")
     ax.set_ylabel("accuracy")
     ax.set_ylim(0, 1)
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right", title="overall accuracy [interval]", title_fontsize=8)
-    ax.set_title("Accuracy by number of shots", fontsize=11)
+    ax.legend(
+        fontsize=SMALLEST_TYPE,
+        loc="center left",
+        bbox_to_anchor=(1.02, 0.5),
+        title=f"overall [{interval}]",
+        title_fontsize=SMALLEST_TYPE,
+        frameon=False,
+    )
+    ax.set_title("Accuracy by number of shots", fontsize=10)
 
-    bar_axes = []
-    for position, column, label in (
-        (top[1], "qk_pattern", "QK pattern"),
-        (top[2], "ov_transformation", "OV transformation"),
+    bar_axes = rows[1].subplots(1, 2)
+    for ax, column, label in zip(
+        bar_axes, ("qk_pattern", "ov_transformation"), ("QK pattern", "OV transformation"), strict=True
     ):
-        ax = fig.add_subplot(position)
         categories = qk_patterns if column == "qk_pattern" else ov_transformations
         _interval_bars(ax, tables[column], column, checkpoints, categories)
-        ax.set_ylabel(label)
-        ax.set_title(f"Accuracy by {label}", fontsize=11)
-        bar_axes.append(ax)
+        ax.xaxis.set_major_formatter(PercentFormatter(1.0))
+        ax.set_title(f"Accuracy by {label}", fontsize=10)
+        ax.grid(alpha=0.3, axis="x")
     handles, labels = bar_axes[0].get_legend_handles_labels()
-    fig.legend(
-        handles,
-        labels,
-        loc="outside upper right",
-        ncol=len(labels),
-        fontsize=9,
-        title="bars: accuracy with its interval; dashes: chance",
-        title_fontsize=8,
-    )
+    rows[1].legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=SMALLEST_TYPE, frameon=False)
 
     combinations = tables["combination"]
-    maps = [
-        (checkpoint, _combination_grid(combinations, checkpoint, qk_patterns, ov_transformations, "accuracy"))
-        for checkpoint in checkpoints
-    ]
-    for j, (checkpoint, values) in enumerate(maps):
-        ax = fig.add_subplot(bottom[j])
-        low = _combination_grid(combinations, checkpoint, qk_patterns, ov_transformations, "low")
-        high = _combination_grid(combinations, checkpoint, qk_patterns, ov_transformations, "high")
-        cmap = colormaps[SEQUENTIAL].with_extremes(bad="0.9")
-        image = ax.imshow(values, cmap=cmap, vmin=0, vmax=1, aspect="auto")
+    cmap = colormaps[SEQUENTIAL].with_extremes(bad="0.9")
+    for j, checkpoint in enumerate(checkpoints):
+        ax = rows[2 + j].subplots()
+        values, low, high = (
+            _combination_grid(combinations, checkpoint, qk_patterns, ov_transformations, value)
+            for value in ("accuracy", "low", "high")
+        )
+        image = ax.imshow(100 * values, cmap=cmap, vmin=0, vmax=100, aspect="auto")
         for (r, c), value in np.ndenumerate(values):
             text = "no\nsample" if np.isnan(value) else f"{value:.0%}\n{100 * low[r, c]:.0f}-{100 * high[r, c]:.0f}"
+            color = "0.4" if np.isnan(value) else ("black" if value > 0.6 else "white")
+            ax.text(c, r, text, ha="center", va="center", fontsize=SMALLEST_TYPE, color=color)
+        _label_combination_axes(ax, qk_patterns, ov_transformations, left=True)
+        ax.set_title(f"{checkpoint}: accuracy per combination, with its interval", fontsize=10)
+        rows[2 + j].colorbar(image, ax=ax, label="accuracy (%)", shrink=0.9)
+
+    if compare:
+        difference = tables.get("difference")
+        ax = rows[-1].subplots()
+        diff = 100 * (
+            _combination_grid(combinations, checkpoints[0], qk_patterns, ov_transformations, "accuracy")
+            - _combination_grid(combinations, checkpoints[1], qk_patterns, ov_transformations, "accuracy")
+        )
+        limit = _symmetric_limit(diff)
+        image = ax.imshow(
+            diff, cmap=colormaps[DIVERGING].with_extremes(bad="0.9"), vmin=-limit, vmax=limit, aspect="auto"
+        )
+        for (r, c), value in np.ndenumerate(diff):
+            if np.isnan(value):
+                continue
+            text, significant = f"{round(value):+d}", False
+            if difference is not None:
+                cell = difference.set_index(["qk_pattern", "ov_transformation"]).loc[
+                    (qk_patterns[r], ov_transformations[c])
+                ]
+                text += f"\n[{round(100 * cell['low']):+d}, {round(100 * cell['high']):+d}]"  # never -0
+                significant = bool(cell["significant"])
             ax.text(
                 c,
                 r,
                 text,
                 ha="center",
                 va="center",
-                fontsize=7,
-                color="0.4" if np.isnan(value) else ("black" if value > 0.6 else "white"),
+                fontsize=SMALLEST_TYPE,
+                color="white" if abs(value) > 0.6 * limit else "black",
+                fontweight="bold" if significant else "normal",
             )
-        _label_combination_axes(ax, qk_patterns, ov_transformations, left=j == 0)
-        ax.set_title(f"{checkpoint}: accuracy per combination", fontsize=10)
-    fig.colorbar(image, ax=[fig.axes[-1]], label="accuracy", shrink=0.9)
-    if compare:
-        ax = fig.add_subplot(bottom[-1])
-        diff = 100 * (maps[0][1] - maps[1][1])
-        limit = _symmetric_limit(diff)
-        cmap = colormaps[DIVERGING].with_extremes(bad="0.9")
-        image = ax.imshow(diff, cmap=cmap, vmin=-limit, vmax=limit, aspect="auto")
-        _annotate(ax, diff, fontsize=8, limit=limit, fmt=lambda v: f"{v:+.0f}")
-        _label_combination_axes(ax, qk_patterns, ov_transformations, left=False)
-        ax.set_title(f"{checkpoints[0]} minus {checkpoints[1]}", fontsize=10)
-        fig.colorbar(image, ax=ax, label="difference (percentage points)", shrink=0.9)
-    _caption(
-        fig,
-        caption
-        or (
-            f"Accuracy per answer (every answer token is the model's top prediction), {interval}. Chance: picking "
-            "at random among the line's candidates (1/3; 1/2 for odd-one-out). Bottom: each cell holds the tasks "
-            "of one QK pattern (which fact to look up) and one OV transformation (what to answer with it), with the "
-            "accuracy and its interval in percent; grey: no sample of that combination in the data (no task of the "
-            "catalog is both prev and a person lookup)."
-        ),
-    )
-    for ax in bar_axes:
-        ax.grid(alpha=0.3, axis="x")
-    fig.suptitle(title or "Synthetic-task evaluation")
+            if significant:
+                ax.add_patch(Rectangle((c - 0.47, r - 0.47), 0.94, 0.94, fill=False, edgecolor="black", linewidth=1.5))
+        _label_combination_axes(ax, qk_patterns, ov_transformations, left=True)
+        ax.set_title(
+            f"{checkpoints[0]} minus {checkpoints[1]}"
+            + (" (framed: the paired 95% interval leaves out 0)" if difference is not None else ""),
+            fontsize=10,
+        )
+        rows[-1].colorbar(image, ax=ax, label="difference\n(percentage points)", shrink=0.9)
+    _title(fig, title or "Synthetic-task evaluation")
+    _caption(fig, caption)
     return fig
 
 
@@ -967,7 +1046,7 @@ def _patching_limit(values: np.ndarray) -> float:
     return float(finite.max()) if finite.size and finite.max() > 0 else 1.0
 
 
-def _centred_heatmap(ax, values: np.ndarray, limit: float, fontsize: int = 7, digits: int = 2):
+def _centred_heatmap(ax, values: np.ndarray, limit: float, fontsize: float = SMALLEST_TYPE, digits: int = 2):
     """A heatmap on the diverging colormap over [-limit, limit], each cell's value written in it."""
     image = ax.imshow(values, cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto")
     for (row, col), value in np.ndenumerate(values):
@@ -1008,25 +1087,25 @@ def plot_patching(frames: Mapping[str, object], title: str | None = None, captio
     limit = max(_patching_limit(values) for values, *_ in grids.values())
     n_rows = max(len(rows) for _, rows, _, _ in grids.values())
     n_cols = max(len(cols) for _, _, cols, _ in grids.values())
-    fig = Figure(figsize=(1.6 + (0.55 * n_cols + 1.3) * len(grids), 1.4 + 0.27 * n_rows), layout="constrained")
+    width = min(PAGE_WIDTH, 1.6 + (0.55 * n_cols + 1.3) * len(grids))
+    fig = Figure(figsize=(width, 1.4 + 0.27 * n_rows), layout="constrained")
     axes = fig.subplots(1, len(grids), squeeze=False, sharey=True)[0]
     for ax, (name, (values, rows, cols, column)) in zip(axes, grids.items(), strict=True):
         image = _centred_heatmap(ax, values, limit)
         ax.set_xticks(range(len(cols)), cols)
         ax.set_yticks(range(len(rows)), rows)
         ax.set_xlabel(column)
-        ax.set_title(name, fontsize=10)
+        ax.set_title(textwrap.fill(name, 24), fontsize=10)
     fig.colorbar(image, ax=list(axes), label="effect (share of clean - corrupt LD)", shrink=0.8)
     if title:
-        fig.suptitle(title, fontsize=11)
-    if caption:
-        fig.text(0.01, 0.0, caption, fontsize=8, ha="left", va="bottom", wrap=True)
-        fig.get_layout_engine().set(rect=(0, 0.05, 1, 0.95))
+        _title(fig, title)
+    _caption(fig, caption)
     return fig
 
 
 def plot_patching_agreement(exact, estimate, title: str | None = None) -> Figure:
-    """Attribution patching against exact patching, one point per site (and head), with y = x and Spearman's rho."""
+    """Attribution patching against exact patching, one point per site (and head), with y = x; the title gives the
+    number of rows and Spearman's rho. Effect: share of the clean - corrupt logit difference."""
     from scipy.stats import spearmanr
 
     x, y = exact["effect"].to_numpy(float), estimate["effect"].to_numpy(float)
@@ -1044,16 +1123,10 @@ def plot_patching_agreement(exact, estimate, title: str | None = None) -> Figure
     ax.set_ylim(-limit, limit)
     ax.set_xlabel("activation patching (exact)")
     ax.set_ylabel("attribution patching (first order)")
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=SMALLEST_TYPE, loc="upper left")
     rho = spearmanr(x, y).statistic
-    ax.set_title(title or "attribution vs exact patching", fontsize=10)
-    fig.text(
-        0.01,
-        0.0,
-        f"{len(x)} rows; Spearman rho = {rho:.2f}. Effect: share of the clean - corrupt logit difference.",
-        fontsize=7,
-    )
-    fig.get_layout_engine().set(rect=(0, 0.04, 1, 0.96))
+    heading = title or "attribution vs exact patching"
+    ax.set_title(textwrap.fill(f"{heading}: {len(x)} rows, Spearman rho = {rho:.2f}", 50), fontsize=10)
     return fig
 
 
@@ -1061,49 +1134,44 @@ def plot_ablation_table(table, title: str | None = None) -> Figure:
     """Accuracy change against the full model (row 'none') when each part of the compose is switched off.
 
     `table` is `dcinterp.synth.ablate.ablation_table(...)`: columns accuracy, qk:* and ov:*. One shared scale
-    in percentage points; the column labels give the full model's accuracy.
+    in percentage points. Columns: all samples, by QK pattern, by OV transformation; their labels give the full
+    model's accuracy in brackets. Chance (a random candidate of the line) is about 35%.
     """
     columns = ["accuracy", *[c for c in table.columns if c.startswith(("qk:", "ov:"))]]
     full = table[table["ablated"] == "none"].iloc[0]
     ablated = table[table["ablated"] != "none"]
     values = 100 * (ablated[columns].to_numpy(float) - full[columns].to_numpy(float)[None])
     limit = _patching_limit(values)
-    fig = Figure(figsize=(max(6.0, 2.5 + 0.55 * len(columns)), 2.0 + 0.3 * len(ablated)), layout="constrained")
+    width = min(PAGE_WIDTH, max(6.0, 2.5 + 0.55 * len(columns)))
+    fig = Figure(figsize=(width, 2.4 + 0.3 * len(ablated)), layout="constrained")
     ax = fig.subplots()
-    image = _centred_heatmap(ax, values, limit, fontsize=7, digits=0)
+    image = _centred_heatmap(ax, values, limit, fontsize=SMALLEST_TYPE, digits=0)
     labels = [f"{'all' if c == 'accuracy' else c[3:]}\n({100 * full[c]:.0f}%)" for c in columns]
-    ax.set_xticks(range(len(columns)), labels, rotation=90, fontsize=7)
-    ax.set_yticks(range(len(ablated)), list(ablated["ablated"]), fontsize=8)
+    ax.set_xticks(range(len(columns)), labels, rotation=90, fontsize=SMALLEST_TYPE)
+    ax.set_yticks(range(len(ablated)), list(ablated["ablated"]), fontsize=SMALLEST_TYPE)
     ax.axvline(0.5, color="black", lw=0.8)
     n_qk = sum(c.startswith("qk:") for c in columns)
     ax.axvline(0.5 + n_qk, color="black", lw=0.8)
     ax.set_ylabel("switched off (in every layer, or one layer's compose)")
     fig.colorbar(image, ax=ax, label="accuracy change (points)", shrink=0.8)
-    ax.set_title(title or "compose switched off", fontsize=10)
-    fig.text(
-        0.01,
-        0.0,
-        "Columns: all samples, by QK pattern, by OV transformation; in brackets the full model's "
-        "accuracy. Chance (a random candidate of the line) is about 35%.",
-        fontsize=7,
-        wrap=True,
-    )
-    fig.get_layout_engine().set(rect=(0, 0.04, 1, 0.96))
+    ax.set_title(textwrap.fill(title or "compose switched off", 60), fontsize=10)
     return fig
 
 
 # --------------------------------------------------------------------------------------------------
 # Circuit discovery (dcinterp.discovery)
-BRANCH_COLORS = {"qp": "tab:orange", "kp": "tab:green", "qg": "tab:purple", "kg": "tab:brown", "skip": "tab:gray"}
+BRANCH_COLORS = {"qp": "tab:orange", "kp": "tab:green", "qg": "tab:purple", "kg": "tab:brown", "skip": "tab:olive"}
 # A residual edge's colour says which input of its receiver it feeds: a head's q, k or v, or another node's input.
-INPUT_COLORS = {"q": "tab:blue", "k": "tab:red", "v": "black", "other": "0.6"}
+INPUT_COLORS = {"q": "tab:blue", "k": "tab:red", "v": "black", "other": "tab:cyan"}
 
 
 def plot_faithfulness(curve, title: str | None = None, caption: str | None = None) -> Figure:
-    """Faithfulness against circuit size, one line per (method, selection), the random-edges baseline dashed.
+    """Faithfulness against circuit size, one line per (method, selection); the random-edges baseline grey with
+    crosses, the 80% mark a green dash-dot line, both in the legend.
 
+    Faithfulness = (m(circuit) - m(corrupted)) / (m(clean) - m(corrupted)), by exact edge patching.
     `curve` is `dcinterp.discovery.faithfulness_curve(...)`: columns method, selection, edges, faithfulness."""
-    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
+    fig = Figure(figsize=(6.0, 4.2), layout="constrained")
     ax = fig.subplots()
     styles = {"top-n": "-", "greedy": "--"}
     colors = dict(
@@ -1116,7 +1184,9 @@ def plot_faithfulness(curve, title: str | None = None, caption: str | None = Non
     for (method, selection), rows in curve.groupby(["method", "selection"], sort=False):
         rows = rows.sort_values("edges")
         if method == "random":
-            ax.plot(rows["edges"], rows["faithfulness"], ":", color="grey", marker=".", label="random edges (mean)")
+            ax.plot(
+                rows["edges"], rows["faithfulness"], "-", color="0.55", marker="x", ms=4, label="random edges (mean)"
+            )
         else:
             ax.plot(
                 rows["edges"],
@@ -1128,20 +1198,15 @@ def plot_faithfulness(curve, title: str | None = None, caption: str | None = Non
                 label=f"{method}, {selection}",
             )
     ax.axhline(1, color="black", lw=0.6)
-    ax.axhline(0.8, color="grey", lw=0.6, ls="--")
+    ax.axhline(0.8, color="tab:green", lw=1.0, ls="-.", label="80% faithful")
     ax.axhline(0, color="black", lw=0.6)
     ax.set_xscale("symlog", linthresh=1)
     ax.set_xlim(0, curve["edges"].max() * 1.05)
     ax.set_xlabel("edges in the circuit (the others corrupted)")
     ax.set_ylabel("faithfulness")
-    ax.legend(fontsize=7, handlelength=3.5)
+    ax.legend(fontsize=SMALLEST_TYPE, handlelength=3.5)
     ax.set_title(title or "faithfulness of circuits", fontsize=10)
-    _caption(
-        fig,
-        caption
-        or "Faithfulness = (m(circuit) - m(corrupted)) / (m(clean) - m(corrupted)), by exact "
-        "edge patching; the grey dashed line is 80%.",
-    )
+    _caption(fig, caption)
     return fig
 
 
@@ -1151,7 +1216,9 @@ def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str 
     a sender's output to a receiver, coloured by the input they feed (`INPUT_COLORS`: a head's q, k or v, which
     enter its bottom left, middle and right, marked with the letter where heads are few; or an MLP, the compose
     weights, the logits); compose edges are arcs inside their layer (pre-compose below the row of heads,
-    post-compose above), coloured by branch, gates and skip (head to itself) as rings. Line widths follow |score|.
+    post-compose above), coloured by branch; a compose edge from a head to itself (the gates, the skip, a
+    projection's diagonal) is a ring beside it, the branches side by side (qp, qg, kp, kg, skip from left to right).
+    Every edge's line width follows |score|, with a key in the legend.
 
     graph: `dcinterp.discovery.Graph`; scores: [edge] tensor; circuit: bool [edge] mask (the edges drawn)."""
     from matplotlib.lines import Line2D
@@ -1168,7 +1235,7 @@ def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str 
 
     x_mlp, x_compose = H + 0.6, -1.4
     fig = Figure(
-        figsize=(min(max(7.0, 2.5 + 0.42 * (H + 3)), 18.0), min(max(4.5, 1.5 + 0.62 * (L + 2)), 26.0)),
+        figsize=(PAGE_WIDTH, min(max(4.5, 1.5 + 0.62 * (L + 2)), 26.0) + 1.8),  # the legend below the graph
         layout="constrained",
     )
     ax = fig.subplots()
@@ -1199,16 +1266,16 @@ def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str 
             used_heads.update({(edge.layer, edge.source_head), (edge.layer, edge.target_head)})
             y = edge.layer + (-0.1 if edge.stage == "pre" else 0.1)
             color = BRANCH_COLORS[edge.branch]
-            if edge.source_head == edge.target_head:
-                offset = {"qg": -0.16, "kg": 0.0, "skip": 0.16}.get(edge.branch, 0.0)
+            if edge.source_head == edge.target_head:  # rings of one size, side by side; |score| in their line
+                offset = {"qp": -0.3, "qg": -0.15, "kp": 0.0, "kg": 0.15, "skip": 0.3}[edge.branch]
                 ax.plot(
                     edge.source_head + offset,
-                    y + (-0.12 if edge.stage == "pre" else 0.12),
+                    y + (-0.14 if edge.stage == "pre" else 0.14),
                     "o",
-                    mfc="none",
+                    mfc="white",
                     mec=color,
-                    ms=4 + 2 * width(i),
-                    mew=1.2,
+                    ms=7,
+                    mew=0.4 + 0.7 * width(i),
                     zorder=4,
                 )
             else:
@@ -1253,7 +1320,9 @@ def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str 
         )
     if H <= 16:  # the input's letter under each arrowhead that feeds a head
         for part, (x, y) in fed_inputs:
-            ax.text(x, y - 0.07, part, color=INPUT_COLORS[part], ha="center", va="top", fontsize=6, zorder=6)
+            ax.text(
+                x, y - 0.07, part, color=INPUT_COLORS[part], ha="center", va="top", fontsize=SMALLEST_TYPE, zorder=6
+            )
     # nodes
     for layer in range(L):
         ax.axhspan(layer - 0.4, layer + 0.55, color="0.96" if layer % 2 else "0.92", zorder=0)
@@ -1263,14 +1332,14 @@ def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str 
             if layer_ == layer:
                 ax.scatter([head], [layer], s=60, marker="s", color="white", edgecolors="black", zorder=5)
                 if H <= 40:
-                    ax.text(head, layer, str(head), ha="center", va="center", fontsize=5 if H > 12 else 7, zorder=6)
+                    ax.text(head, layer, str(head), ha="center", va="center", fontsize=5 if H > 12 else 8, zorder=6)
         ax.text(
             x_mlp,
             layer + 0.32,
             f"MLP{layer}",
             ha="center",
             va="center",
-            fontsize=6,
+            fontsize=SMALLEST_TYPE,
             bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="0.5"),
             zorder=5,
         )
@@ -1281,7 +1350,7 @@ def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str 
                 "W",
                 ha="center",
                 va="center",
-                fontsize=6,
+                fontsize=SMALLEST_TYPE,
                 bbox=dict(boxstyle="round,pad=0.2", fc="lightyellow", ec="0.5"),
                 zorder=5,
             )
@@ -1307,7 +1376,7 @@ def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str 
     )
     ax.set_yticks(range(L), [f"L{layer}" for layer in range(L)], fontsize=7 if L > 12 else 9)
     step = max(1, H // 16)
-    ax.set_xticks(range(0, H, step), [str(h) for h in range(0, H, step)], fontsize=7)
+    ax.set_xticks(range(0, H, step), [str(h) for h in range(0, H, step)], fontsize=SMALLEST_TYPE)
     ax.set_xlabel("head" + ("   (W: compose-weight generator, left)" if graph.dcmha else ""))
     ax.set_xlim(x_compose - 0.6 if graph.dcmha else -0.8, x_mlp + 0.8)
     ax.set_ylim(-1.5, L + 0.5)
@@ -1319,18 +1388,14 @@ def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str 
     ]
     if graph.dcmha:
         handles += [Line2D([], [], color=c, lw=2, label=f"compose {b}") for b, c in BRANCH_COLORS.items()]
-    ax.legend(handles=handles, fontsize=6 if L <= 12 else 9, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+        handles.append(
+            Line2D([], [], ls="", marker="o", ms=7, mfc="white", mec="0.3", label="ring: compose, a head to itself")
+        )
+    handles += [
+        Line2D([], [], color="0.3", lw=0.3 + 3.2 * share, label=f"|score| {share * largest:.2g}")
+        for share in (1.0, 0.5, 0.1)
+    ]
+    fig.legend(handles=handles, fontsize=SMALLEST_TYPE, loc="outside lower center", ncol=2, frameon=False)
     ax.set_title(title or f"circuit: {len(chosen)} edges", fontsize=10)
-    _caption(
-        fig,
-        caption
-        or "Line width: |score|. Residual edges are coloured by the input they feed: a head's q (blue), k (red) or "
-        "v (black), entering its bottom left, middle and right."
-        + (
-            " Compose arcs: pre-compose below a layer's heads, post-compose above; rings: gates (qg, kg) and skip,"
-            " a head to itself."
-            if graph.dcmha
-            else ""
-        ),
-    )
+    _caption(fig, caption)
     return fig

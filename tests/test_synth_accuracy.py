@@ -9,6 +9,7 @@ from dcinterp.synth.accuracy import (
     accuracy_table,
     accuracy_tables,
     bootstrap_interval,
+    difference_table,
     wilson_interval,
 )
 from dcinterp.synth.evaluate import RESULT_COLUMNS
@@ -92,10 +93,28 @@ def test_wilson_is_narrower_than_the_sample_bootstrap_when_answers_go_together()
 def test_tables_and_bad_options():
     frame = results({("a", 0): [True] * 6}, {"a": "same-person"})
     tables = accuracy_tables(frame)
-    assert set(tables) == {"overall", "k_shot", "qk_pattern", "ov_transformation", "task", "combination"}
+    assert set(tables) == {"overall", "k_shot", "qk_pattern", "ov_transformation", "task", "combination"}  # one model
     assert list(tables["combination"].columns[:3]) == ["checkpoint", "qk_pattern", "ov_transformation"]
     assert set(CHANCE_BY_QK_PATTERN.values()) == {1 / 3, 1 / 2}
     with pytest.raises(ValueError, match="interval='normal'"):
         accuracy_table(frame, interval="normal")
     with pytest.raises(ValueError, match="level=95"):
         accuracy_table(frame, level=95)
+
+
+def test_difference_of_two_checkpoints_is_paired_by_sample():
+    """The difference is the accuracies' difference; its interval comes from resampling the samples both answered,
+    so two checkpoints that agree on every sample differ by exactly 0, however noisy each one is."""
+    rng = np.random.default_rng(1)
+    same = {("t", i): [bool(rng.random() < 0.5) for _ in range(6)] for i in range(40)}
+    patterns = {"t": "same-person"}
+    twins = pd.concat([results(same, patterns, "first"), results(same, patterns, "second")])
+    row = difference_table(twins, "first", "second", ["qk_pattern", "ov_transformation"]).iloc[0]
+    assert (row["difference"], row["low"], row["high"], row["significant"]) == (0.0, 0.0, 0.0, False)
+    better = {key: [True] * 6 for key in same}
+    apart = pd.concat([results(better, patterns, "first"), results(same, patterns, "second")])
+    tables = accuracy_tables(apart, n_resamples=500)
+    row = tables["difference"].iloc[0]
+    accuracy = tables["combination"].set_index("checkpoint")["accuracy"]
+    assert row["difference"] == pytest.approx(accuracy["first"] - accuracy["second"])
+    assert row["low"] <= row["difference"] <= row["high"] and row["significant"] and row["samples"] == 40

@@ -3,6 +3,7 @@
 From the per-answer results of `dcinterp.synth.evaluate.evaluate` (one row per checkpoint, sample and answer):
 
     tables = accuracy_tables(results)                    # {"overall", "k_shot", "qk_pattern", ...}: DataFrames
+    tables["difference"]                                 # two checkpoints: first minus second, paired intervals
     tables["qk_pattern"]                                 # checkpoint, qk_pattern, accuracy, low, high, chance, ...
 
 Intervals (`interval=`, at `level`, default 95%):
@@ -78,9 +79,51 @@ def accuracy_table(
 def accuracy_tables(
     results: pd.DataFrame, interval: str = "bootstrap", level: float = 0.95, n_resamples: int = 2000, seed: int = 0
 ) -> dict[str, pd.DataFrame]:
-    """`accuracy_table` for each of GROUPINGS ("combination": per QK pattern and OV transformation)."""
+    """`accuracy_table` for each of GROUPINGS ("combination": per QK pattern and OV transformation), and with two
+    or more checkpoints "difference": `difference_table` of the first two per combination."""
     by = {"overall": None, "combination": ["qk_pattern", "ov_transformation"]}
-    return {name: accuracy_table(results, by.get(name, name), interval, level, n_resamples, seed) for name in GROUPINGS}
+    tables = {
+        name: accuracy_table(results, by.get(name, name), interval, level, n_resamples, seed) for name in GROUPINGS
+    }
+    checkpoints = list(dict.fromkeys(results["checkpoint"]))
+    if len(checkpoints) > 1:
+        tables["difference"] = difference_table(
+            results, checkpoints[0], checkpoints[1], by["combination"], level, n_resamples, seed
+        )
+    return tables
+
+
+def difference_table(
+    results: pd.DataFrame,
+    first: str,
+    second: str,
+    by: str | list[str] | None = None,
+    level: float = 0.95,
+    n_resamples: int = 2000,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """The accuracy of checkpoint `first` minus that of `second` (per value of `by`) with a paired percentile
+    bootstrap interval [low, high] over the samples both answered: each resample draws samples with replacement and
+    scores both checkpoints on the same draw. `significant`: the interval leaves out zero."""
+    keys = [by] if isinstance(by, str) else list(by or [])
+    sample = ["task", "sample"]
+    counts = results.groupby(["checkpoint", *keys, *sample], sort=False)["correct"].agg(["sum", "count"])
+    paired = counts.loc[first].join(counts.loc[second], how="inner", lsuffix="_first", rsuffix="_second")
+    rng = np.random.default_rng(seed)
+    tail = (1 - level) / 2
+    rows = []
+    for values, group in paired.groupby(level=keys, sort=False) if keys else [((), paired)]:
+        c = group.to_numpy(float)  # sum_first, count_first, sum_second, count_second per sample
+        difference = c[:, 0].sum() / c[:, 1].sum() - c[:, 2].sum() / c[:, 3].sum()
+        draws = rng.integers(0, len(c), size=(n_resamples, len(c)))
+        resampled = c[draws, 0].sum(1) / c[draws, 1].sum(1) - c[draws, 2].sum(1) / c[draws, 3].sum(1)
+        low, high = np.quantile(resampled, [tail, 1 - tail])
+        values = values if isinstance(values, tuple) else (values,)
+        rows.append([*values, difference, float(low), float(high), bool(low > 0 or high < 0), len(c)])
+    table = pd.DataFrame(rows, columns=[*keys, "difference", "low", "high", "significant", "samples"])
+    table.attrs["interval"] = f"{level:.0%} paired bootstrap interval over samples"
+    table.attrs["checkpoints"] = (first, second)
+    return table
 
 
 def wilson_interval(successes: int, trials: int, level: float = 0.95) -> tuple[float, float]:

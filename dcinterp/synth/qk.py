@@ -329,26 +329,47 @@ def summarise(model, args, result: dict, means: dict) -> dict:
     return summary
 
 
+ROLE_WORDS = {  # a role as the figure's title says it
+    "last": "the last token",
+    "top": "the key it scores highest",
+    "source": "the answer's item",
+    "other-source": "the other item",  # the corrupted prompt's answer: for a person swap, the other person's
+    "person": "the queried person",
+    "after-person": "the word after the queried person",
+}
+
+
+def _in_words(spec: str) -> str:
+    """A position for a reader: a role in words, a word quoted."""
+    return ROLE_WORDS.get(spec, repr(spec))
+
+
+def _score_label(spec: str) -> str:
+    return "score at " + ("the key" if spec == "top" else _in_words(spec))
+
+
 def figure(args, means: dict, contrast: dict, summary: dict):
     from ..plotting import plot_qk_attribution
 
     label = Path(str(args.checkpoint)).name
     second = None
     if contrast:
-        second = dict(contrast, label=f"score({args.key}) - score({args.contrast})")
+        second = dict(contrast, label=f"{_score_label(args.key)} - {_score_label(args.contrast)}")
+    tasks = ", ".join(task.removeprefix("task") for task in args.tasks)
     return plot_qk_attribution(
         means["pairs"],
         means["head_branch"],
         means["components"],
         means["checks"],
         layer=args.layer,
-        label=f"score({args.key})",
+        label=_score_label(args.key),
         contrast=second,
         title=(
-            f"{label} L{args.layer}H{args.head}: why it attends from {args.query} to {args.key}"
-            + (f" rather than {args.contrast}" if args.contrast else "")
-            + f" (mean over {summary['samples']} samples of {', '.join(args.tasks)}; mean score "
-            f"{summary['mean_score']:.2f})"
+            f"{label} L{args.layer}H{args.head}: why it attends from {_in_words(args.query)} to "
+            f"{_in_words(args.key)}"
+            + (f" rather than to {_in_words(args.contrast)}" if args.contrast else "")
+            + f" (mean over {summary['samples']} samples of task{'s' if len(args.tasks) > 1 else ''} {tasks}; "
+            f"mean score {summary['mean_score']:.2f})"
         ),
     )
 
