@@ -62,6 +62,7 @@ def kernels(monkeypatch):
     monkeypatch.setitem(sys.modules, "dcinterp.dcmha.triton_kernels", module)
     monkeypatch.setattr(dcmha, "triton_kernels", module, raising=False)
     monkeypatch.setattr(dcmha, "_warned", set())
+    monkeypatch.setattr(dcmha, "_refused", {})
     return module
 
 
@@ -161,6 +162,7 @@ def test_kernels_that_cannot_be_imported_are_not_available(monkeypatch):
     monkeypatch.setitem(sys.modules, "dcinterp.dcmha.triton_kernels", None)  # an import of it raises ImportError
     monkeypatch.delattr(dcmha, "triton_kernels", raising=False)
     monkeypatch.setattr(dcmha, "_warned", set())
+    monkeypatch.setattr(dcmha, "_refused", {})
     assert dcmha.triton_unavailable(CUDA).startswith("the Triton kernels cannot be imported")
     with pytest.warns(UserWarning, match="DCMHA on cuda takes the materialised path: the Triton kernels cannot be"):
         assert dcmha.choose_path(dcmha=True, device=CUDA, square_tensor_read=False) == "materialised"
@@ -314,6 +316,27 @@ def test_the_real_kernels_through_the_model_equal_the_materialised_path(model, m
         exact = run(model64, tokens, mask, chunks)
     for i, (a, b, c) in enumerate(zip(out, reference, exact, strict=True)):
         assert_as_exact_as(a, b, c, f"{case} [{i}]")
+
+
+def test_a_card_the_kernels_do_not_fit_gives_one_warning_and_the_materialised_result(model, model64, kernels, on_cuda):
+    """Triton refusing to build the kernels for the card (here: past its shared memory) at their first launch: one
+    warning, the call computed by the materialised formula, and later calls told the kernels are unavailable."""
+    OutOfResources = pytest.importorskip("triton.runtime.errors").OutOfResources
+
+    def refuse(*args, **kwargs):
+        raise OutOfResources(232_000, 101_376, "shared memory")
+
+    kernels.fused_dcmha = refuse
+    tokens = tokens_for(model)
+    with warnings.catch_warnings(record=True) as record, torch.no_grad():
+        warnings.simplefilter("always")
+        out = model(tokens)
+    said = [str(w.message) for w in record if "materialised path" in str(w.message)]
+    assert len(said) == 1 and "Triton cannot build the fused kernels for it (out of resource: shared memory" in said[0]
+    assert dcmha.triton_unavailable(CPU) == said[0].split(": ", 1)[1]  # the device the tensors are on
+    with all_branches_hooked(model), all_branches_hooked(model64), torch.no_grad():
+        reference, exact = model(tokens), model64(tokens)
+    assert_as_exact_as(out, reference, exact, "logits")
 
 
 def test_second_derivatives_on_the_triton_path_fall_back_on_the_materialised_formula(model, model64, kernels, on_cuda):

@@ -7,8 +7,9 @@ Paths, and when `choose_path` takes each (first rule that applies):
   transform (`vmap`, `grad`, ...) is active; on any device.
 - `sdpa`: plain MHA (`use_dcmha=False`) otherwise, by `torch.nn.functional.scaled_dot_product_attention`.
 - `triton` (`dcinterp.dcmha.triton_kernels.fused_dcmha`, one fused kernel forward and backward, decoding
-  included): DCMHA on CUDA where the kernels run. Where they cannot (no Triton, the card's limits), one warning
-  per reason names why, and the next rules apply.
+  included): DCMHA on CUDA where the kernels run. Where they cannot (no Triton, an old one, or Triton refusing to
+  build them for the card at its first launch, e.g. past its shared memory: that call is then computed by
+  `materialised.attend`), one warning per reason names why, and the next rules apply.
 - `few_queries` (`materialised_z`, whose compose takes `compose_few_queries`, the key side in its low-rank
   form): a cached step of at most `FEW_QUERIES` new queries.
 - `blocked` (`dcinterp.dcmha.blocked`: a block of queries at a time, never a `[b, h, t, s]` tensor): on the CPU.
@@ -36,15 +37,35 @@ Path = Literal["materialised", "few_queries", "blocked", "triton", "sdpa"]
 FEW_QUERIES = 16  # with a key-value cache, up to this many new queries take a decoding path
 
 _warned: set[str] = set()  # the reasons already given, so that each is said once per process
+_refused: dict[str, str] = {}  # per device, why Triton refused to compile the kernels for it (its first launch)
 
 
 def triton_unavailable(device: torch.device) -> str | None:
     """Why the Triton kernels cannot run on `device` (None when they can), as one line."""
+    if str(device) in _refused:
+        return _refused[str(device)]
     try:
         from . import triton_kernels
     except ImportError as error:
         return f"the Triton kernels cannot be imported ({error})"
     return triton_kernels.available(device)
+
+
+def _warn_once(reason: str, device: torch.device) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"DCMHA on {device} takes the materialised path: {reason}", stacklevel=3)
+
+
+def _compile_refusals() -> tuple[type[Exception], ...]:
+    """The errors by which Triton says it cannot build a kernel for the card at hand (shared memory, registers, an
+    operation the card lacks), as opposed to a bug: those the dispatch answers with the materialised path."""
+    try:
+        from triton.compiler.errors import CompilationError
+        from triton.runtime.errors import OutOfResources
+    except ImportError:
+        return ()
+    return (OutOfResources, CompilationError)
 
 
 def choose_path(
@@ -71,9 +92,7 @@ def choose_path(
         reason = triton_unavailable(device)
         if reason is None:
             return "triton"
-        if reason not in _warned:
-            _warned.add(reason)
-            warnings.warn(f"DCMHA on {device} takes the materialised path: {reason}", stacklevel=2)
+        _warn_once(reason, device)
     if decoding:
         return "few_queries"
     return "blocked" if device.type == "cpu" else "materialised"
@@ -93,9 +112,15 @@ def triton_z(q, k, v, mask, pre, post, *, window: int | None, official: bool, pa
 
     weights = [w for stage in (pre, post) if stage is not None for w in stage]
     inputs = (q, k, v, *weights)
-    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs):
-        return fused(*inputs)
-    return FirstOrderKernel.apply(fused, reference, *inputs)
+    try:
+        if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs):
+            return fused(*inputs)
+        return FirstOrderKernel.apply(fused, reference, *inputs)
+    except _compile_refusals() as refusal:  # the card's limits: said once, then the materialised path everywhere
+        reason = f"Triton cannot build the fused kernels for it ({str(refusal).splitlines()[0]})"
+        _refused[str(q.device)] = reason
+        _warn_once(reason, q.device)
+        return reference(*inputs)
 
 
 def _stages(weights, pre, post) -> tuple:
