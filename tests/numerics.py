@@ -21,25 +21,39 @@ FLOOR_EPS = 16
 EPS32 = torch.finfo(torch.float32).eps
 
 
-def float32_error_ratio(new: torch.Tensor, reference: torch.Tensor, exact: torch.Tensor) -> float:
+def float32_error_ratio(
+    new: torch.Tensor,
+    reference: torch.Tensor,
+    exact: torch.Tensor,
+    factor: float = FACTOR,
+    floor_eps: float = FLOOR_EPS,
+) -> float:
     """The new path's float32 error over what the rule allows it (at most 1 to pass)."""
     exact = exact.double()
     new_error = (new.double() - exact).abs().max().item()
     reference_error = (reference.double() - exact).abs().max().item()
-    allowed = FACTOR * reference_error + FLOOR_EPS * EPS32 * exact.abs().max().item()
+    allowed = factor * reference_error + floor_eps * EPS32 * exact.abs().max().item()
     return new_error / allowed if allowed > 0 else (0.0 if new_error == 0 else float("inf"))
 
 
-def assert_as_exact_as(new: torch.Tensor, reference: torch.Tensor, exact: torch.Tensor, what: str = "") -> None:
-    """`new` (float32) within FACTOR times `reference`'s (float32) distance from `exact` (float64), max-norm."""
+def assert_as_exact_as(
+    new: torch.Tensor,
+    reference: torch.Tensor,
+    exact: torch.Tensor,
+    what: str = "",
+    factor: float = FACTOR,
+    floor_eps: float = FLOOR_EPS,
+) -> None:
+    """`new` within `factor` times `reference`'s distance from `exact` (float64), max-norm, plus the floor (both
+    computed in the same dtype, float32 unless a test says otherwise)."""
     assert new.shape == reference.shape == exact.shape, (what, new.shape, reference.shape, exact.shape)
-    ratio = float32_error_ratio(new, reference, exact)
+    ratio = float32_error_ratio(new, reference, exact, factor, floor_eps)
     if not ratio <= 1:
         new_error = (new.double() - exact.double()).abs().max().item()
         reference_error = (reference.double() - exact.double()).abs().max().item()
         raise AssertionError(
             f"{what}: the new path is {new_error:.3g} from float64, the reference path {reference_error:.3g} "
-            f"(allowed: {FACTOR} times that, plus {FLOOR_EPS} float32 units of {exact.abs().max().item():.3g})"
+            f"(allowed: {factor} times that, plus {floor_eps} float32 units of {exact.abs().max().item():.3g})"
         )
 
 

@@ -27,6 +27,7 @@ pytest.importorskip("triton")
 from dcinterp import HookedDCFormer  # noqa: E402
 from dcinterp.dcmha import triton_kernels  # noqa: E402
 from dcinterp.dcmha.triton_kernels import BRANCHES, available, fused_dcmha  # noqa: E402
+from tests.numerics import assert_as_exact_as  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -113,19 +114,13 @@ def to(x, dtype, grad=False):
     return x.detach().to(dtype).requires_grad_(grad)
 
 
-def error(x, exact):
-    return (x.double() - exact).abs().max().item()
-
-
 def assert_as_exact(fused, single, exact, what):
     """|fused - exact| <= TIMES_REFERENCE_ERROR |single - exact| + 8 eps max|exact|: fused and single (the reference
     in the same dtype) against exact (float64), each by its largest error. The floor, a few float32 roundings of the
     tensor's largest entry (8 eps: about 1e-6), is for sums with cancellations (the softmax's P (dP - D), summed
     again into a weight's gradient): the reference's largest error may fall on a well-conditioned entry where the
     fused path's falls on an ill-conditioned one, summed in another order. A wrong term errs by the entries' size."""
-    floor = 8 * torch.finfo(torch.float32).eps * exact.abs().max().item()
-    allowed = TIMES_REFERENCE_ERROR * error(single, exact) + floor
-    assert error(fused, exact) <= allowed, f"{what}: {error(fused, exact):.3g} > {allowed:.3g}"
+    assert_as_exact_as(fused, single, exact, what, factor=TIMES_REFERENCE_ERROR, floor_eps=8)
 
 
 def check(
