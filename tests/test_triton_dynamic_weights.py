@@ -151,12 +151,13 @@ def on_cuda(monkeypatch):
 def models(request):
     """The model, with the folded LayerNorm's biases b_dyn_in, b_dyn_gate (DCPythia) or without; its float64 copy."""
     name, *folded = request.param.split()
-    model = HookedDCFormer.from_pretrained(os.path.join(FIXTURES, name), fold_ln=bool(folded))
+    model = HookedDCFormer.from_pretrained(os.path.join(FIXTURES, name), fold_ln=bool(folded), device=DEVICE)
     return model, float64_copy(model)
 
 
 def tokens_for(model, batch=2, length=21):
-    return torch.randint(3, model.cfg.d_vocab, (batch, length), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(3, model.cfg.d_vocab, (batch, length), generator=torch.Generator().manual_seed(0))
+    return tokens.to(DEVICE)
 
 
 def torch_path(monkeypatch):
@@ -204,7 +205,8 @@ def test_a_card_the_kernel_does_not_fit_gives_one_warning_and_torchs_result(mode
         out = model(tokens)
     said = [str(w.message) for w in record if "dynamic weights" in str(w.message)]
     assert len(said) == 1 and "take torch's ops: Triton cannot build the dynamic weights' kernel" in said[0]
-    assert dcmha._refused_dynamic_weights == {str(DEVICE): said[0].split(": ", 1)[1]}
+    device = model.W_E.device  # the tensors' ("cuda:0" where DEVICE is "cuda")
+    assert dcmha._refused_dynamic_weights == {str(device): said[0].split(": ", 1)[1]}
     torch_path(monkeypatch)
     with torch.no_grad():
         reference = model(tokens)
