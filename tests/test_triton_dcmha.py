@@ -420,7 +420,7 @@ from dcinterp.dcmha import dynamic_weights
 
 dynamic_weights._decorate()
 kernel = dynamic_weights._dynamic_weights_kernel
-constants = dict(BP=16, BD=32, KP=128, HP=32, IN_BIAS=True, GATE_BIAS=True)  # DCPythia-6.9B's K = 4 H = 128
+constants = dict(BP=16, BD=64, KP=128, HP=32, IN_BIAS=True, GATE_BIAS=True, HALF=True)  # DCPythia-6.9B's K = 4 H = 128
 sizes = ("P", "D", "K", "H", "R")
 signature = {arg: "constexpr" if arg in constants else "i32" if arg in sizes else "*bf16" for arg in kernel.arg_names}
 paths = {(kernel.arg_names.index(arg),): value for arg, value in constants.items()}

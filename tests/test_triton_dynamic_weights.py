@@ -110,13 +110,15 @@ def test_bad_input_says_which_argument():
         (dict(functorch_active=True), "torch"),
         (dict(dtypes={torch.float64}), "torch"),
         (dict(dtypes={torch.bfloat16}), "triton"),
+        (dict(positions=dcmha.FUSED_DYNAMIC_WEIGHTS_POSITIONS), "triton"),
+        (dict(positions=dcmha.FUSED_DYNAMIC_WEIGHTS_POSITIONS + 1), "torch"),
         (dict(refused={"cuda": "past its shared memory"}), "torch"),
         (dict(refused={"cuda:1": "past its shared memory"}), "triton"),
         (dict(unavailable="triton is not installed"), "torch"),
     ],
 )
 def test_the_rules(monkeypatch, facts, path):
-    facts = {"device": CUDA, "dtypes": {torch.float32}, "gradient_needed": False, **facts}
+    facts = {"device": CUDA, "dtypes": {torch.float32}, "positions": 100, "gradient_needed": False, **facts}
     unavailable = facts.pop("unavailable", None)
     monkeypatch.setattr(dcmha, "triton_unavailable", lambda device: unavailable)
     monkeypatch.setattr(dcmha, "_refused_dynamic_weights", facts.pop("refused", {}))

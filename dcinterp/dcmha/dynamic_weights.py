@@ -10,7 +10,9 @@ post-compose key; K hidden units, H heads, R the rank):
 `torch_dynamic_weights` takes about a dozen kernel launches (two matmuls, a bias, gelu, an einsum, the RMS norm's
 pow, mean, rsqrt and products, another bias, tanh); at the short prompts most analyses use, a GPU waits on those
 launches, not on the arithmetic. `fused_dynamic_weights` computes the same in one launch (`_dynamic_weights_kernel`,
-one program per block of positions, every branch, float32 accumulation, no intermediate rounding to a half dtype).
+one program per block of positions and branch; float32 sums, no intermediate rounding to a half dtype). Half inputs
+are multiplied in their dtype (the products are exact in float32, as in cuBLAS), float32 ones in IEEE float32 (not
+TF32); the interpreter, whose bfloat16 dot is wrong, takes the same products in float32.
 It has no backward: `dcinterp.dcmha.dynamic_weights_path` takes it only where no gradient is needed.
 
 Triton decides when a kernel is decorated whether it runs natively or under its CPU interpreter
@@ -20,6 +22,8 @@ Index names: p positions (batch and sequence flattened), d model dim, c branch, 
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +37,7 @@ except ImportError:  # dcinterp runs without triton; dcinterp.dcmha.triton_unava
     triton = tl = None
 
 BLOCK_POSITIONS = 16  # positions per program (tl.dot's smallest tile)
-BLOCK_DIM = 32  # a chunk of the model dim, summed over in turn
+BLOCK_DIM = 64  # a chunk of the model dim, summed over in turn
 
 DynamicWeights = tuple[Float[Tensor, "b p 4 r h"], Float[Tensor, "b p 4 r h"], Float[Tensor, "b p 4 h"]]
 
@@ -59,66 +63,75 @@ def torch_dynamic_weights(x: Float[Tensor, "b p d"], W_in, b_in, W_out, W_gate, 
 # fmt: off
 
 
+def _dot(a, b, HALF: tl.constexpr):
+    """a @ b, float32 result: products in a and b's half dtype (natively), else in IEEE float32."""
+    if HALF and not _INTERPRETED:
+        return tl.dot(a, b, out_dtype=tl.float32)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
 def _dynamic_weights_kernel(
     x, W_in, b_in, W_out, W_gate, b_gate, w1, w2, gates,
     P, D, K, H, R,
     BP: tl.constexpr, BD: tl.constexpr, KP: tl.constexpr, HP: tl.constexpr,
-    IN_BIAS: tl.constexpr, GATE_BIAS: tl.constexpr,
+    IN_BIAS: tl.constexpr, GATE_BIAS: tl.constexpr, HALF: tl.constexpr,
 ):
-    """w1, w2 [P, 4, R, H] and gates [P, 4, H] of a block of BP positions; x [P, D]. KP, HP: K and H padded to powers
-    of two (the padding loads as 0, which gelu and the products keep 0)."""
+    """Branch c's w1, w2 [P, 4, R, H] and gates [P, 4, H] of a block of BP positions; x [P, D]. KP, HP: K and H padded
+    to powers of two (the padding loads as 0, which gelu and the products keep 0). HALF: x, W_in and W_gate share a
+    half dtype."""
+    c = tl.program_id(1)
     p = tl.program_id(0) * BP + tl.arange(0, BP)
     p_ok = p < P
     k = tl.arange(0, KP)
     k_ok = k < K
     h = tl.arange(0, HP)
     h_ok = h < H
-    for c in tl.static_range(4):
-        hidden = tl.zeros([BP, KP], dtype=tl.float32)
-        gate = tl.zeros([BP, HP], dtype=tl.float32)
-        for start in range(0, D, BD):
-            d = start + tl.arange(0, BD)
-            d_ok = d < D
-            xs = tl.load(x + p[:, None] * D + d[None, :], mask=p_ok[:, None] & d_ok[None, :], other=0.0)
-            xs = xs.to(tl.float32)
-            W = tl.load(W_in + (d[:, None] * 4 + c) * K + k[None, :], mask=d_ok[:, None] & k_ok[None, :], other=0.0)
-            hidden += tl.dot(xs, W.to(tl.float32), input_precision="ieee")
-            W = tl.load(W_gate + (d[:, None] * 4 + c) * H + h[None, :], mask=d_ok[:, None] & h_ok[None, :], other=0.0)
-            gate += tl.dot(xs, W.to(tl.float32), input_precision="ieee")
-        if IN_BIAS:
-            hidden += tl.load(b_in + c * K + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        hidden = 0.5 * hidden * (1.0 + tl.math.erf(hidden * 0.7071067811865476))
-        if GATE_BIAS:
-            gate += tl.load(b_gate + c * H + h, mask=h_ok, other=0.0).to(tl.float32)[None, :]
-        # tanh(g) = sign(g) (1 - e) / (1 + e), e = exp(-2 |g|) <= 1: no overflow at any g
-        e = tl.exp(-2.0 * tl.abs(gate))
-        gate = tl.where(gate < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)
-        out = gates + (p[:, None] * 4 + c) * H + h[None, :]
-        tl.store(out, gate.to(gates.dtype.element_ty), mask=p_ok[:, None] & h_ok[None, :])
-        for r in range(R):
-            rows = p[:, None] * 4 + c
-            ok = p_ok[:, None] & h_ok[None, :]
-            W = tl.load(W_out + ((c * K + k[:, None]) * 2 * R + r) * H + h[None, :], mask=k_ok[:, None] & h_ok[None, :],
-                        other=0.0)
-            value = tl.dot(hidden, W.to(tl.float32), input_precision="ieee")  # [BP, HP]
-            value = value * tl.math.rsqrt(tl.sum(value * value, axis=1) / H + 1e-6)[:, None]  # the padded heads are 0
-            tl.store(w1 + (rows * R + r) * H + h[None, :], value.to(w1.dtype.element_ty), mask=ok)
-            W = tl.load(W_out + ((c * K + k[:, None]) * 2 * R + R + r) * H + h[None, :],
-                        mask=k_ok[:, None] & h_ok[None, :], other=0.0)
-            value = tl.dot(hidden, W.to(tl.float32), input_precision="ieee")
-            tl.store(w2 + (rows * R + r) * H + h[None, :], value.to(w2.dtype.element_ty), mask=ok)
+    hidden = tl.zeros([BP, KP], dtype=tl.float32)
+    gate = tl.zeros([BP, HP], dtype=tl.float32)
+    for start in range(0, D, BD):
+        d = start + tl.arange(0, BD)
+        d_ok = d < D
+        xs = tl.load(x + p[:, None] * D + d[None, :], mask=p_ok[:, None] & d_ok[None, :], other=0.0)
+        W = tl.load(W_in + (d[:, None] * 4 + c) * K + k[None, :], mask=d_ok[:, None] & k_ok[None, :], other=0.0)
+        hidden += _dot(xs, W, HALF)
+        W = tl.load(W_gate + (d[:, None] * 4 + c) * H + h[None, :], mask=d_ok[:, None] & h_ok[None, :], other=0.0)
+        gate += _dot(xs, W, HALF)
+    if IN_BIAS:
+        hidden += tl.load(b_in + c * K + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    hidden = 0.5 * hidden * (1.0 + tl.math.erf(hidden * 0.7071067811865476))
+    if GATE_BIAS:
+        gate += tl.load(b_gate + c * H + h, mask=h_ok, other=0.0).to(tl.float32)[None, :]
+    # tanh(g) = sign(g) (1 - e) / (1 + e), e = exp(-2 |g|) <= 1: no overflow at any g
+    e = tl.exp(-2.0 * tl.abs(gate))
+    gate = tl.where(gate < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)
+    out = gates + (p[:, None] * 4 + c) * H + h[None, :]
+    tl.store(out, gate.to(gates.dtype.element_ty), mask=p_ok[:, None] & h_ok[None, :])
+    for r in range(R):
+        rows = p[:, None] * 4 + c
+        ok = p_ok[:, None] & h_ok[None, :]
+        W = tl.load(W_out + ((c * K + k[:, None]) * 2 * R + r) * H + h[None, :], mask=k_ok[:, None] & h_ok[None, :],
+                    other=0.0)
+        value = tl.dot(hidden, W.to(tl.float32), input_precision="ieee")  # [BP, HP]
+        value = value * tl.math.rsqrt(tl.sum(value * value, axis=1) / H + 1e-6)[:, None]  # the padded heads are 0
+        tl.store(w1 + (rows * R + r) * H + h[None, :], value.to(w1.dtype.element_ty), mask=ok)
+        W = tl.load(W_out + ((c * K + k[:, None]) * 2 * R + R + r) * H + h[None, :],
+                    mask=k_ok[:, None] & h_ok[None, :], other=0.0)
+        value = tl.dot(hidden, W.to(tl.float32), input_precision="ieee")
+        tl.store(w2 + (rows * R + r) * H + h[None, :], value.to(w2.dtype.element_ty), mask=ok)
 
 
 # fmt: on
 
 _decorated = False
+_INTERPRETED = False  # the kernel's constant, set by _decorate
 
 
 def _decorate() -> None:
-    """Decorate the kernel with triton.jit, once (natively, or under the interpreter if TRITON_INTERPRET=1 now)."""
-    global _decorated, _dynamic_weights_kernel
+    """Decorate the kernels with triton.jit, once (natively, or under the interpreter if TRITON_INTERPRET=1 now)."""
+    global _decorated, _dynamic_weights_kernel, _dot, _INTERPRETED
     if not _decorated:
-        _dynamic_weights_kernel = triton.jit(_dynamic_weights_kernel)
+        _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+        _dot, _dynamic_weights_kernel = triton.jit(_dot), triton.jit(_dynamic_weights_kernel)
         _decorated = True
 
 
@@ -139,11 +152,12 @@ def fused_dynamic_weights(x: Float[Tensor, "b p d"], W_in, b_in, W_out, W_gate, 
     W_in, W_out, W_gate = W_in.contiguous(), W_out.contiguous(), W_gate.contiguous()
     b_in = W_in if b_in is None else b_in.contiguous()  # never read without IN_BIAS
     b_gate = W_gate if b_gate is None else b_gate.contiguous()
-    _dynamic_weights_kernel[(triton.cdiv(P, BLOCK_POSITIONS),)](
+    half = x.dtype == W_in.dtype == W_gate.dtype != torch.float32
+    _dynamic_weights_kernel[(triton.cdiv(P, BLOCK_POSITIONS), 4)](
         x.reshape(P, D).contiguous(), W_in, b_in, W_out, W_gate, b_gate, w1, w2, gates,
         P, D, K, H, R,
         BP=BLOCK_POSITIONS, BD=BLOCK_DIM, KP=max(16, triton.next_power_of_2(K)), HP=max(16, triton.next_power_of_2(H)),
-        IN_BIAS=b_in is not W_in, GATE_BIAS=b_gate is not W_gate, num_warps=4,
+        IN_BIAS=b_in is not W_in, GATE_BIAS=b_gate is not W_gate, HALF=half, num_warps=4,
     )  # fmt: skip
     return w1, w2, gates
 
