@@ -50,7 +50,7 @@ FEW_QUERIES = 16  # with a key-value cache, up to this many new queries take a d
 # 0.12 against 0.15 at 16-512, 0.39 against 0.28 at 2,048)
 FUSED_DYNAMIC_WEIGHTS_POSITIONS = 1024
 
-_warned: set[str] = set()  # the reasons already given, so that each is said once per process
+_warned: set[str] = set()  # the warnings already given, so that each is said once per process
 _refused: dict[str, str] = {}  # per device, why Triton refused to compile the kernels for it (its first launch)
 _refused_dynamic_weights: dict[str, str] = {}  # the same, for the dynamic weights' kernel
 
