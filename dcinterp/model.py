@@ -257,18 +257,19 @@ class Attention(nn.Module):
         self.hook_result = HookPoint()  # [batch, pos, head, d_model], only with cfg.use_attn_result
 
     def dynamic_weights(self, x: Float[Tensor, "b p d"]) -> dict[str, tuple[Tensor, ...]]:
-        """Per stage: (qw1, qw2, kw1, kw2 [b, p, rank, head], qg, kg [b, p, head]), computed from x."""
-        R = self.cfg.dcmha_rank
-        hidden = (x @ self.W_dyn_in.flatten(1)).unflatten(-1, self.W_dyn_in.shape[1:])  # [b, p, c, k]
-        hidden = F.gelu(hidden + self.b_dyn_in if self.b_dyn_in is not None else hidden)
-        w = torch.einsum("bpck,ckrh->bpcrh", hidden, self.W_dyn_out)
-        w1, w2 = w[:, :, :, :R], w[:, :, :, R:]
-        # RMSNorm without scale over heads, in float32: in float16 the backward of rsqrt overflows (the mean
-        # square can be ~4e-4, where d rsqrt/du = -u^-1.5 / 2 is ~6.5e4, past float16's 65504).
-        w1f = w1.float()
-        w1 = (w1f * torch.rsqrt(w1f.pow(2).mean(-1, keepdim=True) + 1e-6)).to(w1.dtype)
-        gates = (x @ self.W_dyn_gate.flatten(1)).unflatten(-1, self.W_dyn_gate.shape[1:])  # [b, p, c, h]
-        gates = torch.tanh(gates + self.b_dyn_gate if self.b_dyn_gate is not None else gates)
+        """Per stage: (qw1, qw2, kw1, kw2 [b, p, rank, head], qg, kg [b, p, head]), computed from x: by torch's ops, or
+        without gradients on CUDA at up to 1,024 positions by one fused Triton kernel (`dcinterp.dcmha.
+        dynamic_weights_path` says which); gradients always take torch's ops."""
+        params = (self.W_dyn_in, self.b_dyn_in, self.W_dyn_out, self.W_dyn_gate, self.b_dyn_gate)
+        inputs = [t for t in (x, *params) if t is not None]
+        path = dcmha.dynamic_weights_path(
+            device=x.device,
+            dtypes={t.dtype for t in inputs},
+            positions=x.shape[0] * x.shape[1],
+            gradient_needed=torch.is_grad_enabled() and any(t.requires_grad for t in inputs),
+            functorch_active=torch._C._are_functorch_transforms_active(),
+        )
+        w1, w2, gates = dcmha.compute_dynamic_weights(path, x, *params)
         weights = {}
         for stage, (cq, ck) in BRANCH_DYN_INDEX.items():
             weights[stage] = (w1[:, :, cq], w2[:, :, cq], w1[:, :, ck], w2[:, :, ck], gates[:, :, cq], gates[:, :, ck])

@@ -410,13 +410,25 @@ for name in ("_forward_kernel", "_backward_query_kernel", "_backward_key_kernel"
     source = ASTSource(fn=kernel, signature=signature, constexprs=paths)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=1))
     assert compiled.metadata.shared <= 227 * 1024, (name, compiled.metadata.shared)
+
+from dcinterp.dcmha import dynamic_weights
+
+dynamic_weights._decorate()
+kernel = dynamic_weights._dynamic_weights_kernel
+constants = dict(BP=16, BD=64, KP=128, HP=32, IN_BIAS=True, GATE_BIAS=True, HALF=True)  # DCPythia-6.9B's K = 4 H = 128
+sizes = ("P", "D", "K", "H", "R")
+signature = {arg: "constexpr" if arg in constants else "i32" if arg in sizes else "*bf16" for arg in kernel.arg_names}
+paths = {(kernel.arg_names.index(arg),): value for arg, value in constants.items()}
+source = ASTSource(fn=kernel, signature=signature, constexprs=paths)
+compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+assert compiled.metadata.shared <= 227 * 1024, ("_dynamic_weights_kernel", compiled.metadata.shared)
 """
 
 
 def test_the_kernels_compile_for_a_hopper_gpu():
     """Triton's compiler, without a GPU, takes each kernel down to an sm_90 binary (bfloat16, every branch on,
-    padding): what the interpreter never checks (layouts, 3D dots, shared memory) is checked here, in a process of
-    its own, where the kernels are decorated natively."""
+    padding; the dynamic weights' kernel with both biases): what the interpreter never checks (layouts, 3D dots,
+    shared memory) is checked here, in a process of its own, where the kernels are decorated natively."""
     environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     environment["TRITON_DEFAULT_FP_FUSION"] = environment.get("TRITON_DEFAULT_FP_FUSION", "1")
     run = subprocess.run(
