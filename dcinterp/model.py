@@ -358,6 +358,7 @@ class Attention(nn.Module):
             functorch_active=torch._C._are_functorch_transforms_active(),
             cached_queries=None if past_kv_cache_entry is None else n_queries,
             padding_as_mask_only=mask.ndim == 4 and real is None,
+            keys=mask.shape[-1],
         )
 
     def composed_weights(self, x: Float[Tensor, "b p d"], past_kv_cache_entry=None) -> list[tuple | None]:

@@ -110,7 +110,10 @@ def paths(monkeypatch):
 
 @pytest.fixture
 def on_cuda(monkeypatch, paths):
-    """choose_path told the tensors are on CUDA (they stay on this CPU): the Triton path's plumbing, testable here."""
+    """choose_path told the tensors are on CUDA (they stay on this CPU): the Triton path's plumbing, testable here.
+    The kernels then take every prompt and decoding step, whatever their length (the defaults are in test_the_rules)."""
+    monkeypatch.setattr(dcmha, "FUSED_MIN_KEYS", 0)
+    monkeypatch.setattr(dcmha, "FUSED_DECODING", True)
     choose = dcmha.choose_path
     monkeypatch.setattr(dcmha, "choose_path", lambda **facts: choose(**{**facts, "device": CUDA}))
     return paths
@@ -125,9 +128,12 @@ def on_cuda(monkeypatch, paths):
         (dict(), "blocked", "triton"),
         (dict(square_tensor_read=True), "materialised", "materialised"),
         (dict(functorch_active=True), "materialised", "materialised"),
-        (dict(cached_queries=1), "few_queries", "triton"),
-        (dict(cached_queries=dcmha.FEW_QUERIES), "few_queries", "triton"),
+        (dict(cached_queries=1), "few_queries", "few_queries"),  # decoding: the kernels measured slower
+        (dict(cached_queries=dcmha.FEW_QUERIES, keys=8192), "few_queries", "few_queries"),
         (dict(cached_queries=dcmha.FEW_QUERIES + 1), "blocked", "triton"),
+        (dict(keys=dcmha.FUSED_MIN_KEYS - 1), "blocked", "materialised"),  # a short prompt: the kernels measured slower
+        (dict(keys=dcmha.FUSED_MIN_KEYS), "blocked", "triton"),
+        (dict(cached_queries=dcmha.FEW_QUERIES + 1, keys=dcmha.FUSED_MIN_KEYS - 1), "blocked", "materialised"),
         (dict(cached_queries=1, square_tensor_read=True), "materialised", "materialised"),
         (dict(padding_as_mask_only=True), "blocked", "materialised"),
         (dict(dcmha=False), "sdpa", "sdpa"),

@@ -6,10 +6,13 @@ Paths, and when `choose_path` takes each (first rule that applies):
   nnsight trace reads or sets a square tensor of the layer (scores, patterns, a branch output), or a functorch
   transform (`vmap`, `grad`, ...) is active; on any device.
 - `sdpa`: plain MHA (`use_dcmha=False`) otherwise, by `torch.nn.functional.scaled_dot_product_attention`.
-- `triton` (`dcinterp.dcmha.triton_kernels.fused_dcmha`, one fused kernel forward and backward, decoding
-  included): DCMHA on CUDA where the kernels run. Where they cannot (no Triton, an old one, or Triton refusing to
-  build them for the card at its first launch, e.g. past its shared memory: that call is then computed by
-  `materialised.attend`), one warning per reason names why, and the next rules apply.
+- `triton` (`dcinterp.dcmha.triton_kernels.fused_dcmha`, one fused kernel forward and backward): DCMHA on CUDA
+  where the kernels run, for prompts of at least `FUSED_MIN_KEYS` keys. Shorter prompts take the materialised
+  path and cached decoding steps the few-queries one, where the kernels measured slower on an H100 (the numbers are
+  beside `FUSED_MIN_KEYS`; `FUSED_DECODING = True` sends decoding steps to the kernels too). Where the kernels
+  cannot run (no Triton, an old one, or Triton refusing to build them for the card at their first launch, e.g. past
+  its shared memory: that call is then computed by `materialised.attend`), one warning per reason names why, and
+  the next rules apply.
 - `few_queries` (`materialised_z`, whose compose takes `compose_few_queries`, the key side in its low-rank
   form): a cached step of at most `FEW_QUERIES` new queries.
 - `blocked` (`dcinterp.dcmha.blocked`: a block of queries at a time, never a `[b, h, t, s]` tensor): on the CPU.
@@ -45,6 +48,13 @@ Path = Literal["materialised", "few_queries", "blocked", "triton", "sdpa"]
 DynamicWeightsPath = Literal["triton", "torch"]
 
 FEW_QUERIES = 16  # with a key-value cache, up to this many new queries take a decoding path
+# Where the fused kernels pay on a GPU, from one layer's attention on an NVIDIA H100 (bfloat16, 32 heads of 128,
+# benchmarks/bench_gpu_attention.py) against the materialised arithmetic: forward 1.82x its time at 1,024 keys,
+# 0.93x at 2,048, 0.69-0.79x at 4,096-8,192; forward + backward 2.65x, 1.35x, 1.01-1.05x; peak memory 1/21 to 1/170
+# of its. A decoding step took 4.3x (1,024 keys) and 18.6x (4,096) the materialised step's time (one program walks
+# every key): decoding keeps the few-queries path.
+FUSED_MIN_KEYS = 2048
+FUSED_DECODING = False
 # Up to this many positions the fused dynamic weights are faster than torch's ops (an H100, the 6.9B width: bfloat16
 # 0.06 against 0.18-0.27 ms at 16-512 positions, 0.09 against 0.17 at 2,048, 0.38 against 0.17 at 8,192; float32
 # 0.12 against 0.15 at 16-512, 0.39 against 0.28 at 2,048)
@@ -92,13 +102,15 @@ def choose_path(
     functorch_active: bool = False,
     cached_queries: int | None = None,
     padding_as_mask_only: bool = False,
+    keys: int | None = None,
 ) -> Path:
     """Which path computes one attention call (the table in this module's docstring).
 
     `square_tensor_read`: a hook (or cache, or nnsight trace) reads or sets a [b, h, t, s] tensor of the layer;
     `functorch_active`: `torch._C._are_functorch_transforms_active()`; `cached_queries`: with a key-value cache,
     the number of new queries (None without one); `padding_as_mask_only`: padded keys are hidden by the additive
-    mask alone, without the [b, s] table of real keys the kernels take (a direct call of `Attention`)."""
+    mask alone, without the [b, s] table of real keys the kernels take (a direct call of `Attention`); `keys`: how
+    many keys the queries attend over (cached ones included; None: not known, as many as the kernels need)."""
     if square_tensor_read or functorch_active:
         return "materialised"
     if not dcmha:
@@ -107,6 +119,10 @@ def choose_path(
     if device.type == "cuda" and not padding_as_mask_only:
         reason = triton_unavailable(device)
         if reason is None:
+            if decoding and not FUSED_DECODING:
+                return "few_queries"
+            if keys is not None and keys < FUSED_MIN_KEYS:
+                return "materialised"
             return "triton"
         _warn_once(reason, device)
     if decoding:
