@@ -60,3 +60,13 @@ def assert_as_exact_as(
 def float64_copy(model):
     """The model in float64, the same weights (frozen or not, as the original), for the reference run."""
     return copy.deepcopy(model).double()
+
+
+def hessian_vector_product(model, tokens, direction: torch.Tensor) -> torch.Tensor:
+    """H v for the loss on `tokens` as a function of their embeddings, v = `direction` [batch, pos, d_model]: a
+    second derivative through every attention path (create_graph=True)."""
+    x = model.embed(tokens).detach().requires_grad_(True)
+    loss = model(x, start_at_layer=0, tokens=tokens, return_type="loss")
+    (grad,) = torch.autograd.grad(loss, x, create_graph=True)
+    (second,) = torch.autograd.grad((grad * direction.to(x.dtype)).sum(), x)
+    return second

@@ -24,7 +24,7 @@ import dcinterp.dcmha.blocked as blocked
 from dcinterp import DCFormerConfig, HookedDCFormer
 from dcinterp.kv_cache import DCFormerKeyValueCache
 from dcinterp.model import attention_mask, visible_keys
-from tests.numerics import assert_as_exact_as, float64_copy
+from tests.numerics import assert_as_exact_as, float64_copy, hessian_vector_product
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SIZE = dict(n_layers=2, d_model=32, n_heads=4, d_head=8, d_mlp=64, d_vocab=50, n_ctx=96, window_size=7)
@@ -515,11 +515,7 @@ def test_a_hessian_vector_product_through_the_model_equals_the_materialised_path
     direction = torch.randn((1, 12, model.cfg.d_model), generator=torch.Generator().manual_seed(0))
 
     def hvp(model):
-        x = model.embed(tokens).detach().requires_grad_(True)
-        loss = model(x, start_at_layer=0, tokens=tokens, return_type="loss")
-        (grad,) = torch.autograd.grad(loss, x, create_graph=True)
-        (second,) = torch.autograd.grad((grad * direction.to(x.dtype)).sum(), x)
-        return second
+        return hessian_vector_product(model, tokens, direction)
 
     blocked_hvp = hvp(model)
     assert calls, "the blocked path ran"

@@ -28,7 +28,7 @@ from dcinterp import DCFormerConfig, HookedDCFormer
 from dcinterp.dcmha import materialised
 from dcinterp.kv_cache import DCFormerKeyValueCache
 from dcinterp.model import attention_mask
-from tests.numerics import assert_as_exact_as, float64_copy
+from tests.numerics import assert_as_exact_as, float64_copy, hessian_vector_product
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -351,11 +351,7 @@ def test_second_derivatives_on_the_triton_path_fall_back_on_the_materialised_for
     direction = torch.randn((1, 12, model.cfg.d_model), generator=torch.Generator().manual_seed(0))
 
     def hvp(model):
-        x = model.embed(tokens).detach().requires_grad_(True)
-        loss = model(x, start_at_layer=0, tokens=tokens, return_type="loss")
-        (grad,) = torch.autograd.grad(loss, x, create_graph=True)
-        (second,) = torch.autograd.grad((grad * direction.to(x.dtype)).sum(), x)
-        return second
+        return hessian_vector_product(model, tokens, direction)
 
     with pytest.raises(RuntimeError, match="no second derivatives"):  # the stand-in kernel alone refuses
         q = torch.randn(1, 4, 2, 3, requires_grad=True)
