@@ -152,14 +152,20 @@ def check_case_study(checkpoint, prompt: str, twin_checkpoint=None, layer=None, 
     Returns (twin, layer, head): the twin to explain beside the model (`twin_checkpoint`; None: the embedded model's
     own twin, none for a checkpoint directory; "": none) or None, and the head to follow as integers (or None: the
     head integrated gradients rank first). Raises a NotebookError naming the parameter at fault: a twin whose
-    tokenizer reads the prompt as other tokens, a layer or head out of range, one given without the other."""
+    tokenizer reads the prompt as other tokens, a prompt longer than the model's context, a layer or head out of range,
+    one given without the other."""
     cfg = _config(checkpoint, "checkpoint")
+    ours = _prompt_pieces(checkpoint, cfg, prompt, "checkpoint")
+    if len(ours) > cfg.n_ctx:  # to_tokens would cut it, and the words it looks for with it
+        raise NotebookError(
+            f"prompt: {len(ours)} tokens, more than the model's context of {cfg.n_ctx} (checkpoint={checkpoint}); "
+            "give a shorter one with -p prompt"
+        )
     if twin_checkpoint is None:
         twin_checkpoint = EMBEDDED_TWINS.get(str(checkpoint), "")
     twin = str(twin_checkpoint) or None
     if twin is not None:
         twin_cfg = _config(twin, "twin_checkpoint")
-        ours = _prompt_pieces(checkpoint, cfg, prompt, "checkpoint")
         theirs = _prompt_pieces(twin, twin_cfg, prompt, "twin_checkpoint")
         if ours != theirs:
             pairs = enumerate(zip(ours, theirs, strict=False))

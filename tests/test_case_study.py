@@ -134,6 +134,8 @@ def test_the_documented_command_runs_to_the_end_on_a_released_checkpoint_without
         (["-p", "layer", "1", "-p", "head", "-1"], "head=-1: the model has 4 heads (0 to 3)"),
         (["-p", "layer", "one", "-p", "head", "2"], "layer='one': expected an integer from 0 to 3"),
         (["-p", "head", "2"], "head is given without layer"),
+        # the notebook's three-line default prompt, past this model's 64 positions: to_tokens would cut the key off
+        (["-p", "prompt", " ".join([PAPER_PROMPT] * 4)], "prompt: 80 tokens, more than the model's context of 64"),
     ],
 )
 def test_a_bad_twin_or_head_is_one_line_before_anything_runs(released, tmp_path, capsys, parameters, message):
