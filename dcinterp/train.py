@@ -391,12 +391,21 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def optimizer_groups(model: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """The parameter names of AdamW's two groups, in its order: matrices (decayed), then norms and biases."""
+    named = list(model.named_parameters())
+    return [n for n, p in named if p.ndim >= 2], [n for n, p in named if p.ndim < 2]
+
+
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     import torch
 
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    params = dict(model.named_parameters())
+    decay, no_decay = optimizer_groups(model)
+    groups = [
+        {"params": [params[n] for n in decay], "weight_decay": cfg.weight_decay},
+        {"params": [params[n] for n in no_decay], "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
 
 
@@ -453,6 +462,7 @@ class Progress:
     history: list[dict] = dataclasses.field(default_factory=list)  # the log entries, every `log_every` steps
     elapsed_s: float = 0.0  # wall time of the sessions before this one
     resumed_at: list[int] = dataclasses.field(default_factory=list)  # the steps it was continued from
+    started_from: dict | None = None  # --start-from: the start's checkpoint, its step and its answer loss
 
 
 def config_record(cfg: TrainConfig) -> dict:
@@ -460,11 +470,11 @@ def config_record(cfg: TrainConfig) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
-def config_mismatch(saved: dict, cfg: TrainConfig) -> str | None:
-    """The first setting (other than RUN_SETTINGS) in which a saved train_config differs from `cfg`, in words."""
+def config_mismatch(saved: dict, cfg: TrainConfig, may_differ: tuple[str, ...] = RUN_SETTINGS) -> str | None:
+    """The first setting (other than `may_differ`) in which a saved train_config differs from `cfg`, in words."""
     now = config_record(cfg)
     for key in [*now, *(k for k in saved if k not in now)]:
-        if key in RUN_SETTINGS:
+        if key in may_differ:
             continue
         if key not in saved:
             return f"it has no train_config key {key!r} (this run: {key}={now[key]!r})"
@@ -475,18 +485,24 @@ def config_mismatch(saved: dict, cfg: TrainConfig) -> str | None:
     return None
 
 
-def load_checkpoint(path: Path, cfg: TrainConfig) -> dict:
-    """The checkpoint at `path`, checked to be of the run `cfg` describes; ResumeError (one line) if not."""
+def read_checkpoint(path: Path, option: str = "--resume") -> dict:
+    """The checkpoint at `path`; ResumeError (one line, naming `option` and the file) if it is not one."""
     import torch
 
     if not path.is_file():
-        raise ResumeError(f"--resume: no checkpoint at {path}")
+        raise ResumeError(f"{option}: no checkpoint at {path}")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated or foreign file: torch's own message is many lines deep
-        raise ResumeError(f"--resume: {path} is not a readable checkpoint ({type(e).__name__})") from e
+        raise ResumeError(f"{option}: {path} is not a readable checkpoint ({type(e).__name__})") from e
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
-        raise ResumeError(f"--resume: {path} is not a dcinterp.train checkpoint (no format {CHECKPOINT_FORMAT!r})")
+        raise ResumeError(f"{option}: {path} is not a dcinterp.train checkpoint (no format {CHECKPOINT_FORMAT!r})")
+    return checkpoint
+
+
+def load_checkpoint(path: Path, cfg: TrainConfig) -> dict:
+    """The checkpoint at `path`, checked to be of the run `cfg` describes; ResumeError (one line) if not."""
+    checkpoint = read_checkpoint(path)
     mismatch = config_mismatch(checkpoint["train_config"], cfg)
     if mismatch:
         raise ResumeError(f"--resume: {path} is another run's checkpoint: {mismatch}")
@@ -504,6 +520,73 @@ def save_checkpoint(path: Path, checkpoint: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(partial, path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared starts: a seed's twins are one model until the compose trains, and the held-out variants are that model
+# until the focus phase ends, so all of them can begin from one run stopped there (`--start-from`)
+START_MAY_DIFFER = ("arch", "exclude_combos", "eval_every", *RUN_SETTINGS)
+SCREEN_STEPS = 100  # a start's answer loss, which says whether its focus phase formed the lookup: over its last steps
+
+
+def start_answer_loss(checkpoint: dict) -> float | None:
+    """The mean answer-token loss of the checkpoint's last SCREEN_STEPS steps."""
+    losses = checkpoint["progress"]["answer_losses"][-SCREEN_STEPS:]
+    return round(sum(losses) / len(losses), 4) if losses else None
+
+
+def load_start(path: Path, cfg: TrainConfig) -> dict:
+    """The checkpoint at `path`, another run's (stopped with --stop-after), checked to be the beginning of the run
+    `cfg` describes: the same recipe but for START_MAY_DIFFER, stopped while the two runs are still the same run
+    (before the compose trains when the architectures differ, within the focus phase when the excluded
+    combinations differ). ResumeError (one line naming the file) if not."""
+    checkpoint = read_checkpoint(path, "--start-from")
+    saved, step = checkpoint["train_config"], checkpoint["progress"]["step"]
+    mismatch = config_mismatch(saved, cfg, START_MAY_DIFFER)
+    if mismatch:
+        raise ResumeError(f"--start-from: {path} is another recipe's checkpoint: {mismatch}")
+    compose_from = round(cfg.compose_from * cfg.steps)
+    if saved["arch"] != cfg.arch and step > compose_from:
+        raise ResumeError(
+            f"--start-from: {path} is at step {step}, after the compose began to train (step {compose_from}): "
+            f"a {saved['arch']} run is the {cfg.arch} run only until then"
+        )
+    focus_until = round(cfg.focus_until * cfg.steps) if cfg.focus_tasks else 0
+    if list(saved["exclude_combos"]) != list(cfg.exclude_combos) and step > focus_until:
+        raise ResumeError(
+            f"--start-from: {path} is at step {step}, after the focus phase (step {focus_until}): its data differ "
+            f"from this run's from then on (exclude_combos {saved['exclude_combos']}, this run "
+            f"{list(cfg.exclude_combos)})"
+        )
+    return checkpoint
+
+
+def take_start(checkpoint: dict, model: HookedDCFormer, opt: torch.optim.AdamW) -> None:
+    """The start's weights and AdamW state, by parameter name, into this run's model and optimizer. The compose's
+    parameters (`W_dyn_*`, DCMHA only) keep this run's initialisation when the start has none (an MHA start) and
+    are dropped when this run has none: they have not trained in either run yet (`load_start`)."""
+    from .model import HookedDCFormer
+
+    start_arch = checkpoint["train_config"]["arch"]
+    start_model = HookedDCFormer(dataclasses.replace(model.cfg, use_dcmha=start_arch == "dcmha"), init=False)
+    weights, own = checkpoint["model"], model.state_dict()
+    unshared = sorted(set(weights) ^ set(own))
+    if any("W_dyn" not in name for name in unshared):
+        raise ResumeError(f"--start-from: the start's model differs from this run's in {unshared[0]}")
+    model.load_state_dict({name: w for name, w in weights.items() if name in own}, strict=False)
+    start_names = [name for group in optimizer_groups(start_model) for name in group]
+    own_groups = optimizer_groups(model)
+    index = {name: i for i, name in enumerate(name for group in own_groups for name in group)}
+    saved = checkpoint["optimizer"]
+    trained_compose = [start_names[i] for i in saved["state"] if start_names[i] not in index]
+    if trained_compose:
+        raise ResumeError(f"--start-from: the start has trained {trained_compose[0]}, which this run does not have")
+    state = {index[start_names[i]]: s for i, s in saved["state"].items()}
+    groups, first = [], 0
+    for saved_group, names in zip(saved["param_groups"], own_groups, strict=True):
+        groups.append({**saved_group, "params": list(range(first, first + len(names)))})
+        first += len(names)
+    opt.load_state_dict({"state": state, "param_groups": groups})
 
 
 def random_states(data_rng: random.Random) -> dict:
@@ -565,6 +648,7 @@ def train(
     checkpoint_every: CheckpointEvery | str = "5m",
     resume: bool = False,
     stop_after: int | None = None,
+    start_from=None,
 ) -> tuple[HookedDCFormer, dict]:
     """Train one model; returns (model, recipe), and writes them to `out_dir` if given.
 
@@ -573,7 +657,10 @@ def train(
     stops early: after `stop_after` steps in all, when `max_minutes` run out, or on Ctrl-C / SIGTERM (after the step
     under way; then RunInterrupted is raised). `resume=True` continues from that checkpoint, and the run ends bit for
     bit as the run that never stopped. A run that stops early writes its model and a recipe with `stopped_early`, not
-    evaluated; a finished run writes its model and recipe, evaluated, and then removes its checkpoint."""
+    evaluated; a finished run writes its model and recipe, evaluated, and then removes its checkpoint.
+
+    `start_from`, the checkpoint of another run of the recipe (`load_start`: the MHA twin stopped at the end of the
+    focus phase, say), begins this run where that one stopped: bit for bit the run that began at step 0."""
     import torch
 
     from .model import HookedDCFormer
@@ -612,15 +699,26 @@ def train(
     batches = Batcher(tokenizer, stream, cfg, rng)
     probe = generate(EVAL_SEED, PROBE_SAMPLES_PER_TASK, train_ids) if cfg.eval_every else None
     done = Progress()
-    if resume:
-        checkpoint = load_checkpoint(checkpoint_path, cfg)
-        model.load_state_dict(checkpoint["model"])
-        opt.load_state_dict(checkpoint["optimizer"])
+    if resume or start_from is not None:
+        if resume:
+            checkpoint = load_checkpoint(checkpoint_path, cfg)
+            model.load_state_dict(checkpoint["model"])
+            opt.load_state_dict(checkpoint["optimizer"])
+        else:
+            checkpoint = load_start(Path(start_from), cfg)
+            take_start(checkpoint, model, opt)
         stream.load_state_dict(checkpoint["data"]["stream"])
         batches.load_state_dict(checkpoint["data"]["batcher"])
         set_random_states(rng, checkpoint["random"])
         done = Progress(**checkpoint["progress"])
-        done.resumed_at.append(done.step)
+        if resume:
+            done.resumed_at.append(done.step)
+        else:
+            done.started_from = {
+                "path": str(start_from),
+                "step": done.step,
+                "answer_loss": start_answer_loss(checkpoint),
+            }
 
     from tqdm.auto import tqdm
 
@@ -746,6 +844,7 @@ def make_recipe(model, cfg, done: Progress, wall_time, command, stopped_by, trai
         "stopped_early": stopped_by is not None,
         **({"stopped_by": stopped_by} if stopped_by else {}),
         "resumed_at": done.resumed_at,
+        **({"started_from": done.started_from} if done.started_from else {}),
         "tokens_seen": done.tokens_seen,
         "final_loss": round(sum(tail) / len(tail), 4) if tail else None,
         "final_loss_note": f"mean next-token loss (all tokens, unweighted) over the last {len(tail)} steps",
@@ -948,6 +1047,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="STEPS",
         help="stop each run after this many steps in all, with a checkpoint (--resume continues it)",
     )
+    p.add_argument(
+        "--start-from",
+        default=None,
+        metavar="DIR",
+        help="begin each run from the checkpoint of a run of the same recipe in DIR (DIR/seed<N>/<name>/ with "
+        "--seeds): e.g. the MHA twins stopped with --stop-after at the end of the focus phase, where a seed's "
+        "twins and held-out variants are still one model",
+    )
+    p.add_argument(
+        "--lookup-threshold",
+        type=float,
+        default=None,
+        metavar="LOSS",
+        help="with --start-from: skip a seed whose start's answer loss (mean of its last "
+        f"{SCREEN_STEPS} steps) is above LOSS, its focus phase having formed no lookup; written to "
+        "OUT/seed<N>/screened_out.json",
+    )
     p.add_argument("--quiet", "--no-progress", action="store_true", help="no progress bar (none without a terminal)")
     return p.parse_args(argv)
 
@@ -1014,6 +1130,7 @@ class Run:
     # recipe.json of a run with other settings, which --resume does not overwrite: the mismatch says which)
     state: str = "new"
     mismatch: str | None = None
+    start: Path | None = None  # --start-from: the checkpoint a new run begins from
 
 
 def plan_runs(args: argparse.Namespace, arches, task_ids, focus_ids) -> list[Run]:
@@ -1025,8 +1142,53 @@ def plan_runs(args: argparse.Namespace, arches, task_ids, focus_ids) -> list[Run
             name = ARCH_NAMES[arch] + args.name_suffix
             out_dir = Path(args.out) / (f"seed{seed}" if args.seeds is not None else "") / name
             cfg = dataclasses.replace(config_from_args(args, arch, task_ids, focus_ids), seed=seed)
-            runs.append(Run(cfg, out_dir, name, *run_state(cfg, out_dir)))
+            run = Run(cfg, out_dir, name, *run_state(cfg, out_dir))
+            if args.start_from is not None and run.state == "new":
+                run.start = find_start(Path(args.start_from), seed if args.seeds is not None else None)
+            runs.append(run)
     return runs
+
+
+def find_start(start_dir: Path, seed: int | None) -> Path:
+    """The one checkpoint in START_DIR/seed<N>/<name>/ (START_DIR/<name>/ without --seeds); ValueError if not one."""
+    folder = start_dir / f"seed{seed}" if seed is not None else start_dir
+    found = sorted(folder.glob(f"*/{CHECKPOINT_FILE}"))
+    if len(found) != 1:
+        what = "no checkpoint" if not found else f"{len(found)} checkpoints ({', '.join(map(str, found))})"
+        raise ValueError(f"--start-from {start_dir}: {what} in {folder}/<run>/, expected one")
+    return found[0]
+
+
+def screen(runs: list[Run], out: Path, threshold: float | None, sweep: bool) -> list[Run]:
+    """The runs to train: those whose start (checked by `load_start`) formed the lookup when a threshold is given.
+    A seed screened out is written to OUT/seed<N>/screened_out.json and said in one line."""
+    kept = []
+    for run in runs:
+        if run.start is None:
+            kept.append(run)
+            continue
+        checkpoint = load_start(run.start, run.cfg)
+        loss = start_answer_loss(checkpoint)
+        if threshold is None or (loss is not None and loss <= threshold):
+            kept.append(run)
+            continue
+        folder = out / f"seed{run.cfg.seed}" if sweep else out
+        folder.mkdir(parents=True, exist_ok=True)
+        record = {
+            "seed": run.cfg.seed,
+            "start": str(run.start),
+            "step": checkpoint["progress"]["step"],
+            "answer_loss": loss,
+            "threshold": threshold,
+            "reason": "the shared start did not form the lookup",
+        }
+        (folder / "screened_out.json").write_text(json.dumps(record, indent=2) + "\n")
+        print(
+            f"{run.out_dir}: screened out, its start {run.start} has answer loss {loss} > {threshold} "
+            f"at step {record['step']}",
+            file=sys.stderr,
+        )
+    return kept
 
 
 def run_state(cfg: TrainConfig, out_dir: Path) -> tuple[str, str | None]:
@@ -1104,8 +1266,11 @@ def main(argv=None) -> None:
         for run in runs:
             run.cfg.model_config(d_vocab=1)  # DCFormerConfig checks the size and the window pattern
             training_tasks(run.cfg)
+        if args.lookup_threshold is not None and args.start_from is None:
+            raise ValueError("--lookup-threshold screens the starts of --start-from, which is not given")
         if not args.eval_only:
             check_resumable(runs, args.resume)
+            runs = screen(runs, Path(args.out), args.lookup_threshold, args.seeds is not None)
     except ValueError as e:
         usage_error(str(e))
     for run in runs:
@@ -1131,6 +1296,7 @@ def main(argv=None) -> None:
                 checkpoint_every=every,
                 resume=run.state == "stopped",
                 stop_after=args.stop_after,
+                start_from=run.start,
             )
         except RunInterrupted as e:
             print(f"python -m dcinterp.train: {run.out_dir}: {e}", file=sys.stderr)

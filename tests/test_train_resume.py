@@ -269,3 +269,95 @@ def test_seeds_put_each_pair_of_twins_in_its_own_folder_and_resume_continues_the
     assert recipes[0, "pythia-synth"]["history"] != recipes[2, "pythia-synth"]["history"]
     main([*TINY_CLI, "--seeds", "0,2", "--out", str(tmp_path), "--compose-from", "1.0", "--resume"])
     assert capsys.readouterr().err.count("finished already, skipped") == 4
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared starts (--start-from): a seed's twins are one model until the compose trains, and the held-out variants
+# are that model until the focus phase ends
+def test_a_dcmha_run_begun_from_its_mha_twins_start_is_the_run_begun_at_step_0(tmp_path, never_stopped):
+    start = tmp_path / "start"
+    mha = dataclasses.replace(STATEFUL, arch="mha")
+    _, stopped = train(mha, out_dir=start, progress=False, evaluate_after=False, stop_after=4)  # compose_from: 4
+    scramble_global_random_states()
+    model, recipe = train(
+        STATEFUL, out_dir=tmp_path / "dcmha", progress=False, evaluate_after=False, start_from=start / CHECKPOINT_FILE
+    )
+    assert_same_run(model, recipe, *never_stopped)
+    assert recipe["started_from"] == {
+        "path": str(start / CHECKPOINT_FILE),
+        "step": 4,
+        "answer_loss": pytest.approx(sum(h["answer_loss"] for h in stopped["history"]) / 4, abs=1e-4),
+    }
+    # one step later the compose has trained in the DCMHA run: its twin's checkpoint is no longer its beginning
+    train(mha, out_dir=tmp_path / "late", progress=False, evaluate_after=False, stop_after=5)
+    with pytest.raises(ResumeError, match=r"late/checkpoint.pt is at step 5, after the compose began to train"):
+        train(
+            STATEFUL,
+            out_dir=tmp_path / "x",
+            progress=False,
+            evaluate_after=False,
+            start_from=tmp_path / "late" / CHECKPOINT_FILE,
+        )
+
+
+def test_a_held_out_variant_begun_from_the_full_runs_start_is_the_run_begun_at_step_0(tmp_path):
+    full = dataclasses.replace(STATEFUL, arch="mha", tasks=("task2", "task10", "task11", "task57"))
+    held = dataclasses.replace(full, exclude_combos=("same-person:superclass",))  # task2: not trained after focus
+    reference_model, reference = train(held, out_dir=tmp_path / "ref", progress=False, evaluate_after=False)
+    train(full, out_dir=tmp_path / "start", progress=False, evaluate_after=False, stop_after=2)  # focus_until: 2
+    model, recipe = train(
+        held,
+        out_dir=tmp_path / "held",
+        progress=False,
+        evaluate_after=False,
+        start_from=tmp_path / "start" / CHECKPOINT_FILE,
+    )
+    assert_same_run(model, recipe, reference_model, reference)
+    other, _ = train(full, progress=False, evaluate_after=False)
+    assert not torch.equal(other.W_E, model.W_E)  # the data after the focus phase differ: a test that can fail
+    train(full, out_dir=tmp_path / "late", progress=False, evaluate_after=False, stop_after=3)
+    with pytest.raises(ResumeError, match=r"at step 3, after the focus phase \(step 2\)"):
+        train(
+            held,
+            out_dir=tmp_path / "x",
+            progress=False,
+            evaluate_after=False,
+            start_from=tmp_path / "late" / CHECKPOINT_FILE,
+        )
+    with pytest.raises(
+        ResumeError, match=r"another recipe's checkpoint: it was written with lr=0.003, this run has lr=0.01"
+    ):
+        train(
+            dataclasses.replace(held, lr=0.01),
+            out_dir=tmp_path / "y",
+            progress=False,
+            evaluate_after=False,
+            start_from=tmp_path / "start" / CHECKPOINT_FILE,
+        )
+
+
+def test_start_from_screens_out_the_seeds_whose_start_formed_no_lookup(capsys, tmp_path):
+    starts, study = tmp_path / "starts", tmp_path / "study"
+    common = [*TINY_CLI, "--compose-from", "0.5", "--seeds", "0,1"]
+    main([*common, "--arch", "mha", "--out", str(starts), "--stop-after", "2"])
+    capsys.readouterr()
+    losses = {
+        seed: train_module.start_answer_loss(torch.load(starts / f"seed{seed}" / "pythia-synth" / CHECKPOINT_FILE))
+        for seed in (0, 1)
+    }
+    threshold = sum(losses.values()) / 2  # between the two seeds' answer losses: one is kept, one screened out
+    kept, dropped = sorted(losses, key=losses.get)
+    main([*common, "--out", str(study), "--start-from", str(starts), "--lookup-threshold", str(threshold)])
+    err = capsys.readouterr().err
+    assert f"seed{dropped}" in err and "screened out" in err
+    screened = json.loads((study / f"seed{dropped}" / "screened_out.json").read_text())
+    assert screened["answer_loss"] == losses[dropped] and screened["threshold"] == threshold
+    assert not (study / f"seed{dropped}" / "pythia-synth").exists()
+    for name in ("dcpythia-synth", "pythia-synth"):
+        recipe = json.loads((study / f"seed{kept}" / name / "recipe.json").read_text())
+        assert recipe["steps"] == 4 and recipe["started_from"]["step"] == 2
+        assert recipe["started_from"]["answer_loss"] == losses[kept]
+    err = one_line_error(capsys, [*common, "--out", str(tmp_path / "z"), "--start-from", str(tmp_path / "nowhere")])
+    assert "no checkpoint in" in err and "seed0" in err
+    err = one_line_error(capsys, [*common, "--out", str(tmp_path / "z"), "--lookup-threshold", "0.5"])
+    assert "--start-from" in err
