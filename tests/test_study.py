@@ -2,6 +2,7 @@
 computation from the recipe.json files of tests/fixtures/study_runs (hand-made results of 4 seeds: seeds 0-2 paired,
 seed 3's DCMHA run stopped early, so its MHA run is unpaired)."""
 
+import io
 import itertools
 import json
 import shutil
@@ -170,11 +171,14 @@ def start_loss(seed: int) -> float:
 
 
 def probe_curve(arch: str, seed: int) -> list[dict]:
-    """A made-up probe accuracy every 500 steps, distinct per run."""
-    steps = range(500, 2001, 500)
+    """A made-up probe accuracy every 500 steps, the twins' the same until the shared start ends, distinct after."""
     return [
-        {"step": s, "loss": 1.0, "eval_accuracy": round(0.1 + s / 5000 + 0.02 * seed + 0.05 * (arch == "dcmha"), 4)}
-        for s in steps
+        {
+            "step": s,
+            "loss": 1.0,
+            "eval_accuracy": round(0.1 + s / 10_000 + 0.02 * seed + 0.05 * (arch == "dcmha") * (s > START_STEP), 4),
+        }
+        for s in range(500, 5001, 500)
     ]
 
 
@@ -311,3 +315,106 @@ def test_figures_to_a_file_is_one_line(forked_runs, tmp_path, capsys):
         main(["summarize", str(forked_runs), "--out", str(tmp_path), "--figures", str(tmp_path / "taken")])
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--figures" in err and "taken" in err
+
+
+def bars(ax) -> list[float]:
+    """left, right, left, right, ... of the bars of the axes' first bar container."""
+    return [end for bar in ax.containers[0] for end in (bar.get_x(), bar.get_x() + bar.get_width())]
+
+
+def collection_x(ax, label: str) -> list[float]:
+    """The x of each point of the scatter labelled `label`."""
+    return np.asarray(next(c for c in ax.collections if c.get_label() == label).get_offsets())[:, 0].tolist()
+
+
+def test_difference_figure_draws_the_tables_numbers(study):
+    from dcinterp.plotting import plot_study_differences
+
+    fig = plot_study_differences(study.table, "released")
+    rows = study.table[study.table["eval_set"] == "released"]
+    measures = ("overall", "qk_pattern", "ov_transformation")
+    assert len(fig.axes) == 3
+    for ax, measure in zip(fig.axes, measures, strict=True):
+        part = rows[rows["measure"] == measure]
+        assert [t.get_text() for t in ax.get_yticklabels()] == (
+            ["all tasks"] if measure == "overall" else list(part["group"])
+        )
+        ends = np.stack([100 * part["low"], 100 * part["high"]], axis=1).ravel()
+        assert bars(ax) == pytest.approx(ends, abs=1e-9)
+        assert collection_x(ax, "mean") == pytest.approx(100 * part["difference"].to_numpy(), abs=1e-9)
+        for s in PAIRED_SEEDS:
+            assert collection_x(ax, f"seed {s}") == pytest.approx(
+                100 * (part[f"dcmha_seed{s}"] - part[f"mha_seed{s}"]).to_numpy(), abs=1e-9
+            )
+        assert not any(c.get_label() == "seed 3" for c in ax.collections)  # unpaired: no difference to draw
+        assert [t.get_text() for t in ax.texts] == [
+            f"DCMHA {100 * d:.1f}%, MHA {100 * m:.1f}%" for d, m in zip(part["dcmha"], part["mha"], strict=True)
+        ]
+        assert any(line.get_xdata()[0] == 0 for line in ax.lines)  # the zero line
+    fig.savefig(io.BytesIO(), format="png")
+
+
+def test_held_out_figure_joins_each_seeds_twins(study):
+    from dcinterp.plotting import plot_study_held_out
+
+    rows = study.table[study.table["measure"] == "held_out_combos"]
+    fig = plot_study_held_out(study.table)
+    pairs_ax, diff_ax = fig.axes
+    lines = {line.get_label(): line.get_ydata() for line in pairs_ax.lines}
+    row = rows.iloc[0]
+    for s in PAIRED_SEEDS:
+        assert lines[f"seed {s}"] == pytest.approx([100 * row[f"mha_seed{s}"], 100 * row[f"dcmha_seed{s}"]], abs=1e-9)
+    assert lines["mean"] == pytest.approx([100 * row["mha"], 100 * row["dcmha"]], abs=1e-9)
+    assert bars(diff_ax) == pytest.approx([100 * row["low"], 100 * row["high"]], abs=1e-9)
+    assert "default split's combination tasks (trained on" in fig._suptitle.get_text()
+    never_seen = study.table.assign(group=study.table["group"].replace("default_combo_tasks", "held_out_combos"))
+    assert "never-seen combinations" in plot_study_held_out(never_seen)._suptitle.get_text()
+    fig.savefig(io.BytesIO(), format="png")
+
+
+def test_held_out_rows_name_the_tasks_they_are(tmp_path):
+    runs_dir = tmp_path / "runs"
+    shutil.copytree(FIXTURE, runs_dir)
+    for path in runs_dir.rglob("recipe.json"):
+        recipe = json.loads(path.read_text())
+        if recipe.get("accuracy"):
+            entry = recipe["accuracy"]["released"]
+            entry["held_out_combos"] = entry["default_combo_tasks"] | {"accuracy": 0.25}
+            path.write_text(json.dumps(recipe))
+    runs, _ = read_runs(runs_dir)
+    assert {run.accuracy["released"].get(("held_out_combos", "held_out_combos")) for run in runs} == {0.25}
+    assert not any(("held_out_combos", "default_combo_tasks") in run.accuracy["released"] for run in runs)
+
+
+def test_head_diversity_figure_draws_every_run_and_each_arches_mean(study):
+    from dcinterp.plotting import plot_study_head_diversity
+    from dcinterp.study import diversity_frame
+
+    fig = plot_study_head_diversity(diversity_frame(study.runs), marks=(4, 16))
+    for ax, circuit in zip(fig.axes, ("qk", "ov"), strict=True):
+        thin = [line for line in ax.lines if line.get_linewidth() < 1]
+        assert len(thin) == len(study.runs) == 7
+        for arch, name in (("dcmha", "DCMHA"), ("mha", "MHA")):
+            curves = [
+                getattr(run.diversity, circuit).double().mean(0).numpy() for run in study.runs if run.arch == arch
+            ]
+            thick = next(line for line in ax.lines if line.get_label() == f"{name}: mean of {len(curves)} runs")
+            assert thick.get_ydata() == pytest.approx(np.mean(curves, axis=0), abs=1e-12)
+        assert sorted(line.get_xdata()[0] for line in ax.lines if line.get_linestyle() == ":") == [4, 16]
+    fig.savefig(io.BytesIO(), format="png")
+
+
+def test_learning_curves_figure_draws_each_runs_probe_and_the_start(study):
+    from dcinterp.plotting import plot_study_learning_curves
+    from dcinterp.study import learning_curves
+
+    fig = plot_study_learning_curves(learning_curves(study.runs))
+    lines = {line.get_label(): line for line in fig.axes[0].lines}
+    for run in study.runs:
+        line = lines[f"seed {run.seed} {'DCMHA' if run.arch == 'dcmha' else 'MHA'}"]
+        curve = probe_curve(run.arch, run.seed)
+        assert list(line.get_xdata()) == [entry["step"] for entry in curve]
+        assert line.get_ydata() == pytest.approx([100 * entry["eval_accuracy"] for entry in curve], abs=1e-9)
+        assert line.get_linestyle() == ("-" if run.arch == "dcmha" else "--")
+    assert list(lines[f"shared start ends (step {START_STEP})"].get_xdata()) == [START_STEP, START_STEP]
+    fig.savefig(io.BytesIO(), format="png")
