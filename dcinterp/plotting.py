@@ -1,4 +1,4 @@
-"""Figures for the results of `attribution`, `composition`, `circuits` and the synthetic evaluation.
+"""Figures for the results of `attribution`, `composition`, `circuits`, the synthetic evaluation and the study.
 
 Every function takes results (tensors, dataclasses, DataFrames), never a model, and returns a figure
 (`matplotlib.figure.Figure`, or `plotly.graph_objects.Figure` for the `*_plotly` ones); nothing is shown.
@@ -23,6 +23,10 @@ what its figure shows, and `caption=` draws a line under the figure where one is
     plot_qk_keys_plotly              the same for every key of a query, interactive
     plot_head_diversity              cumulative captured variance of QK / OV circuits, models compared (Fig. 5)
     plot_synthetic_eval              synthetic-task accuracy with intervals and chance (Table 5, Fig. 6)
+    plot_study_differences           the paired study: DCMHA - MHA per QK pattern / OV transformation, per seed
+    plot_study_held_out              the paired study: each seed's twins on the held-out combinations
+    plot_study_head_diversity        the paired study: Fig. 5's curves of every run, per architecture
+    plot_study_learning_curves       the paired study: probe accuracy against the step, the shared start marked
 """
 
 from __future__ import annotations
@@ -1430,10 +1434,11 @@ def _seed_differences(row, seeds: list[int]) -> list[tuple[int, float]]:
 
 def _difference_rows(
     ax, rows, labels: list[str], seeds: list[int], interval: str, means: bool = True, scale: float = 100.0
-) -> None:
+) -> np.ndarray:
     """Per row (top to bottom): the interval [low, high] as a bar, the mean difference as a tick, each seed's own
     difference as a dot (spread vertically by seed), each architecture's mean written at the right (`means`); zero
-    line."""
+    line. Returns every x drawn, for the caller's limits (`_pad_limits`)."""
+    drawn = [0.0]
     y = np.arange(len(rows))
     low, high = scale * rows["low"].to_numpy(float), scale * rows["high"].to_numpy(float)
     ax.barh(y, high - low, left=low, height=0.5, color="0.8", edgecolor="0.4", label=interval)
@@ -1443,6 +1448,7 @@ def _difference_rows(
         points = [(j, d) for j, (_, row) in enumerate(rows.iterrows()) for s, d in _seed_differences(row, [seed])]
         if points:
             rows_of, values = zip(*points, strict=True)
+            drawn += [scale * v for v in values]
             ax.scatter(
                 scale * np.array(values),
                 np.array(rows_of) + offset,
@@ -1461,10 +1467,22 @@ def _difference_rows(
             fontsize=SMALLEST_TYPE,
         )
     ax.axvline(0, color="black", linewidth=0.8)
-    ax.use_sticky_edges = False  # a margin beyond the bars, for the dots at their ends
     ax.set_yticks(y, labels)
     ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.grid(alpha=0.3, axis="x")
+    return np.concatenate([drawn, low, high])
+
+
+def _pad_limits(ax, values: np.ndarray, pad: float = 0.06) -> None:
+    """x limits around every value drawn, with a margin (the dots at the bars' ends stay whole)."""
+    values = values[np.isfinite(values)]
+    lo, hi = float(values.min()), float(values.max())
+    margin = pad * (hi - lo) if hi > lo else 1.0
+    ax.set_xlim(lo - margin, hi + margin)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def plot_study_differences(table, eval_set: str, title: str | None = None, caption: str | None = None) -> Figure:
@@ -1490,16 +1508,19 @@ def plot_study_differences(table, eval_set: str, title: str | None = None, capti
     interval = _interval_label(table)
     fig = Figure(figsize=(PAGE_WIDTH, 0.32 * sum(heights) + 1.4), layout="constrained")
     axes = fig.subplots(len(panels), 1, sharex=True, height_ratios=heights, squeeze=False)[:, 0]
+    drawn = []
     for ax, (part, label) in zip(axes, panels, strict=True):
-        _difference_rows(ax, part, ["all tasks"] if label == "all tasks" else list(part["group"]), seeds, interval)
+        labels = ["all tasks"] if label == "all tasks" else list(part["group"])
+        drawn.append(_difference_rows(ax, part, labels, seeds, interval))
         if label != "all tasks":
             ax.set_title(label, fontsize=10, loc="left")
+    _pad_limits(axes[-1], np.concatenate(drawn))  # shared by the panels
     axes[-1].set_xlabel("DCMHA - MHA accuracy (percentage points)")
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(
         handles, labels, loc="outside lower center", ncol=min(len(labels), 4), fontsize=SMALLEST_TYPE, frameon=False
     )
-    _title(fig, title or f"{eval_set}: DCMHA - MHA accuracy, paired by seed ({len(seeds)} seeds)")
+    _title(fig, title or f"{eval_set}: DCMHA - MHA accuracy, paired by seed ({_plural(len(seeds), 'seed')})")
     _caption(fig, caption)
     return fig
 
@@ -1537,9 +1558,8 @@ def plot_study_held_out(table, title: str | None = None, caption: str | None = N
     unique = dict(zip(labels, handles, strict=True))
     pairs_ax.legend(unique.values(), unique.keys(), fontsize=SMALLEST_TYPE, loc="best")
     pairs_ax.set_title("each seed's twins", fontsize=10)
-    _difference_rows(
-        diff_ax, rows, eval_sets, seeds, _interval_label(table), means=False
-    )  # the means are on the left panel
+    drawn = _difference_rows(diff_ax, rows, eval_sets, seeds, _interval_label(table), means=False)  # means: left
+    _pad_limits(diff_ax, drawn)
     diff_ax.set_xlabel("DCMHA - MHA (points)")
     diff_ax.set_title("paired difference", fontsize=10)
     which = HELD_OUT_LABELS.get(str(rows["group"].iloc[0]), str(rows["group"].iloc[0]))
@@ -1568,7 +1588,9 @@ def plot_study_head_diversity(
                 ax.plot(curve["components"], curve["captured"], color=color, linewidth=0.7, alpha=0.5)
             mean = runs.groupby("components")["captured"].mean()
             n = runs["seed"].nunique()
-            ax.plot(mean.index, mean.to_numpy(), color=color, linewidth=2.4, label=f"{label}: mean of {n} runs")
+            ax.plot(
+                mean.index, mean.to_numpy(), color=color, linewidth=2.4, label=f"{label}: mean of {_plural(n, 'run')}"
+            )
         for k in marks:
             ax.axvline(k, color="grey", linestyle=":", linewidth=1)
         ax.set_title("QK circuits (normalised per head)" if circuit == "qk" else "OV circuits", fontsize=10)

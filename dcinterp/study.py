@@ -481,7 +481,10 @@ def write_figures(study: Study, figures_dir: Path) -> list[Path]:
         figures["held_out_combos.png"] = plot_study_held_out(table)
     diversity = diversity_frame(study.runs)
     if not diversity.empty:
-        figures["head_diversity.png"] = plot_study_head_diversity(diversity)
+        config = study.runs[0].config  # one recipe's runs: the same shape
+        figures["head_diversity.png"] = plot_study_head_diversity(
+            diversity, marks=(config["n_heads"], config["d_head"])
+        )
     curves = learning_curves(study.runs)
     if not curves.empty:
         figures["learning_curves.png"] = plot_study_learning_curves(curves)
