@@ -180,8 +180,8 @@ def read_screened_out(path: Path) -> dict:
 
 def read_screen(runs_dir: Path, runs: list[RunResult]) -> pd.DataFrame:
     """One row per seed (SCREEN_COLUMNS): the seeds screened out (their screened_out.json) and the seeds kept (their
-    runs' started_from; the threshold is the screened-out seeds' when they agree on one). Empty when no run started
-    from a shared start and no seed was screened out."""
+    runs' started_from; the threshold is started_from's own if it has one, else the screened-out seeds' when they
+    agree on one). Empty when no run started from a shared start and no seed was screened out."""
     screened: dict[int, tuple[dict, Path]] = {}
     for path in sorted(runs_dir.rglob("screened_out.json")):
         row = read_screened_out(path)
@@ -192,6 +192,7 @@ def read_screen(runs_dir: Path, runs: list[RunResult]) -> pd.DataFrame:
             raise ValueError(f"{path}: seed {row['seed']} is screened out, but {ran[0]} is a finished run of it")
         screened[row["seed"]] = (row, path)
     thresholds = {row["threshold"] for row, _ in screened.values()}
+    shared_threshold = next(iter(thresholds)) if len(thresholds) == 1 else np.nan
     kept: dict[int, tuple[dict, Path]] = {}
     for run in runs:
         start = run.started_from
@@ -201,7 +202,7 @@ def read_screen(runs_dir: Path, runs: list[RunResult]) -> pd.DataFrame:
             "seed": run.seed,
             "kept": True,
             "answer_loss": float(start["answer_loss"]),
-            "threshold": float(start.get("threshold", thresholds.copy().pop() if len(thresholds) == 1 else np.nan)),
+            "threshold": float(start.get("threshold", shared_threshold)),
             "step": int(start["step"]),
             "start": str(start.get("path", "")),
             "reason": "",
@@ -239,21 +240,16 @@ def screen_lines(screen: pd.DataFrame) -> list[str]:
     if screen.empty:
         return []
     known = screen.dropna(subset=["answer_loss"])
-    steps, thresholds = set(known["step"].astype(int)), set(known["threshold"].dropna())
-    common = []
-    if len(steps) == 1:
-        common.append(f"at step {steps.pop()}")
-    if len(thresholds) == 1:
-        common.append(f"threshold {thresholds.pop():g}")
+    steps, thresholds = sorted(set(known["step"].astype(int))), sorted(set(known["threshold"].dropna()))
+    common = [f"at step {steps[0]}"] if len(steps) == 1 else []
+    common += [f"threshold {thresholds[0]:g}"] if len(thresholds) == 1 else []
 
     def seed(row) -> str:
         if pd.isna(row.answer_loss):
             return f"{row.seed} ({row.reason})"
         details = [f"{row.answer_loss:.3f}"]
-        if len(set(known["step"])) > 1:
-            details.append(f"step {int(row.step)}")
-        if len(set(known["threshold"].dropna())) > 1 and not pd.isna(row.threshold):
-            details.append(f"threshold {row.threshold:g}")
+        details += [f"step {int(row.step)}"] if len(steps) > 1 else []
+        details += [f"threshold {row.threshold:g}"] if len(thresholds) > 1 and not pd.isna(row.threshold) else []
         return f"{row.seed} ({', '.join(details)}{': ' + row.reason if row.reason else ''})"
 
     kept = [seed(row) for row in screen.itertuples() if row.kept]
