@@ -158,6 +158,17 @@ def check_one_recipe(runs: list[RunResult]) -> None:
 SCREEN_COLUMNS = ("seed", "kept", "answer_loss", "threshold", "step", "start", "reason")
 
 
+def loss_or_nan(value) -> float:
+    """A start's answer loss; NaN where none was logged (dcinterp.train writes null then)."""
+    return np.nan if value is None else float(value)
+
+
+def same_start(a: dict, b: dict) -> bool:
+    """Whether two rows of the screen name one start (the same checkpoint, step and answer loss, NaN or not)."""
+    same_loss = np.array_equal([a["answer_loss"]], [b["answer_loss"]], equal_nan=True)
+    return (a["start"], a["step"]) == (b["start"], b["step"]) and same_loss
+
+
 def read_screened_out(path: Path) -> dict:
     """A screened_out.json as a row of the screen."""
     try:
@@ -165,7 +176,7 @@ def read_screened_out(path: Path) -> dict:
         return {
             "seed": int(entry["seed"]),
             "kept": False,
-            "answer_loss": float(entry["answer_loss"]),
+            "answer_loss": loss_or_nan(entry["answer_loss"]),
             "threshold": float(entry["threshold"]),
             "step": int(entry["step"]),
             "start": str(entry["start"]),
@@ -201,7 +212,7 @@ def read_screen(runs_dir: Path, runs: list[RunResult]) -> pd.DataFrame:
         row = {
             "seed": run.seed,
             "kept": True,
-            "answer_loss": float(start["answer_loss"]),
+            "answer_loss": loss_or_nan(start["answer_loss"]),
             "threshold": float(start.get("threshold", shared_threshold)),
             "step": int(start["step"]),
             "start": str(start.get("path", "")),
@@ -209,7 +220,7 @@ def read_screen(runs_dir: Path, runs: list[RunResult]) -> pd.DataFrame:
         }
         if run.seed in kept:
             twin, twin_path = kept[run.seed]
-            if (twin["start"], twin["step"], twin["answer_loss"]) != (row["start"], row["step"], row["answer_loss"]):
+            if not same_start(twin, row):
                 raise ValueError(
                     f"{run.path}: started_from {row['start']} (step {row['step']}, answer_loss {row['answer_loss']}),"
                     f" but its twin {twin_path} started from {twin['start']} (step {twin['step']}, answer_loss "
@@ -246,7 +257,7 @@ def screen_lines(screen: pd.DataFrame) -> list[str]:
 
     def seed(row) -> str:
         if pd.isna(row.answer_loss):
-            return f"{row.seed} ({row.reason})"
+            return f"{row.seed} ({row.reason or 'no answer loss logged'})"
         details = [f"{row.answer_loss:.3f}"]
         details += [f"step {int(row.step)}"] if len(steps) > 1 else []
         details += [f"threshold {row.threshold:g}"] if len(thresholds) > 1 and not pd.isna(row.threshold) else []

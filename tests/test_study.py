@@ -418,3 +418,20 @@ def test_learning_curves_figure_draws_each_runs_probe_and_the_start(study):
         assert line.get_linestyle() == ("-" if run.arch == "dcmha" else "--")
     assert list(lines[f"shared start ends (step {START_STEP})"].get_xdata()) == [START_STEP, START_STEP]
     fig.savefig(io.BytesIO(), format="png")
+
+
+def test_a_start_without_a_logged_answer_loss_is_reported_as_such(forked_runs, tmp_path):
+    """dcinterp.train writes answer_loss null for a start that logged none (and screens such a seed out)."""
+    runs_dir = tmp_path / "runs"
+    shutil.copytree(forked_runs, runs_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    for path in (runs_dir / "seed2").rglob("recipe.json"):
+        recipe = json.loads(path.read_text())
+        recipe["started_from"]["answer_loss"] = None
+        path.write_text(json.dumps(recipe))
+    (runs_dir / "seed4" / "screened_out.json").write_text(json.dumps(SCREENED | {"answer_loss": None}))
+    write_summary(runs_dir, tmp_path / "out", n_resamples=200)
+    screen = pd.read_csv(tmp_path / "out" / "screen.csv")
+    assert screen["answer_loss"].isna().tolist() == [False, False, True, False, True]
+    header = (tmp_path / "out" / "summary.md").read_text().split("\n| ")[0]
+    assert "kept seeds 0 (0.031), 1 (0.041), 2 (no answer loss logged), 3 (0.061)" in header
+    assert "screened out seeds 4 (the shared start did not form the lookup)" in header
