@@ -541,10 +541,10 @@ def main(argv: list[str] | None = None) -> None:
         write_study(study, out_dir)
     except ValueError as e:
         parser.error(str(e))
-    print((out_dir / "summary.md").read_text())
     written = [out_dir / "summary.csv", out_dir / "summary.md"]
     if not study.screen.empty:
         written.append(out_dir / "screen.csv")
     if figures_dir is not None:
         written += write_figures(study, figures_dir)
+    print((out_dir / "summary.md").read_text())
     print(f"written: {', '.join(map(str, written))}", file=sys.stderr)
