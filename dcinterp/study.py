@@ -2,6 +2,8 @@
 
     python -m dcinterp.train --seeds 0-4 --out runs/study ...     # RUNS_DIR/seed<N>/<name>/recipe.json
     python -m dcinterp.train summarize runs/study                 # runs/study/summary.csv and summary.md
+    python -m dcinterp.train summarize runs/study --head-diversity    # + each run's head diversity (Fig. 5)
+    python -m dcinterp.train summarize runs/study --figures figs     # + the study's figures (PNG), see below
 
 Every finished run's recipe.json under the folder is read (runs stopped early, or not evaluated, are listed and
 left out). The DCMHA and MHA runs are paired by seed: the twins of a seed share the data order and the initial
@@ -23,22 +25,48 @@ independent draws: resampling them apart would count the seed's shared luck as a
 seeds this interval is narrow (5 seeds give at most 126 distinct resamples, and it cannot see beyond the seeds
 drawn): read it with the per-seed differences beside it. Resamples are drawn with numpy's `default_rng(seed)`,
 the same seed draws for every row.
+
+The screen. A study's runs may start from a shared start (a run stopped at the end of the focus phase, where the
+twins are still the same model): a forked run's recipe.json names it under `started_from` (path, step, and its
+answer_loss: the mean answer-token loss over its last 100 steps), and a seed whose start did not form the lookup is
+screened out, with `seed<N>/screened_out.json` (seed, start, step, answer_loss, threshold, reason) and no runs. The
+header of summary.md then lists the seeds kept and those screened out with their start's answer loss and the
+threshold, and screen.csv has one row per seed (seed, kept, answer_loss, threshold, step, start, reason).
+
+Head diversity (`--head-diversity`; `--figures` computes it too). Each run's model is loaded from its folder and
+`circuits.head_diversity` (Fig. 5) gives, per layer, the cumulative share of variance captured by the first k
+principal components of the layer's concatenated QK circuits and of its OV circuits. The study's models have
+QK-norm, under which one head's QK scale is free (docs/conventions.md), so the QK curves are computed with
+`normalize="head"` and the OV curves as the paper does (`normalize="none"`). Rows of eval_set `weights`, measure
+`head_diversity`, each a share of variance (in % in summary.md), from the curve averaged over layers:
+`qk_area`/`ov_area`, the curve's mean over all its k (the area under it: 1 when one component holds everything,
+about 0.5 when every component holds as much); `qk_k4`/`ov_k4`, at k = n_heads (4 components: all of it if
+each head were one direction); `qk_k16`/`ov_k16`, at k = d_head (one head's rank: all of it if the 4 heads read
+and wrote one common subspace). Lower is more diverse heads, so a negative difference says DCMHA's heads are more
+diverse, and on these rows `dcmha_ahead` counts the seeds in which DCMHA's share is lower.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
-from .cli import Parser
+from .cli import Parser, check_writable_dir
+
+if TYPE_CHECKING:
+    from .circuits import HeadDiversity
 
 ARCHES = ("dcmha", "mha")
-MEASURES = ("overall", "qk_pattern", "ov_transformation", "held_out_combos")
+MEASURES = ("overall", "qk_pattern", "ov_transformation", "held_out_combos", "head_diversity")
+LOWER_IS_AHEAD = ("head_diversity",)  # measures on which DCMHA is ahead when its value is lower
+WEIGHTS = "weights"  # the eval_set of the rows read from the weights, not from an evaluation
+DIVERSITY_NORMALIZE = {"qk": "head", "ov": "none"}  # see the module's docstring
 MAY_DIFFER = ("seed", "arch", "threads", "max_minutes", "log_every", "eval_every")  # in one study: not what is learned
 
 
@@ -51,6 +79,13 @@ class RunResult:
     seed: int
     config: dict
     accuracy: dict  # {eval set: {(measure, group): accuracy}}
+    history: list = field(default_factory=list)  # recipe["history"]: the logged steps, some with eval_accuracy
+    started_from: dict | None = None  # {"path", "step", "answer_loss"} of the shared start, for a forked run
+    diversity: HeadDiversity | None = None  # filled by add_head_diversity
+
+    @property
+    def folder(self) -> Path:
+        return self.path.parent
 
 
 def read_run(path: Path) -> RunResult | str:
@@ -72,11 +107,18 @@ def read_run(path: Path) -> RunResult | str:
         values = {("overall", "all"): entry["accuracy"]}
         for measure, key in (("qk_pattern", "by_qk_pattern"), ("ov_transformation", "by_ov_transformation")):
             values.update({(measure, group): value for group, value in entry.get(key, {}).items()})
-        held = entry.get("held_out_combos") or entry.get("default_combo_tasks")
-        if held and held.get("accuracy") is not None:
-            values[("held_out_combos", "all")] = held["accuracy"]
+        for key in ("held_out_combos", "default_combo_tasks"):  # the left-out tasks, else the default split's
+            held = entry.get(key)
+            if held and held.get("accuracy") is not None:
+                values[("held_out_combos", key)] = held["accuracy"]
+                break
         accuracy[eval_set] = values
-    return RunResult(path, arch, seed, config, accuracy)
+    started_from = recipe.get("started_from")
+    if started_from is not None and not (
+        isinstance(started_from, dict) and {"step", "answer_loss"} <= started_from.keys()
+    ):
+        raise ValueError(f"{path}: started_from must hold the start's path, step and answer_loss, not {started_from!r}")
+    return RunResult(path, arch, seed, config, accuracy, recipe.get("history") or [], started_from)
 
 
 def read_runs(runs_dir: Path) -> tuple[list[RunResult], list[str]]:
@@ -113,6 +155,184 @@ def check_one_recipe(runs: list[RunResult]) -> None:
                 )
 
 
+SCREEN_COLUMNS = ("seed", "kept", "answer_loss", "threshold", "step", "start", "reason")
+
+
+def loss_or_nan(value) -> float:
+    """A start's answer loss; NaN where none was logged (dcinterp.train writes null then)."""
+    return np.nan if value is None else float(value)
+
+
+def same_start(a: dict, b: dict) -> bool:
+    """Whether two rows of the screen name one start (the same checkpoint, step and answer loss, NaN or not)."""
+    same_loss = np.array_equal([a["answer_loss"]], [b["answer_loss"]], equal_nan=True)
+    return (a["start"], a["step"]) == (b["start"], b["step"]) and same_loss
+
+
+def read_screened_out(path: Path) -> dict:
+    """A screened_out.json as a row of the screen."""
+    try:
+        entry = json.loads(path.read_text())
+        return {
+            "seed": int(entry["seed"]),
+            "kept": False,
+            "answer_loss": loss_or_nan(entry["answer_loss"]),
+            "threshold": float(entry["threshold"]),
+            "step": int(entry["step"]),
+            "start": str(entry["start"]),
+            "reason": str(entry.get("reason", "")),
+        }
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(
+            f"{path}: not a screened-out seed's record ({type(e).__name__}: {e}); "
+            "expected seed, start, step, answer_loss, threshold"
+        ) from e
+
+
+def read_screen(runs_dir: Path, runs: list[RunResult]) -> pd.DataFrame:
+    """One row per seed (SCREEN_COLUMNS): the seeds screened out (their screened_out.json) and the seeds kept (their
+    runs' started_from; the threshold is started_from's own if it has one, else the screened-out seeds' when they
+    agree on one). Empty when no run started from a shared start and no seed was screened out."""
+    screened: dict[int, tuple[dict, Path]] = {}
+    for path in sorted(runs_dir.rglob("screened_out.json")):
+        row = read_screened_out(path)
+        if row["seed"] in screened:
+            raise ValueError(f"{path}: seed {row['seed']} is screened out twice (also in {screened[row['seed']][1]})")
+        ran = [run.path for run in runs if run.seed == row["seed"]]
+        if ran:
+            raise ValueError(f"{path}: seed {row['seed']} is screened out, but {ran[0]} is a finished run of it")
+        screened[row["seed"]] = (row, path)
+    thresholds = {row["threshold"] for row, _ in screened.values()}
+    shared_threshold = next(iter(thresholds)) if len(thresholds) == 1 else np.nan
+    kept: dict[int, tuple[dict, Path]] = {}
+    for run in runs:
+        start = run.started_from
+        if start is None:
+            continue
+        row = {
+            "seed": run.seed,
+            "kept": True,
+            "answer_loss": loss_or_nan(start["answer_loss"]),
+            "threshold": float(start.get("threshold", shared_threshold)),
+            "step": int(start["step"]),
+            "start": str(start.get("path", "")),
+            "reason": "",
+        }
+        if run.seed in kept:
+            twin, twin_path = kept[run.seed]
+            if not same_start(twin, row):
+                raise ValueError(
+                    f"{run.path}: started_from {row['start']} (step {row['step']}, answer_loss {row['answer_loss']}),"
+                    f" but its twin {twin_path} started from {twin['start']} (step {twin['step']}, answer_loss "
+                    f"{twin['answer_loss']}): the twins of a seed share one start"
+                )
+        kept[run.seed] = (row, run.path)
+    if not kept and not screened:
+        return pd.DataFrame(columns=list(SCREEN_COLUMNS))
+    for seed in sorted({run.seed for run in runs} - set(kept)):  # ran without a shared start, in a screened study
+        kept[seed] = (
+            {
+                "seed": seed,
+                "kept": True,
+                "answer_loss": np.nan,
+                "threshold": np.nan,
+                "step": np.nan,
+                "start": "",
+                "reason": "no started_from in its recipe.json",
+            },
+            Path(),
+        )
+    rows = sorted([row for row, _ in [*kept.values(), *screened.values()]], key=lambda row: row["seed"])
+    return pd.DataFrame(rows, columns=list(SCREEN_COLUMNS))
+
+
+def screen_lines(screen: pd.DataFrame) -> list[str]:
+    """The screen in a sentence for summary.md's header (none without a screen)."""
+    if screen.empty:
+        return []
+    known = screen.dropna(subset=["answer_loss"])
+    steps, thresholds = sorted(set(known["step"].astype(int))), sorted(set(known["threshold"].dropna()))
+    common = [f"at step {steps[0]}"] if len(steps) == 1 else []
+    common += [f"threshold {thresholds[0]:g}"] if len(thresholds) == 1 else []
+
+    def seed(row) -> str:
+        if pd.isna(row.answer_loss):
+            return f"{row.seed} ({row.reason or 'no answer loss logged'})"
+        details = [f"{row.answer_loss:.3f}"]
+        details += [f"step {int(row.step)}"] if len(steps) > 1 else []
+        details += [f"threshold {row.threshold:g}"] if len(thresholds) > 1 and not pd.isna(row.threshold) else []
+        return f"{row.seed} ({', '.join(details)}{': ' + row.reason if row.reason else ''})"
+
+    kept = [seed(row) for row in screen.itertuples() if row.kept]
+    dropped = [seed(row) for row in screen.itertuples() if not row.kept]
+    return [
+        f"Screen of the shared starts (each seed's start answer loss{', ' + ', '.join(common) if common else ''}): "
+        f"kept seeds {', '.join(kept) or 'none'}; screened out seeds {', '.join(dropped) or 'none'}."
+    ]
+
+
+def add_head_diversity(runs: list[RunResult]) -> None:
+    """Load each run's model from its folder and set `run.diversity` (Fig. 5; the QK and OV curves as the module's
+    docstring says). A few hundredths of a second per model of the study's size, after torch's import."""
+    from .circuits import HeadDiversity, head_diversity
+    from .model import HookedDCFormer
+
+    for run in runs:
+        try:
+            model = HookedDCFormer.from_pretrained(run.folder)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{run.folder}: cannot load the run's model for its head diversity ({e})") from None
+        qk = head_diversity(model, normalize=DIVERSITY_NORMALIZE["qk"])
+        ov = head_diversity(model, normalize=DIVERSITY_NORMALIZE["ov"])
+        options = {**qk.options, "normalize": dict(DIVERSITY_NORMALIZE)}
+        run.diversity = HeadDiversity(qk.layers, qk.qk, ov.ov, options, max(qk.bound, ov.bound))
+
+
+def diversity_measures(diversity: HeadDiversity, n_heads: int, d_head: int) -> dict[str, float]:
+    """The head_diversity rows of one run (module docstring): area, k = n_heads, k = d_head, for QK and OV."""
+    values = {}
+    for circuit in ("qk", "ov"):
+        curve = getattr(diversity, circuit).double().mean(0)  # over layers
+        values[f"{circuit}_area"] = float(curve.mean())
+        for k in sorted({n_heads, d_head}):
+            if k <= len(curve):
+                values[f"{circuit}_k{k}"] = float(curve[k - 1])
+    return values
+
+
+def run_values(run: RunResult) -> dict:
+    """{eval set: {(measure, group): value}}: the run's accuracies, and its head diversity under WEIGHTS."""
+    values = dict(run.accuracy)
+    if run.diversity is not None:
+        measures = diversity_measures(run.diversity, run.config["n_heads"], run.config["d_head"])
+        values[WEIGHTS] = {("head_diversity", name): value for name, value in measures.items()}
+    return values
+
+
+def diversity_frame(runs: list[RunResult]) -> pd.DataFrame:
+    """Long format for the figure: arch, seed, circuit, components (k), captured (the mean over layers)."""
+    rows = [
+        (run.arch, run.seed, circuit, k + 1, value)
+        for run in runs
+        if run.diversity is not None
+        for circuit in ("qk", "ov")
+        for k, value in enumerate(getattr(run.diversity, circuit).double().mean(0).tolist())
+    ]
+    return pd.DataFrame(rows, columns=["arch", "seed", "circuit", "components", "captured"])
+
+
+def learning_curves(runs: list[RunResult]) -> pd.DataFrame:
+    """Long format for the figure: arch, seed, step, eval_accuracy (the probe logged every --eval-every steps), and
+    start_step (the shared start's step, NaN for a run that did not fork from one)."""
+    rows = [
+        (run.arch, run.seed, entry["step"], entry["eval_accuracy"], (run.started_from or {}).get("step", np.nan))
+        for run in runs
+        for entry in run.history
+        if entry.get("eval_accuracy") is not None
+    ]
+    return pd.DataFrame(rows, columns=["arch", "seed", "step", "eval_accuracy", "start_step"])
+
+
 def paired_bootstrap_interval(
     differences: np.ndarray, level: float = 0.95, n_resamples: int = 10_000, seed: int = 0
 ) -> tuple[float, float]:
@@ -130,17 +350,18 @@ def summary_table(runs: list[RunResult], level: float = 0.95, n_resamples: int =
     """One row per (eval_set, measure, group); see the module's docstring for the columns."""
     by_arch = {arch: {run.seed: run for run in runs if run.arch == arch} for arch in ARCHES}
     seeds = sorted({run.seed for run in runs})
-    eval_sets = list(dict.fromkeys(eval_set for run in runs for eval_set in run.accuracy))  # as the recipes list them
+    values_of = {(run.arch, run.seed): run_values(run) for run in runs}
+    eval_sets = list(dict.fromkeys(eval_set for values in values_of.values() for eval_set in values))  # recipe order
     rows_index = sorted(
-        {(eval_set, *key) for run in runs for eval_set, values in run.accuracy.items() for key in values},
+        {(eval_set, *key) for values in values_of.values() for eval_set, entry in values.items() for key in entry},
         key=lambda row: (eval_sets.index(row[0]), MEASURES.index(row[1]), row[2]),
     )
     rows = []
     for eval_set, measure, group in rows_index:
         accuracy = {
-            (arch, s): run.accuracy.get(eval_set, {}).get((measure, group))
+            (arch, s): values_of[arch, s].get(eval_set, {}).get((measure, group))
             for arch in ARCHES
-            for s, run in by_arch[arch].items()
+            for s in by_arch[arch]
         }
         paired = [s for s in seeds if accuracy.get(("dcmha", s)) is not None and accuracy.get(("mha", s)) is not None]
         differences = np.array([accuracy["dcmha", s] - accuracy["mha", s] for s in paired], dtype=float)
@@ -157,7 +378,7 @@ def summary_table(runs: list[RunResult], level: float = 0.95, n_resamples: int =
             "low": low,
             "high": high,
             "seeds": len(paired),
-            "dcmha_ahead": int((differences > 0).sum()),
+            "dcmha_ahead": int((differences < 0).sum() if measure in LOWER_IS_AHEAD else (differences > 0).sum()),
         }
         for s in seeds:
             for arch in ARCHES:
@@ -190,25 +411,95 @@ def markdown(table: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_summary(runs_dir: Path, out_dir: Path | None = None, **bootstrap) -> tuple[pd.DataFrame, list[str]]:
-    """Read the runs, write summary.csv and summary.md to `out_dir` (default: `runs_dir`); (table, left out)."""
+@dataclass
+class Study:
+    """A folder of runs read: the runs, the lines saying which were left out, the table and the screen."""
+
+    runs_dir: Path
+    runs: list[RunResult]
+    left_out: list[str]
+    table: pd.DataFrame
+    screen: pd.DataFrame
+
+
+def read_study(runs_dir: Path, head_diversity: bool = False, **bootstrap) -> Study:
+    """Read the runs (with their head diversity if asked), the screen, and make the table."""
     runs, left_out = read_runs(runs_dir)
     if not runs:
         raise ValueError(f"{runs_dir}: no finished, evaluated run ({len(left_out)} left out: {left_out[0]})")
-    table = summary_table(runs, **bootstrap)
-    out_dir = out_dir or runs_dir
+    screen = read_screen(runs_dir, runs)
+    if head_diversity:
+        add_head_diversity(runs)
+    return Study(runs_dir, runs, left_out, summary_table(runs, **bootstrap), screen)
+
+
+def write_summary(
+    runs_dir: Path, out_dir: Path | None = None, head_diversity: bool = False, **bootstrap
+) -> tuple[pd.DataFrame, list[str]]:
+    """Read the runs, write summary.csv and summary.md (and screen.csv if the study has a screen) to `out_dir`
+    (default: `runs_dir`); (table, left out)."""
+    study = read_study(runs_dir, head_diversity, **bootstrap)
+    write_study(study, out_dir or runs_dir)
+    return study.table, study.left_out
+
+
+def write_study(study: Study, out_dir: Path) -> None:
+    runs, table = study.runs, study.table
     out_dir.mkdir(parents=True, exist_ok=True)
     table.to_csv(out_dir / "summary.csv", index=False)
+    if not study.screen.empty:
+        study.screen.to_csv(out_dir / "screen.csv", index=False)
     pairs = sorted({run.seed for run in runs if run.arch == "dcmha"} & {run.seed for run in runs if run.arch == "mha"})
     header = [
-        f"Runs under `{runs_dir}`: {len(runs)} ({', '.join(f'{r.arch} seed {r.seed}' for r in runs)}); "
+        f"Runs under `{study.runs_dir}`: {len(runs)} ({', '.join(f'{r.arch} seed {r.seed}' for r in runs)}); "
         f"paired seeds: {', '.join(map(str, pairs)) or 'none'}.",
+        *screen_lines(study.screen),
         f"difference = DCMHA - MHA (percentage points), low/high: {table.attrs['interval']}; "
         "dcmha_ahead: seeds in which DCMHA is ahead.",
-        *(f"Left out: {line}" for line in left_out),
+        *(
+            [
+                "head_diversity rows (eval_set weights): the share of variance captured by the first k principal "
+                "components of the heads' concatenated circuits, in %; lower = more diverse heads, so DCMHA is ahead "
+                "where its share is lower (QK normalised per head, OV raw; dcinterp.study's docstring)."
+            ]
+            if (table["measure"] == "head_diversity").any()
+            else []
+        ),
+        *(f"Left out: {line}" for line in study.left_out),
     ]
     (out_dir / "summary.md").write_text("\n\n".join(header) + "\n\n" + markdown(table))
-    return table, left_out
+
+
+def write_figures(study: Study, figures_dir: Path) -> list[Path]:
+    """The study's figures as PNGs in `figures_dir` (dcinterp.plotting: plot_study_*); the paths written."""
+    from .plotting import (
+        plot_study_differences,
+        plot_study_head_diversity,
+        plot_study_held_out,
+        plot_study_learning_curves,
+    )
+
+    figures_dir.mkdir(parents=True, exist_ok=True)
+    table = study.table
+    figures = {}
+    for eval_set in table.loc[table["measure"].isin(["qk_pattern", "ov_transformation"]), "eval_set"].unique():
+        figures[f"differences_{eval_set}.png"] = plot_study_differences(table, eval_set)
+    if (table["measure"] == "held_out_combos").any():
+        figures["held_out_combos.png"] = plot_study_held_out(table)
+    diversity = diversity_frame(study.runs)
+    if not diversity.empty:
+        config = study.runs[0].config  # one recipe's runs: the same shape
+        figures["head_diversity.png"] = plot_study_head_diversity(
+            diversity, marks=(config["n_heads"], config["d_head"])
+        )
+    curves = learning_curves(study.runs)
+    if not curves.empty:
+        figures["learning_curves.png"] = plot_study_learning_curves(curves)
+    written = []
+    for name, fig in figures.items():
+        fig.savefig(figures_dir / name, dpi=120)
+        written.append(figures_dir / name)
+    return written
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -218,17 +509,42 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--level", type=float, default=0.95, help="the interval's level (default %(default)s)")
     parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="the bootstrap's random seed (default %(default)s)")
+    parser.add_argument(
+        "--head-diversity",
+        action="store_true",
+        help="load each run's model and add its head diversity (Fig. 5) as rows of the table",
+    )
+    parser.add_argument(
+        "--figures",
+        metavar="DIR",
+        default=None,
+        help="write the study's figures (PNG) to DIR; computes the head diversity too",
+    )
     args = parser.parse_args(argv)
     if not 0 < args.level < 1:
         parser.error(f"--level {args.level}: expected a number between 0 and 1")
     if args.resamples < 1:
         parser.error(f"--resamples {args.resamples}: expected at least 1")
     runs_dir = Path(args.runs_dir)
-    out_dir = Path(args.out) if args.out else None
+    out_dir = Path(args.out) if args.out else runs_dir
+    figures_dir = Path(args.figures) if args.figures else None
     try:
-        write_summary(runs_dir, out_dir, level=args.level, n_resamples=args.resamples, seed=args.seed)
+        if figures_dir is not None:
+            check_writable_dir(figures_dir, "--figures")
+        study = read_study(
+            runs_dir,
+            head_diversity=args.head_diversity or figures_dir is not None,
+            level=args.level,
+            n_resamples=args.resamples,
+            seed=args.seed,
+        )
+        write_study(study, out_dir)
     except ValueError as e:
         parser.error(str(e))
-    written = out_dir or runs_dir
-    print((written / "summary.md").read_text())
-    print(f"written: {written / 'summary.csv'}, {written / 'summary.md'}", file=sys.stderr)
+    written = [out_dir / "summary.csv", out_dir / "summary.md"]
+    if not study.screen.empty:
+        written.append(out_dir / "screen.csv")
+    if figures_dir is not None:
+        written += write_figures(study, figures_dir)
+    print((out_dir / "summary.md").read_text())
+    print(f"written: {', '.join(map(str, written))}", file=sys.stderr)
