@@ -58,6 +58,7 @@ import numpy as np
 import pandas as pd
 
 from .cli import Parser, check_writable_dir
+from .train import DEFAULT_RECORD  # a setting added since a run was trained: the run had its default
 
 if TYPE_CHECKING:
     from .circuits import HeadDiversity
@@ -92,7 +93,7 @@ def read_run(path: Path) -> RunResult | str:
     """The run's result, or why it is left out (one line)."""
     try:
         recipe = json.loads(path.read_text())
-        config, evaluated = recipe["train_config"], recipe.get("accuracy")
+        config, evaluated = {**DEFAULT_RECORD, **recipe["train_config"]}, recipe.get("accuracy")
         arch, seed = config["arch"], int(recipe["seed"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path}: not a dcinterp.train recipe ({type(e).__name__}: {e})") from e

@@ -129,6 +129,7 @@ class TrainConfig:
     answer_weight: float = 20.0  # extra loss weight of the answer tokens (lines 3-8); 0 = plain LM loss
     tied_init: bool = True  # initialise the unembedding as the embedding's transpose (then trained apart)
     compact_until: float = 0.5  # compact-facts curriculum: share of compact samples falls 1 -> 0 by this fraction
+    compact_hold: float = 0.0  # ... after staying at 1 until this fraction
     focus_tasks: tuple[str, ...] = ("task10", "task11")  # task curriculum: train on these tasks only ...
     focus_until: float = 0.25  # ... for this fraction of the steps, then on all the training tasks
     compose_from: float = 0.25  # DCMHA: the compose is the identity (trains as its MHA twin) until this fraction
@@ -258,10 +259,12 @@ def compact_catalog(catalog):
 
 
 def compact_share_at(step: int, cfg: TrainConfig) -> float:
-    """The probability that a training sample is written with compact facts: 1 at step 0, 0 from
-    `compact_until` of the steps on (0 turns the curriculum off)."""
-    end = cfg.compact_until * cfg.steps
-    return max(0.0, 1.0 - step / end) if end > 0 else 0.0
+    """The probability that a training sample is written with compact facts: 1 until `compact_hold` of the steps,
+    then falling linearly to 0 at `compact_until` of the steps (0 turns the curriculum off)."""
+    hold, end = cfg.compact_hold * cfg.steps, cfg.compact_until * cfg.steps
+    if end <= 0:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - (step - hold) / (end - hold))) if end > hold else float(step < end)
 
 
 class SampleStream:
@@ -470,6 +473,9 @@ def config_record(cfg: TrainConfig) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
+DEFAULT_RECORD = json.loads(json.dumps(dataclasses.asdict(TrainConfig())))
+
+
 def config_mismatch(saved: dict, cfg: TrainConfig, may_differ: tuple[str, ...] = RUN_SETTINGS) -> str | None:
     """The first setting (other than `may_differ`) in which a saved train_config differs from `cfg`, in words."""
     now = config_record(cfg)
@@ -477,6 +483,8 @@ def config_mismatch(saved: dict, cfg: TrainConfig, may_differ: tuple[str, ...] =
         if key in may_differ:
             continue
         if key not in saved:
+            if now[key] == DEFAULT_RECORD.get(key):  # a setting added since, which the run left at its default
+                continue
             return f"it has no train_config key {key!r} (this run: {key}={now[key]!r})"
         if key not in now:
             return f"its train_config key {key!r} is unknown to this version of dcinterp.train"
@@ -989,6 +997,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="task curriculum: train on these tasks only for --focus-until of the steps; '' for none "
         f"(default: {','.join(t.removeprefix('task') for t in d.focus_tasks)}, none with --tasks)",
     )
+    p.add_argument(
+        "--compact-hold",
+        type=float,
+        default=d.compact_hold,
+        help="the compact share stays 1 until this fraction of the steps, then falls to 0 by --compact-until",
+    )
     p.add_argument("--focus-until", type=float, default=d.focus_until)
     p.add_argument(
         "--compose-from",
@@ -1087,6 +1101,7 @@ def config_from_args(args: argparse.Namespace, arch: str, task_ids: list[str], f
         samples_per_task=args.samples_per_task,
         answer_weight=args.answer_weight,
         compact_until=args.compact_until,
+        compact_hold=args.compact_hold,
         tied_init=args.tied_init,
         focus_tasks=tuple(focus_ids),
         focus_until=args.focus_until,

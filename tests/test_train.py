@@ -99,6 +99,9 @@ def test_compact_share_falls_to_zero_and_the_stream_follows_it():
     assert compact_share_at(0, cfg) == 1.0 and compact_share_at(25, cfg) == 0.5
     assert compact_share_at(50, cfg) == 0.0 and compact_share_at(99, cfg) == 0.0
     assert compact_share_at(0, TrainConfig(compact_until=0.0)) == 0.0
+    held = dataclasses.replace(cfg, compact_hold=0.25)  # 1 until step 25, then falls to 0 at step 50
+    shares = [compact_share_at(step, held) for step in (0, 24, 25, 30, 45, 50, 99)]
+    assert shares == pytest.approx([1.0, 1.0, 1.0, 0.8, 0.2, 0.0, 0.0], abs=1e-12)
     for share in (1.0, 0.0):
         stream = SampleStream(cfg, ["task10"], random.Random(0), lambda: share)  # noqa: B023 (read in this loop)
         first_facts = [next(stream)[0].split("< ")[1].split(".")[0] for _ in range(3)]  # "Ruth has a cat"
