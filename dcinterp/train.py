@@ -1165,7 +1165,7 @@ def plan_runs(args: argparse.Namespace, arches, task_ids, focus_ids) -> list[Run
 
 
 def find_start(start_dir: Path, seed: int | None) -> Path:
-    """The one checkpoint in START_DIR/seed<N>/<name>/ (START_DIR/<name>/ without --seeds); ValueError if not one."""
+    """The one checkpoint in `START_DIR/seed<N>/<name>/` (`START_DIR/<name>/` without --seeds); ValueError if not."""
     folder = start_dir / f"seed{seed}" if seed is not None else start_dir
     found = sorted(folder.glob(f"*/{CHECKPOINT_FILE}"))
     if len(found) != 1:
@@ -1176,7 +1176,7 @@ def find_start(start_dir: Path, seed: int | None) -> Path:
 
 def screen(runs: list[Run], out: Path, threshold: float | None, sweep: bool) -> list[Run]:
     """The runs to train: those whose start (checked by `load_start`) formed the lookup when a threshold is given.
-    A seed screened out is written to OUT/seed<N>/screened_out.json and said in one line."""
+    A seed screened out is written to `OUT/seed<N>/screened_out.json` and said in one line."""
     kept = []
     for run in runs:
         if run.start is None:
