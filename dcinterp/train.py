@@ -29,7 +29,9 @@ at chance on the released format for 2,750 steps without it and is at 96% after 
 (docs/training.md).
 
 `focus_tasks` with `focus_until` is a curriculum over tasks: the first `focus_until` of the steps draw samples
-of the focus tasks only, the rest of all the training tasks.
+of the focus tasks only, the rest of all the training tasks. `focus_stages` ("task14,task15@0.3",
+"task12,task13@0.35") are further focus phases, in order after the first: each draws its tasks only, from where the
+one before it ends until its own fraction of the steps; after the last, all the training tasks (`tasks_at`).
 
 `compose_from` (DCMHA only) starts the compose at the identity (the second factor of the low-rank projections and
 the gates at zero, `init_weights(identity_compose=True)`) and holds every `W_dyn_*` parameter still until that
@@ -132,6 +134,7 @@ class TrainConfig:
     compact_hold: float = 0.0  # ... after staying at 1 until this fraction
     focus_tasks: tuple[str, ...] = ("task10", "task11")  # task curriculum: train on these tasks only ...
     focus_until: float = 0.25  # ... for this fraction of the steps, then on all the training tasks
+    focus_stages: tuple[str, ...] = ()  # then, stage by stage, "task14,task15@0.3": these tasks only until 0.3
     compose_from: float = 0.25  # DCMHA: the compose is the identity (trains as its MHA twin) until this fraction
     bucket_batches: int = 8  # batches drawn at once and grouped by sample length (less padding, less T^2)
     threads: int = 1  # one thread: on a shared 2-core machine two OpenMP threads spin-wait and run slower
@@ -199,7 +202,8 @@ def split_tasks(exclude_combos) -> tuple[list[str], list[str]]:
 
 def training_tasks(cfg: TrainConfig) -> tuple[list[str], list[str]]:
     """(training task ids, held-out task ids): all 74 less `exclude_combos`, then only `tasks` if given; the
-    focus tasks must be among the training tasks."""
+    focus tasks and the tasks of every focus stage must be among the training tasks, and the stages must end one
+    after the other, after the first focus phase, by the end of the run."""
     train_ids, held_ids = split_tasks(cfg.exclude_combos)
     if cfg.tasks:
         train_ids = [t for t in train_ids if t in set(cfg.tasks)]
@@ -208,7 +212,60 @@ def training_tasks(cfg: TrainConfig) -> tuple[list[str], list[str]]:
     outside = [t for t in cfg.focus_tasks if t not in train_ids]
     if outside:
         raise ValueError(f"focus tasks (--focus-tasks) {', '.join(outside)} not among the training tasks")
+    begins = cfg.focus_until if cfg.focus_tasks else 0.0
+    for number, stage in enumerate(cfg.focus_stages):
+        stage_tasks, until = focus_stage(stage)
+        outside = [t for t in stage_tasks if t not in train_ids]
+        if outside:
+            raise ValueError(
+                f"focus stage (--focus-stages) {stage!r}: {', '.join(outside)} not among the training tasks"
+            )
+        if not begins < until <= 1:
+            after = "the stage before it" if number else "--focus-until" if cfg.focus_tasks else "0"
+            raise ValueError(
+                f"focus stage (--focus-stages) {stage!r} ends at {until}: it must end after {after} ({begins}) "
+                "and at 1 at the latest"
+            )
+        begins = until
     return train_ids, held_ids
+
+
+def focus_stage(stage: str) -> tuple[list[str], float]:
+    """ "task14,task15@0.3" -> (["task14", "task15"], 0.3); ValueError (one line, naming the stage) if malformed."""
+    spec, at, until = stage.rpartition("@")
+    stage_tasks = [t.strip() for t in spec.split(",") if t.strip()]
+    try:
+        fraction = float(until)
+    except ValueError:
+        fraction = math.nan
+    if not at or not stage_tasks or not math.isfinite(fraction):
+        raise ValueError(f"focus stage (--focus-stages) {stage!r} is not 'TASKS@UNTIL' (e.g. '14,15@0.3')")
+    return stage_tasks, fraction
+
+
+def parse_focus_stages(spec: str, catalog) -> tuple[str, ...]:
+    """ "14,15@0.3;12,13@0.35" (task ids as --tasks takes them) -> ("task14,task15@0.3", "task12,task13@0.35")."""
+    stages = []
+    for stage in filter(None, (part.strip() for part in spec.split(";"))):
+        stage_tasks, until = focus_stage(stage)
+        try:
+            stage_ids = parse_task_ids(",".join(stage_tasks), catalog)
+        except ValueError as e:
+            raise ValueError(f"focus stage (--focus-stages) {stage!r}: {e}") from None
+        stages.append(f"{','.join(stage_ids)}@{until}")
+    return tuple(stages)
+
+
+def tasks_at(step: int, cfg: TrainConfig, train_ids: list[str] | None) -> list[str] | None:
+    """The tasks that step `step` draws its samples from: the focus tasks for the first `focus_until` of the steps,
+    then each focus stage's tasks until its fraction of the steps, then `train_ids` (None: all the catalog's)."""
+    if cfg.focus_tasks and step < cfg.focus_until * cfg.steps:
+        return list(cfg.focus_tasks)
+    for stage in cfg.focus_stages:
+        stage_tasks, until = focus_stage(stage)
+        if step < until * cfg.steps:
+            return stage_tasks
+    return train_ids
 
 
 def knowledge_sentences() -> list[str]:
@@ -271,10 +328,11 @@ class SampleStream:
     """(unbracketed sample, answer spans) forever: generator seeds 1000 + 100000 * seed + k, chunks shuffled.
 
     Each sample is written with compact facts with probability `compact_share()` (the same lines, see
-    `compact_catalog`), else in the released format. While `focus()`, the samples are of `cfg.focus_tasks` only
-    (if there are any). A chunk (one generation seed) is drawn when the previous one is used up. Where the stream
-    stands is `state_dict()`: the next generation seed and the samples of the current chunk not yet drawn; `rng`
-    is the caller's and saved by it."""
+    `compact_catalog`), else in the released format. A chunk (one generation seed) is drawn when the previous one
+    is used up, of the tasks `tasks_at(step(), cfg, task_ids)`: with `step`, the training step under way, the
+    focus tasks, then each focus stage's, then `task_ids`. Without it, `focus()` says whether the first focus
+    phase is on (the focus tasks) or over (`task_ids`). Where the stream stands is `state_dict()`: the next
+    generation seed and the samples of the current chunk not yet drawn; `rng` is the caller's and saved by it."""
 
     def __init__(
         self,
@@ -283,9 +341,11 @@ class SampleStream:
         rng: random.Random,
         compact_share: Callable[[], float] = lambda: 0.0,
         focus: Callable[[], bool] = lambda: False,
+        step: Callable[[], int] | None = None,
     ):
         self.cfg, self.task_ids, self.rng = cfg, task_ids, rng
-        self.compact_share, self.focus = compact_share, focus
+        self.compact_share = compact_share
+        self.step = step if step is not None else lambda: 0 if focus() else cfg.steps
         self.released, self.compact = load_catalog(), None
         self.next_chunk = 0  # k of the next generation seed
         self.pending: list[tuple[str, list[tuple[int, int]]]] = []  # the current chunk, last to draw first
@@ -302,7 +362,7 @@ class SampleStream:
     def _chunk(self) -> list[tuple[str, list[tuple[int, int]]]]:
         cfg = self.cfg
         seed = TRAIN_SEED_BASE + 100_000 * cfg.seed + self.next_chunk
-        ids = list(cfg.focus_tasks) if cfg.focus_tasks and self.focus() else self.task_ids
+        ids = tasks_at(self.step(), cfg, self.task_ids)
         records = generate(seed, cfg.samples_per_task, ids, lines=cfg.lines, catalog=self.released)
         if self.compact_share() > 0:
             self.compact = self.compact or compact_catalog(self.released)
@@ -532,8 +592,9 @@ def save_checkpoint(path: Path, checkpoint: dict) -> None:
 
 # --------------------------------------------------------------------------------------------------
 # Shared starts: a seed's twins are one model until the compose trains, and the held-out variants are that model
-# until the focus phase ends, so all of them can begin from one run stopped there (`--start-from`)
-START_MAY_DIFFER = ("arch", "exclude_combos", "eval_every", *RUN_SETTINGS)
+# until the focus phase ends, so all of them can begin from one run stopped there (`--start-from`); so are runs of
+# other focus stages until the first stage in which they differ begins
+START_MAY_DIFFER = ("arch", "exclude_combos", "focus_stages", "eval_every", *RUN_SETTINGS)
 SCREEN_STEPS = 100  # a start's answer loss, which says whether its focus phase formed the lookup: over its last steps
 
 
@@ -547,7 +608,8 @@ def load_start(path: Path, cfg: TrainConfig) -> dict:
     """The checkpoint at `path`, another run's (stopped with --stop-after), checked to be the beginning of the run
     `cfg` describes: the same recipe but for START_MAY_DIFFER, stopped while the two runs are still the same run
     (before the compose trains when the architectures differ, within the focus phase when the excluded
-    combinations differ). ResumeError (one line naming the file) if not."""
+    combinations differ, before the first step that draws other tasks when the focus stages differ). ResumeError
+    (one line naming the file) if not."""
     checkpoint = read_checkpoint(path, "--start-from")
     saved, step = checkpoint["train_config"], checkpoint["progress"]["step"]
     mismatch = config_mismatch(saved, cfg, START_MAY_DIFFER)
@@ -566,6 +628,15 @@ def load_start(path: Path, cfg: TrainConfig) -> dict:
             f"from this run's from then on (exclude_combos {saved['exclude_combos']}, this run "
             f"{list(cfg.exclude_combos)})"
         )
+    start_cfg = dataclasses.replace(cfg, focus_stages=tuple(saved.get("focus_stages", ())))
+    if start_cfg.focus_stages != cfg.focus_stages:
+        steps_apart = (s for s in range(cfg.steps) if tasks_at(s, start_cfg, None) != tasks_at(s, cfg, None))
+        apart = next(steps_apart, cfg.steps)
+        if step > apart:
+            raise ResumeError(
+                f"--start-from: {path} is at step {step}, after its focus stages {list(start_cfg.focus_stages)} "
+                f"and this run's {list(cfg.focus_stages)} draw other tasks (from step {apart})"
+            )
     return checkpoint
 
 
@@ -702,7 +773,7 @@ def train(
         train_ids if cfg.exclude_combos or cfg.tasks else None,
         rng,
         lambda: compact_share_at(step_now, cfg),
-        lambda: step_now < cfg.focus_until * cfg.steps,
+        step=lambda: step_now,
     )
     batches = Batcher(tokenizer, stream, cfg, rng)
     probe = generate(EVAL_SEED, PROBE_SAMPLES_PER_TASK, train_ids) if cfg.eval_every else None
@@ -1005,6 +1076,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--focus-until", type=float, default=d.focus_until)
     p.add_argument(
+        "--focus-stages",
+        default="",
+        metavar="STAGES",
+        help="further focus stages after --focus-until, in order: '14,15@0.3;12,13@0.35' trains on tasks 14 and 15 "
+        "only until 0.3 of the steps, then on 12 and 13 only until 0.35, then on all the training tasks",
+    )
+    p.add_argument(
         "--compose-from",
         type=float,
         default=d.compose_from,
@@ -1105,6 +1183,7 @@ def config_from_args(args: argparse.Namespace, arch: str, task_ids: list[str], f
         tied_init=args.tied_init,
         focus_tasks=tuple(focus_ids),
         focus_until=args.focus_until,
+        focus_stages=parse_focus_stages(args.focus_stages, load_catalog()) if args.focus_stages else (),
         compose_from=args.compose_from,
         exclude_combos=tuple(f"{a}:{b}" for a, b in parse_combos(args.exclude_combos)),
         tasks=tuple(task_ids),

@@ -10,10 +10,12 @@ import torch
 
 from dcinterp import HookedDCFormer
 from dcinterp.loading import EMBEDDED_DIR
+from dcinterp.synth import generate
 from dcinterp.tokenizer import build_tokenizer, released_texts, split_words, unknown_words
 from dcinterp.train import (
     DEFAULT_EXCLUDED_COMBOS,
     TEST_SET,
+    TRAIN_SEED_BASE,
     SampleStream,
     TrainConfig,
     compact_catalog,
@@ -21,7 +23,9 @@ from dcinterp.train import (
     knowledge_sentences,
     lr_at,
     split_tasks,
+    tasks_at,
     train,
+    unbracket_spans,
     unbracket_text,
 )
 
@@ -121,6 +125,40 @@ def test_focus_tasks_alone_while_focused_then_all_tasks():
         dataclasses.replace(cfg, focus_tasks=()), ["task10", "task56"], random.Random(0), focus=lambda: True
     )
     assert {next(no_focus)[0].lstrip().startswith("There are") for _ in range(8)} == {True, False}
+
+
+STAGED = TrainConfig(
+    steps=100,
+    samples_per_task=1,
+    tasks=("task10", "task11", "task12", "task13", "task14", "task15", "task57"),
+    focus_tasks=("task10", "task11"),
+    focus_until=0.25,
+    focus_stages=("task14,task15@0.3", "task12,task13@0.35"),
+)
+
+
+@pytest.mark.parametrize(
+    "steps, tasks",
+    [
+        ((0, 24), ["task10", "task11"]),
+        ((25, 29), ["task14", "task15"]),
+        ((30, 34), ["task12", "task13"]),
+        ((35, 99), list(STAGED.tasks)),
+    ],
+)
+def test_each_focus_stage_draws_its_tasks_alone_then_all_tasks(steps, tasks):
+    train_ids = list(STAGED.tasks)
+    for step in steps:
+        assert tasks_at(step, STAGED, train_ids) == tasks
+        stream = SampleStream(STAGED, train_ids, random.Random(0), step=lambda: step)  # noqa: B023 (read here)
+        drawn = [next(stream) for _ in range(len(tasks) * STAGED.samples_per_task)]  # one chunk
+        expected = generate(TRAIN_SEED_BASE, STAGED.samples_per_task, tasks, lines=STAGED.lines)
+        assert sorted(drawn) == sorted(unbracket_spans(record["texts"]) for record in expected)
+    # no stages: the focus tasks, then all tasks at once (the one focus phase of the shipped recipe)
+    assert tasks_at(25, dataclasses.replace(STAGED, focus_stages=()), train_ids) == train_ids
+    # stages without focus tasks begin at step 0
+    no_focus = dataclasses.replace(STAGED, focus_tasks=())
+    assert tasks_at(0, no_focus, train_ids) == ["task14", "task15"] and tasks_at(35, no_focus, None) is None
 
 
 def test_excluded_combos_keep_every_pattern_and_transformation():
@@ -297,6 +335,40 @@ def test_train_cli_rejects_bad_settings_before_writing(capsys, tmp_path, args, n
     err = capsys.readouterr().err.strip()
     assert err.startswith("python -m dcinterp.train: error:") and named in err and len(err.splitlines()) == 1
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--focus-stages", "14,15"], "'14,15' is not 'TASKS@UNTIL'"),
+        (["--focus-stages", "14,15@soon"], "'14,15@soon' is not 'TASKS@UNTIL'"),
+        (["--focus-stages", "@0.3"], "'@0.3' is not 'TASKS@UNTIL'"),
+        (["--focus-stages", "14,99@0.3"], "task99"),
+        (["--focus-stages", "14,15@0.2"], "must end after --focus-until (0.25)"),
+        (["--focus-stages", "14,15@0.3;12,13@0.3"], "must end after the stage before it (0.3)"),
+        (["--focus-stages", "14,15@1.5"], "at 1 at the latest"),
+        (["--focus-stages", "2,3@0.3", "--exclude-combos", "same-person:superclass"], "task2, task3"),
+        (["--focus-stages", "14@0.3", "--tasks", "10,11", "--focus-tasks", "10"], "task14"),
+    ],
+)
+def test_train_cli_rejects_bad_focus_stages_before_writing(capsys, tmp_path, args, named):
+    from dcinterp.train import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--steps", "1", "--out", str(tmp_path / "runs")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("python -m dcinterp.train: error: focus stage (--focus-stages)") and named in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "runs").exists()
+
+
+def test_focus_stages_take_task_ids_as_tasks_does():
+    from dcinterp.train import config_from_args, parse_args
+
+    args = parse_args(["--focus-stages", "14,task15@0.3; 12-13@.35"])
+    cfg = config_from_args(args, "dcmha", [], ["task10", "task11"])
+    assert cfg.focus_stages == ("task14,task15@0.3", "task12,task13@0.35")
+    assert tasks_at(2_999, cfg, None) == ["task14", "task15"] and tasks_at(3_000, cfg, None) == ["task12", "task13"]
 
 
 def test_train_cli_defaults_are_the_train_config_defaults(capsys, tmp_path):

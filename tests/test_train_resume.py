@@ -361,3 +361,50 @@ def test_start_from_screens_out_the_seeds_whose_start_formed_no_lookup(capsys, t
     assert "no checkpoint in" in err and "seed0" in err
     err = one_line_error(capsys, [*common, "--out", str(tmp_path / "z"), "--lookup-threshold", "0.5"])
     assert "--start-from" in err
+
+
+# --------------------------------------------------------------------------------------------------
+# Focus stages: task57 alone after the focus phase (steps 2 and 3), then all tasks
+STAGED = dataclasses.replace(STATEFUL, focus_stages=("task57@0.5",))
+
+
+@pytest.fixture(scope="module")
+def staged_never_stopped(tmp_path_factory):
+    out = tmp_path_factory.mktemp("staged_never_stopped")
+    return train(STAGED, out_dir=out, progress=False, evaluate_after=False)
+
+
+def test_a_run_with_focus_stages_stopped_in_a_stage_and_resumed_is_the_run_that_never_stopped(
+    tmp_path, never_stopped, staged_never_stopped
+):
+    assert not torch.equal(staged_never_stopped[0].W_E, never_stopped[0].W_E)  # the stage draws other data
+    train(STAGED, out_dir=tmp_path, progress=False, evaluate_after=False, stop_after=3)  # within the stage
+    with pytest.raises(ResumeError, match=r"it was written with focus_stages=\['task57@0.5'\], this run has "):
+        train(STATEFUL, out_dir=tmp_path, progress=False, evaluate_after=False, resume=True)
+    scramble_global_random_states()
+    model, recipe = train(STAGED, out_dir=tmp_path, progress=False, evaluate_after=False, resume=True)
+    assert recipe["resumed_at"] == [3] and recipe["train_config"]["focus_stages"] == ["task57@0.5"]
+    assert_same_run(model, recipe, *staged_never_stopped)
+
+
+def test_a_run_with_focus_stages_begins_from_a_start_of_other_stages_only_before_they_draw_other_tasks(
+    tmp_path, staged_never_stopped
+):
+    train(STATEFUL, out_dir=tmp_path / "start", progress=False, evaluate_after=False, stop_after=2)  # focus_until: 2
+    start = tmp_path / "start" / CHECKPOINT_FILE
+    checkpoint = torch.load(start, weights_only=True)
+    del checkpoint["train_config"]["focus_stages"]  # as a checkpoint written before focus stages were
+    save_checkpoint(start, checkpoint)
+    model, recipe = train(STAGED, out_dir=tmp_path / "staged", progress=False, evaluate_after=False, start_from=start)
+    assert_same_run(model, recipe, *staged_never_stopped)
+    train(STATEFUL, out_dir=tmp_path / "late", progress=False, evaluate_after=False, stop_after=3)
+    with pytest.raises(
+        ResumeError, match=r"at step 3, after its focus stages \[\] and this run's \['task57@0.5'\] draw other tasks"
+    ):
+        train(
+            STAGED,
+            out_dir=tmp_path / "x",
+            progress=False,
+            evaluate_after=False,
+            start_from=tmp_path / "late" / CHECKPOINT_FILE,
+        )
