@@ -274,14 +274,17 @@ def test_seeds_put_each_pair_of_twins_in_its_own_folder_and_resume_continues_the
 # --------------------------------------------------------------------------------------------------
 # Shared starts (--start-from): a seed's twins are one model until the compose trains, and the held-out variants
 # are that model until the focus phase ends
+def quiet_train(cfg, out_dir, **options):
+    """One run of the tests below: no progress bar, no evaluation, written to `out_dir`."""
+    return train(cfg, out_dir=out_dir, progress=False, evaluate_after=False, **options)
+
+
 def test_a_dcmha_run_begun_from_its_mha_twins_start_is_the_run_begun_at_step_0(tmp_path, never_stopped):
     start = tmp_path / "start"
     mha = dataclasses.replace(STATEFUL, arch="mha")
-    _, stopped = train(mha, out_dir=start, progress=False, evaluate_after=False, stop_after=4)  # compose_from: 4
+    _, stopped = quiet_train(mha, start, stop_after=4)  # compose_from: 4
     scramble_global_random_states()
-    model, recipe = train(
-        STATEFUL, out_dir=tmp_path / "dcmha", progress=False, evaluate_after=False, start_from=start / CHECKPOINT_FILE
-    )
+    model, recipe = quiet_train(STATEFUL, tmp_path / "dcmha", start_from=start / CHECKPOINT_FILE)
     assert_same_run(model, recipe, *never_stopped)
     assert recipe["started_from"] == {
         "path": str(start / CHECKPOINT_FILE),
@@ -289,51 +292,27 @@ def test_a_dcmha_run_begun_from_its_mha_twins_start_is_the_run_begun_at_step_0(t
         "answer_loss": pytest.approx(sum(h["answer_loss"] for h in stopped["history"]) / 4, abs=1e-4),
     }
     # one step later the compose has trained in the DCMHA run: its twin's checkpoint is no longer its beginning
-    train(mha, out_dir=tmp_path / "late", progress=False, evaluate_after=False, stop_after=5)
+    quiet_train(mha, tmp_path / "late", stop_after=5)
     with pytest.raises(ResumeError, match=r"late/checkpoint.pt is at step 5, after the compose began to train"):
-        train(
-            STATEFUL,
-            out_dir=tmp_path / "x",
-            progress=False,
-            evaluate_after=False,
-            start_from=tmp_path / "late" / CHECKPOINT_FILE,
-        )
+        quiet_train(STATEFUL, tmp_path / "x", start_from=tmp_path / "late" / CHECKPOINT_FILE)
 
 
 def test_a_held_out_variant_begun_from_the_full_runs_start_is_the_run_begun_at_step_0(tmp_path):
     full = dataclasses.replace(STATEFUL, arch="mha", tasks=("task2", "task10", "task11", "task57"))
     held = dataclasses.replace(full, exclude_combos=("same-person:superclass",))  # task2: not trained after focus
-    reference_model, reference = train(held, out_dir=tmp_path / "ref", progress=False, evaluate_after=False)
-    train(full, out_dir=tmp_path / "start", progress=False, evaluate_after=False, stop_after=2)  # focus_until: 2
-    model, recipe = train(
-        held,
-        out_dir=tmp_path / "held",
-        progress=False,
-        evaluate_after=False,
-        start_from=tmp_path / "start" / CHECKPOINT_FILE,
-    )
+    reference_model, reference = quiet_train(held, tmp_path / "ref")
+    quiet_train(full, tmp_path / "start", stop_after=2)  # focus_until: 2
+    model, recipe = quiet_train(held, tmp_path / "held", start_from=tmp_path / "start" / CHECKPOINT_FILE)
     assert_same_run(model, recipe, reference_model, reference)
     other, _ = train(full, progress=False, evaluate_after=False)
     assert not torch.equal(other.W_E, model.W_E)  # the data after the focus phase differ: a test that can fail
-    train(full, out_dir=tmp_path / "late", progress=False, evaluate_after=False, stop_after=3)
+    quiet_train(full, tmp_path / "late", stop_after=3)
     with pytest.raises(ResumeError, match=r"at step 3, after the focus phase \(step 2\)"):
-        train(
-            held,
-            out_dir=tmp_path / "x",
-            progress=False,
-            evaluate_after=False,
-            start_from=tmp_path / "late" / CHECKPOINT_FILE,
-        )
+        quiet_train(held, tmp_path / "x", start_from=tmp_path / "late" / CHECKPOINT_FILE)
     with pytest.raises(
         ResumeError, match=r"another recipe's checkpoint: it was written with lr=0.003, this run has lr=0.01"
     ):
-        train(
-            dataclasses.replace(held, lr=0.01),
-            out_dir=tmp_path / "y",
-            progress=False,
-            evaluate_after=False,
-            start_from=tmp_path / "start" / CHECKPOINT_FILE,
-        )
+        quiet_train(dataclasses.replace(held, lr=0.01), tmp_path / "y", start_from=tmp_path / "start" / CHECKPOINT_FILE)
 
 
 def test_start_from_screens_out_the_seeds_whose_start_formed_no_lookup(capsys, tmp_path):
@@ -371,18 +350,18 @@ STAGED = dataclasses.replace(STATEFUL, focus_stages=("task57@0.5",))
 @pytest.fixture(scope="module")
 def staged_never_stopped(tmp_path_factory):
     out = tmp_path_factory.mktemp("staged_never_stopped")
-    return train(STAGED, out_dir=out, progress=False, evaluate_after=False)
+    return quiet_train(STAGED, out)
 
 
 def test_a_run_with_focus_stages_stopped_in_a_stage_and_resumed_is_the_run_that_never_stopped(
     tmp_path, never_stopped, staged_never_stopped
 ):
     assert not torch.equal(staged_never_stopped[0].W_E, never_stopped[0].W_E)  # the stage draws other data
-    train(STAGED, out_dir=tmp_path, progress=False, evaluate_after=False, stop_after=3)  # within the stage
+    quiet_train(STAGED, tmp_path, stop_after=3)  # within the stage
     with pytest.raises(ResumeError, match=r"it was written with focus_stages=\['task57@0.5'\], this run has "):
-        train(STATEFUL, out_dir=tmp_path, progress=False, evaluate_after=False, resume=True)
+        quiet_train(STATEFUL, tmp_path, resume=True)
     scramble_global_random_states()
-    model, recipe = train(STAGED, out_dir=tmp_path, progress=False, evaluate_after=False, resume=True)
+    model, recipe = quiet_train(STAGED, tmp_path, resume=True)
     assert recipe["resumed_at"] == [3] and recipe["train_config"]["focus_stages"] == ["task57@0.5"]
     assert_same_run(model, recipe, *staged_never_stopped)
 
@@ -390,21 +369,15 @@ def test_a_run_with_focus_stages_stopped_in_a_stage_and_resumed_is_the_run_that_
 def test_a_run_with_focus_stages_begins_from_a_start_of_other_stages_only_before_they_draw_other_tasks(
     tmp_path, staged_never_stopped
 ):
-    train(STATEFUL, out_dir=tmp_path / "start", progress=False, evaluate_after=False, stop_after=2)  # focus_until: 2
+    quiet_train(STATEFUL, tmp_path / "start", stop_after=2)  # focus_until: 2
     start = tmp_path / "start" / CHECKPOINT_FILE
     checkpoint = torch.load(start, weights_only=True)
     del checkpoint["train_config"]["focus_stages"]  # as a checkpoint written before focus stages were
     save_checkpoint(start, checkpoint)
-    model, recipe = train(STAGED, out_dir=tmp_path / "staged", progress=False, evaluate_after=False, start_from=start)
+    model, recipe = quiet_train(STAGED, tmp_path / "staged", start_from=start)
     assert_same_run(model, recipe, *staged_never_stopped)
-    train(STATEFUL, out_dir=tmp_path / "late", progress=False, evaluate_after=False, stop_after=3)
+    quiet_train(STATEFUL, tmp_path / "late", stop_after=3)
     with pytest.raises(
         ResumeError, match=r"at step 3, after its focus stages \[\] and this run's \['task57@0.5'\] draw other tasks"
     ):
-        train(
-            STAGED,
-            out_dir=tmp_path / "x",
-            progress=False,
-            evaluate_after=False,
-            start_from=tmp_path / "late" / CHECKPOINT_FILE,
-        )
+        quiet_train(STAGED, tmp_path / "x", start_from=tmp_path / "late" / CHECKPOINT_FILE)
