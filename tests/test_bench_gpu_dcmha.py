@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_cpu_smoke_run_measures_every_model_and_claims_no_gpu_number(tmp_path):
     out = tmp_path / "rows.jsonl"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep where the deps are
+    env = {**os.environ, "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks/bench_gpu_dcmha.py"), "--cpu", "--repeats", "1", "--json", str(out)],
         capture_output=True,

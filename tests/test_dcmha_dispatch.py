@@ -11,6 +11,7 @@
   semantics, left padding, the key-value cache in chunks, float32 judged by float64 (tests/numerics.py).
 """
 
+import copy
 import os
 import sys
 import types
@@ -247,7 +248,7 @@ def run(model, tokens, mask=None, chunks=None):
             embeddings = model.embed(tokens).detach().requires_grad_(True)
             logits = model(embeddings, start_at_layer=0, attention_mask=mask)
         else:
-            cache = DCFormerKeyValueCache.init_cache(model.cfg, "cpu", batch_size=tokens.shape[0])
+            cache = DCFormerKeyValueCache.init_cache(model.cfg, tokens.device, batch_size=tokens.shape[0])
             embeddings = model.embed(tokens).detach().requires_grad_(True)
             logits = torch.cat(
                 [
@@ -257,7 +258,7 @@ def run(model, tokens, mask=None, chunks=None):
                 dim=1,
             )
         loss = logits.log_softmax(-1)[..., 5].sum()
-        return (logits.detach(), *torch.autograd.grad(loss, [embeddings, *weights]))
+        return tuple(x.cpu() for x in (logits.detach(), *torch.autograd.grad(loss, [embeddings, *weights])))
     finally:
         for p in weights:
             p.requires_grad_(False)
@@ -308,16 +309,19 @@ def real_kernels(monkeypatch):
 
 @pytest.mark.parametrize("case", ["prompt, left padding", "cache"])
 def test_the_real_kernels_through_the_model_equal_the_materialised_path(model, model64, real_kernels, on_cuda, case):
-    """The model on the Triton path with the real kernels (not the stand-in): logits and every gradient."""
+    """The model on the Triton path with the real kernels (not the stand-in): logits and every gradient. With CUDA the
+    model runs on the GPU (natively compiled kernels), else on this CPU under the interpreter."""
+    device = CUDA if torch.cuda.is_available() else CPU
+    on_device = copy.deepcopy(model).to(device)
     tokens = tokens_for(model, length=20)
     mask = torch.ones_like(tokens)
     if "padding" in case:
         mask[1, :5] = 0
     chunks = [(0, 12), (12, 17), (17, 20)] if case == "cache" else None
-    out = run(model, tokens, mask, chunks)
+    out = run(on_device, tokens.to(device), mask.to(device), chunks)
     assert set(on_cuda) == {"triton"}
-    with all_branches_hooked(model):
-        reference = run(model, tokens, mask, chunks)
+    with all_branches_hooked(on_device):
+        reference = run(on_device, tokens.to(device), mask.to(device), chunks)
     with all_branches_hooked(model64):
         exact = run(model64, tokens, mask, chunks)
     for i, (a, b, c) in enumerate(zip(out, reference, exact, strict=True)):

@@ -368,7 +368,9 @@ def test_the_models_layers(name):
     """Each layer of the reference checkpoints (local and global layers, QK-norm, rotary), fed what the model's hooks
     show (rotated q and k, v, each stage's dynamic weights), gives the z of the model's materialised path (hook_z
     under run_with_cache), judged against the model run in float64."""
-    model = HookedDCFormer.from_pretrained(FIXTURES / ("dcpythia-tiny" if name == "official-inference" else name))
+    model = HookedDCFormer.from_pretrained(
+        FIXTURES / ("dcpythia-tiny" if name == "official-inference" else name), device=DEVICE
+    )
     if name == "official-inference":
         model.cfg.window = "official-inference"
     tokens = torch.randint(0, model.cfg.d_vocab, (2, 21), generator=torch.Generator().manual_seed(0)).to(DEVICE)
