@@ -20,7 +20,7 @@ Each op is attributed to the innermost function of the model's code it was calle
 - `dynamic weights`: the FFN from the layer's input to qw1, ..., kg (`dynamic_weights`, `torch_dynamic_weights`);
 - `compose`: the compose of the few queries (`Compose.forward`, `compose_few_queries`, `compose_fused`, ...);
 - `cache appends`: the key-value cache (`dcinterp/kv_cache.py`);
-- `rotary`: `apply_rotary`;
+- `rotary`: the tables and the rotation (`rotary_tables`, `rotate`, `apply_rotary`);
 - `attention`: scores, mask, softmax, P V (`materialised_z`, `sdpa_z`);
 - `rest of block`: projections, norms, QK-norm, MLP, residual adds;
 - `model`: outside the blocks (embedding, the step's masks and rotary positions, final norm, unembedding).
@@ -64,6 +64,8 @@ FUNCTION_CATEGORY = {
     "compose_fused": "compose",
     "branch_outputs": "compose",
     "apply_rotary": "rotary",
+    "rotary_tables": "rotary",
+    "rotate": "rotary",
     "materialised_z": "attention",
     "sdpa_z": "attention",
     "blocked_z": "attention",

@@ -125,16 +125,36 @@ def apply_rotary(
     positions: of x's positions, for the whole batch or per row (default 0, 1, ...; a key-value cache or left
     padding gives others).
     """
+    return rotate(x, rotary_dim, rotary_tables(rotary_dim, base, x.shape[1], x.device, table_dtype, positions))
+
+
+def rotary_tables(
+    rotary_dim: int,
+    base: float,
+    n_positions: int,
+    device,
+    table_dtype: torch.dtype = torch.float32,
+    positions: Int[Tensor, "*batch pos"] | None = None,
+) -> tuple[Float[Tensor, "*batch pos 1 half"], Float[Tensor, "*batch pos 1 half"]] | None:
+    """`apply_rotary`'s cos and sin tables (float32, rounded to `table_dtype` first) for `n_positions` positions
+    (`positions`, default 0, 1, ...): one layer's q and k share them. None where nothing rotates."""
     if rotary_dim == 0:
-        return x
+        return None
     if rotary_dim % 2:
         raise ValueError(f"rotary_dim must be even (dims rotate in pairs), not {rotary_dim}")
-    half = rotary_dim // 2
     if positions is None:
-        positions = torch.arange(x.shape[1], device=x.device)
-    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, device=x.device, dtype=torch.float32) / rotary_dim)
-    angles = (positions.to(x.device, torch.float32)[..., None] * inv_freq)[..., None, :]  # [(b,) p, 1, half]
-    cos, sin = angles.cos().to(table_dtype).float(), angles.sin().to(table_dtype).float()
+        positions = torch.arange(n_positions, device=device)
+    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim)
+    angles = (positions.to(device, torch.float32)[..., None] * inv_freq)[..., None, :]  # [(b,) p, 1, half]
+    return angles.cos().to(table_dtype).float(), angles.sin().to(table_dtype).float()
+
+
+def rotate(x: Float[Tensor, "b p h e"], rotary_dim: int, tables: tuple[Tensor, Tensor] | None) -> Tensor:
+    """x rotated by `rotary_tables`' (cos, sin) on its first `rotary_dim` dims, in float32."""
+    if tables is None:
+        return x
+    cos, sin = tables
+    half = rotary_dim // 2
     xf = x.float()
     x1, x2, rest = xf[..., :half], xf[..., half:rotary_dim], xf[..., rotary_dim:]
     rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
@@ -319,8 +339,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         table = torch.float16 if cfg.window == "official-inference" else torch.float32
-        q = self.hook_rot_q(apply_rotary(q, cfg.rotary_dim, cfg.rotary_base, table, positions))
-        k = self.hook_rot_k(apply_rotary(k, cfg.rotary_dim, cfg.rotary_base, table, positions))
+        tables = rotary_tables(cfg.rotary_dim, cfg.rotary_base, q.shape[1], q.device, table, positions)
+        q = self.hook_rot_q(rotate(q, cfg.rotary_dim, tables))
+        k = self.hook_rot_k(rotate(k, cfg.rotary_dim, tables))
         path = self.path_for(x, mask, q.shape[1], past_kv_cache_entry, real)
         if past_kv_cache_entry is not None:
             k, v = past_kv_cache_entry.append(k, v)
