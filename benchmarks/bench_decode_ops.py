@@ -21,7 +21,7 @@ Each op is attributed to the innermost function of the model's code it was calle
 - `compose`: the compose of the few queries (`Compose.forward`, `compose_few_queries`, `compose_fused`, ...);
 - `cache appends`: the key-value cache (`dcinterp/kv_cache.py`);
 - `rotary`: the tables and the rotation (`rotary_tables`, `rotate`, `apply_rotary`);
-- `attention`: scores, mask, softmax, P V (`materialised_z`, `sdpa_z`);
+- `attention`: scores, mask, softmax, P V (`few_queries_z`, `materialised_z`, `sdpa_z`);
 - `rest of block`: projections, norms, QK-norm, MLP, residual adds;
 - `model`: outside the blocks (embedding, the step's masks and rotary positions, final norm, unembedding).
 Per layer, since global and local layers may differ. Then the CPU time of a step: the median over `--steps` cached
@@ -69,6 +69,7 @@ FUNCTION_CATEGORY = {
     "materialised_z": "attention",
     "sdpa_z": "attention",
     "blocked_z": "attention",
+    "few_queries_z": "attention",
 }
 UNSEEN_VIEWS = {"_unsafe_view", "_reshape_alias"}
 ALLOCATIONS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}

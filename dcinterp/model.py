@@ -351,7 +351,9 @@ class Attention(nn.Module):
             z = self.blocked_z(q, k, v, mask, self.composed_weights(x, past_kv_cache_entry))
         elif path == "triton":
             z = self.triton_z(q, k, v, mask, self.composed_weights(x, past_kv_cache_entry), real)
-        else:  # "materialised", "few_queries"
+        elif path == "few_queries":
+            z = self.few_queries_z(q, k, v, mask, self.composed_weights(x, past_kv_cache_entry, key_last=True))
+        else:
             z = self.materialised_z(x, q, k, v, mask, past_kv_cache_entry)
         z = self.hook_z(z)
         if cfg.use_attn_result:
@@ -382,10 +384,13 @@ class Attention(nn.Module):
             keys=mask.shape[-1],
         )
 
-    def composed_weights(self, x: Float[Tensor, "b p d"], past_kv_cache_entry=None) -> list[tuple | None]:
+    def composed_weights(
+        self, x: Float[Tensor, "b p d"], past_kv_cache_entry=None, key_last: bool = False
+    ) -> list[tuple | None]:
         """Per stage (pre, post): its dynamic weights (qw1, qw2, kw1, kw2, qg, kg) after their hooks, None for a
         branch or stage that is off. The key side is every key's (the cache's first, where the new ones are
-        stored), in the hooks' layout: kw1, kw2 [b, s, rank, head], kg [b, s, head]."""
+        stored), in the hooks' layout: kw1, kw2 [b, s, rank, head], kg [b, s, head]; or, with a cache and
+        `key_last`, as the cache holds it: kw1, kw2 [b, rank, head, s], kg [b, head, s]."""
         dyn = self.dynamic_weights(x)
         stages = []
         for compose in (self.pre_compose, self.post_compose):
@@ -394,8 +399,9 @@ class Attention(nn.Module):
                 continue
             qw1, qw2, kw1, kw2, qg, kg = compose.dynamic_weights(*dyn[compose.stage])
             if past_kv_cache_entry is not None:
-                key_last = past_kv_cache_entry.append_key_compose(compose.stage, kw1, kw2, kg)
-                kw1, kw2, kg = (None if w is None else w.movedim(-1, 1) for w in key_last)
+                kw1, kw2, kg = past_kv_cache_entry.append_key_compose(compose.stage, kw1, kw2, kg)
+                if not key_last:
+                    kw1, kw2, kg = (None if w is None else w.movedim(-1, 1) for w in (kw1, kw2, kg))
             stages.append((qw1, qw2, kw1, kw2, qg, kg))
         return stages
 
@@ -440,6 +446,24 @@ class Attention(nn.Module):
             is_causal=causal_only,
         )
         return z.transpose(1, 2)
+
+    def few_queries_z(self, q, k, v, mask, stages: list[tuple | None]) -> Float[Tensor, "b t h e"]:
+        """z of a cached step of a few queries when nothing reads a [b, h, t, s] tensor: `materialised_z`'s arithmetic
+        in fewer operations (on a GPU each launches a kernel, and launches are what a decoding step costs). `stages`:
+        `composed_weights` with the key side key-last. The compose is linear in the scores, so 1/sqrt(d_head) scales
+        the composed scores, with the mask added in the same operation; the compose sees the hidden keys' scores,
+        which the mask then hides (as `hook_scores_for_compose` passes them with no hook attached)."""
+        scores = torch.einsum("bthe,bshe->bhts", q, k)
+        pre, post = stages
+        if pre is not None:
+            qw1, qw2, kw1, kw2, qg, kg = pre
+            scores = materialised.compose_few_queries(scores, qw1, qw2, qg, kw1, kw2, kg)
+        scores = torch.add(mask.to(scores.dtype), scores, alpha=1 / math.sqrt(self.cfg.d_head))
+        pattern = scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
+        if post is not None:
+            qw1, qw2, kw1, kw2, qg, kg = post
+            pattern = materialised.compose_few_queries(pattern, qw1, qw2, qg, kw1, kw2, kg)
+        return torch.einsum("bhts,bshe->bthe", pattern, v)
 
     def materialised_z(self, x, q, k, v, mask, past_kv_cache_entry=None) -> Float[Tensor, "b t h e"]:
         """z with every [b, h, t, s] tensor of the layer computed and passed through its hook."""
