@@ -2,6 +2,7 @@
 from (issue #37, point 3); and the CPU wall time of a step.
 
     python benchmarks/bench_decode_ops.py [--prompt 32 --steps 200] [--shapes global,lg-training,...] [--no-time]
+                                          [--dtype bfloat16] [--verbose]
 
 At one new token a GPU step costs the operations launched (each ~5-20 us of Python and launch), not arithmetic.
 This counts them on the CPU, where the same torch ops run (on CUDA the dynamic weights take one fused Triton kernel
@@ -119,12 +120,12 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def make_model(shape: dict, use_dcmha: bool) -> HookedDCFormer:
+def make_model(shape: dict, use_dcmha: bool, dtype: torch.dtype = torch.float32) -> HookedDCFormer:
     torch.manual_seed(0)
     cfg = DCFormerConfig(
         **shape, d_mlp=4 * shape["d_model"], d_vocab=VOCAB, n_ctx=4096, rotary_pct=0.25, use_dcmha=use_dcmha
     )
-    return HookedDCFormer(cfg).eval().requires_grad_(False)
+    return HookedDCFormer(cfg).to(dtype).eval().requires_grad_(False)
 
 
 @torch.no_grad()
@@ -166,7 +167,7 @@ def print_table(shape_name: str, shape: dict, counts: dict[str, Counter]) -> Non
     dc, mha = counts["DCMHA"], counts["MHA"]
     layers = list(range(shape["n_layers"]))
     kinds = ["local" if shape.get("window_type") and i % 2 == 0 else "global" for i in layers]
-    print(f"\n### {shape_name}: {shape}")
+    print(f"\n### {shape_name}: {shape}, ops of one cached step (DCMHA / MHA)")
     header = ["where"] + [f"L{i} ({kinds[i]}) DCMHA / MHA" for i in layers] + ["model DCMHA / MHA"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -177,6 +178,10 @@ def print_table(shape_name: str, shape: dict, counts: dict[str, Counter]) -> Non
     totals = [f"**{by(dc, i)} / {by(mha, i)}** ({by(dc, i) / max(by(mha, i), 1):.2f}x)" for i in layers]
     totals.append(f"**{by(dc, None)} / {by(mha, None)}**")
     print("| total | " + " | ".join(totals) + " |")
+    # On CUDA the dynamic weights are one fused Triton launch (dcinterp.dcmha.dynamic_weights_path), the rest the same.
+    on_cuda = [by(dc, i) - by(dc, i, "dynamic weights") + 1 for i in layers]
+    cells = [f"{n} / {by(mha, i)} ({n / max(by(mha, i), 1):.2f}x)" for i, n in zip(layers, on_cuda, strict=True)]
+    print("| total, dynamic weights as on CUDA (1 launch) | " + " | ".join(cells) + " | |")
     step_dc, step_mha = sum(dc.values()), sum(mha.values())
     print(f"\nwhole step: DCMHA {step_dc} ops, MHA {step_mha} ({step_dc / step_mha:.2f}x)")
 
@@ -197,13 +202,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="timed steps per model")
     parser.add_argument("--no-time", action="store_true", help="count only")
     parser.add_argument("--verbose", action="store_true", help="each layer's ops by name")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     for shape_name in args.shapes.split(","):
         if shape_name not in SHAPES:
             parser.error(f"--shapes: unknown shape {shape_name!r} (known: {list(SHAPES)})")
         shape = SHAPES[shape_name]
-        models = {"DCMHA": make_model(shape, True), "MHA": make_model(shape, False)}
+        dtype = getattr(torch, args.dtype)
+        models = {"DCMHA": make_model(shape, True, dtype), "MHA": make_model(shape, False, dtype)}
         prompt = torch.randint(VOCAB, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
         counts = {name: count_step(model, prompt) for name, model in models.items()}
         print_table(shape_name, shape, counts)
