@@ -67,6 +67,7 @@ FUNCTION_CATEGORY = {
     "apply_rotary": "rotary",
     "rotary_tables": "rotary",
     "rotate": "rotary",
+    "model_rotary_tables": "rotary",
     "materialised_z": "attention",
     "sdpa_z": "attention",
     "blocked_z": "attention",

@@ -149,6 +149,15 @@ def rotary_tables(
     return angles.cos().to(table_dtype).float(), angles.sin().to(table_dtype).float()
 
 
+def model_rotary_tables(
+    cfg: DCFormerConfig, n_positions: int, device, positions: Int[Tensor, "*batch pos"] | None = None
+) -> tuple[Tensor, Tensor] | None:
+    """The rotary tables of `cfg`'s layers (rounded to float16 under the official-inference convention, as the
+    authors' inference code): every layer's, since they share rotary_dim and base."""
+    table = torch.float16 if cfg.window == "official-inference" else torch.float32
+    return rotary_tables(cfg.rotary_dim, cfg.rotary_base, n_positions, device, table, positions)
+
+
 def rotate(x: Float[Tensor, "b p h e"], rotary_dim: int, tables: tuple[Tensor, Tensor] | None) -> Tensor:
     """x rotated by `rotary_tables`' (cos, sin) on its first `rotary_dim` dims, in float32."""
     if tables is None:
@@ -318,13 +327,15 @@ class Attention(nn.Module):
         positions: Tensor | None = None,
         past_kv_cache_entry=None,
         real: Bool[Tensor, "b s"] | None = None,
+        rotary: tuple[Tensor, Tensor] | None = None,
     ) -> Float[Tensor, "b p d"]:
         """`x`: the normed input; `mask`: 0 where a query sees a key, else the dtype's minimum (`attention_mask`).
         `qkv_input`: per-head normed inputs [b, p, h, d] of q, k and v, when split (cfg.use_split_qkv_input);
         the dynamic compose weights still read `x`. `positions`: rotary positions of x's tokens (default 0, 1, ...).
         `past_kv_cache_entry`: this layer's `DCFormerKeyValueCacheEntry`; the keys are then the cached ones and x's.
         `real` [b, s]: False at padded keys, of every key (cached ones first), as `mask` hides them; None: no padding
-        beyond what a [t, s] mask says. The fused kernels read it in place of the mask."""
+        beyond what a [t, s] mask says. The fused kernels read it in place of the mask. `rotary`: the rotary tables of
+        these positions (`model_rotary_tables`), which the model computes once for all layers; None: computed here."""
         cfg = self.cfg
         if qkv_input is None:
             q, k, v = project_heads(x, self.W_Q), project_heads(x, self.W_K), project_heads(x, self.W_V)
@@ -338,8 +349,7 @@ class Attention(nn.Module):
         if cfg.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
-        table = torch.float16 if cfg.window == "official-inference" else torch.float32
-        tables = rotary_tables(cfg.rotary_dim, cfg.rotary_base, q.shape[1], q.device, table, positions)
+        tables = rotary if rotary is not None else model_rotary_tables(cfg, q.shape[1], q.device, positions)
         q = self.hook_rot_q(rotate(q, cfg.rotary_dim, tables))
         k = self.hook_rot_k(rotate(k, cfg.rotary_dim, tables))
         path = self.path_for(x, mask, q.shape[1], past_kv_cache_entry, real)
@@ -557,12 +567,14 @@ class TransformerBlock(nn.Module):
         positions: Tensor | None = None,
         past_kv_cache_entry=None,
         real: Bool[Tensor, "b s"] | None = None,
+        rotary: tuple[Tensor, Tensor] | None = None,
     ) -> Float[Tensor, "b p d"]:
+        """`rotary`: the rotary tables of the positions (`Attention.forward`), None to compute them here."""
         resid_pre = self.hook_resid_pre(resid_pre)
         per_head = self.cfg.use_split_qkv_input or self.cfg.use_attn_in
         qkv_input = self.split_qkv_input(resid_pre) if per_head else None
         attn_in = self.ln1(resid_pre)
-        attn_out = self.hook_attn_out(self.attn(attn_in, mask, qkv_input, positions, past_kv_cache_entry, real))
+        attn_out = self.hook_attn_out(self.attn(attn_in, mask, qkv_input, positions, past_kv_cache_entry, real, rotary))
         if self.cfg.parallel_residual:
             mlp_out = self.hook_mlp_out(self.mlp(self.ln2(self.mlp_in(resid_pre))))
             return self.hook_resid_post(resid_pre + attn_out + mlp_out)
@@ -739,13 +751,14 @@ class HookedDCFormer(TransformerLensAPI, HookedRootModule):
                 real = attention_mask.to(resid.device).bool()
                 positions = (real.cumsum(1) - 1).clamp_min(0)[:, past:]
         masks = {}
+        rotary = model_rotary_tables(self.cfg, n, resid.device, positions)  # every layer's
         first = start_at_layer or 0
         for layer, block in enumerate(self.blocks[start_at_layer:stop_at_layer], start=first):
             window = block.attn.window
             if window not in masks:
                 masks[window] = _attention_mask(n, window, resid.device, resid.dtype, self.cfg.window, past, real)
             entry = None if past_kv_cache is None else past_kv_cache[layer]
-            resid = block(resid, masks[window], positions, entry, real)
+            resid = block(resid, masks[window], positions, entry, real, rotary)
         if stop_at_layer is not None:
             return resid
         logits = self.unembed(self.ln_final(resid))
