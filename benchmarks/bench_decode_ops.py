@@ -55,6 +55,7 @@ SHAPES = {
 }
 VOCAB = 512
 CATEGORIES = ("dynamic weights", "compose", "cache appends", "rotary", "attention", "rest of block", "model")
+VIEWS = "views (no kernel)"  # not in the totals: each costs a dispatch on the host, no kernel
 # innermost function name -> category; a frame of kv_cache.py is a cache append whatever its function
 FUNCTION_CATEGORY = {
     "torch_dynamic_weights": "dynamic weights",
@@ -115,9 +116,10 @@ class OpCounter(TorchDispatchMode):
         return layer, category or "rest of block"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if launches_kernel(func):
-            layer, category = self.where()
-            self.counts[layer, category, func._schema.name.removeprefix("aten::")] += 1
+        layer, category = self.where()
+        if not launches_kernel(func):
+            category = "views (no kernel)"
+        self.counts[layer, category, func._schema.name.removeprefix("aten::")] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -161,7 +163,10 @@ def step_times(models: dict[str, HookedDCFormer], prompt: torch.Tensor, steps: i
 
 
 def by(counts: Counter, layer, category=None) -> int:
-    return sum(n for (l_, c, _), n in counts.items() if l_ == layer and (category is None or c == category))
+    """Ops of a layer (None: outside the blocks) launching kernels, of one category or all."""
+    return sum(
+        n for (l_, c, _), n in counts.items() if l_ == layer and (c == category or (category is None and c != VIEWS))
+    )
 
 
 def print_table(shape_name: str, shape: dict, counts: dict[str, Counter]) -> None:
@@ -183,13 +188,18 @@ def print_table(shape_name: str, shape: dict, counts: dict[str, Counter]) -> Non
     on_cuda = [by(dc, i) - by(dc, i, "dynamic weights") + 1 for i in layers]
     cells = [f"{n} / {by(mha, i)} ({n / max(by(mha, i), 1):.2f}x)" for i, n in zip(layers, on_cuda, strict=True)]
     print("| total, dynamic weights as on CUDA (1 launch) | " + " | ".join(cells) + " | |")
-    step_dc, step_mha = sum(dc.values()), sum(mha.values())
+    cells = [f"{by(dc, i, VIEWS)} / {by(mha, i, VIEWS)}" for i in layers] + [
+        f"{by(dc, None, VIEWS)} / {by(mha, None, VIEWS)}"
+    ]
+    print(f"| {VIEWS}, not counted | " + " | ".join(cells) + " |")
+    step_dc = sum(by(dc, layer) for layer in [*layers, None])
+    step_mha = sum(by(mha, layer) for layer in [*layers, None])
     print(f"\nwhole step: DCMHA {step_dc} ops, MHA {step_mha} ({step_dc / step_mha:.2f}x)")
 
 
 def print_ops(counts: Counter, layer: int) -> None:
     """One layer's ops by category and name (--verbose)."""
-    for category in CATEGORIES:
+    for category in (*CATEGORIES, VIEWS):
         ops = Counter({op: n for (l_, c, op), n in counts.items() if l_ == layer and c == category})
         if ops:
             print(f"  {category}: " + ", ".join(f"{op} {n}" for op, n in ops.most_common()))

@@ -123,12 +123,9 @@ class DCFormerKeyValueCacheEntry:
 
     def _split_key_compose(self, stage: str, stored: Tensor) -> dict[str, Tensor]:
         """The views of a stage's key-side buffer [b, features, s]: kw1, kw2 [b, rank, head, s], kg [b, head, s]."""
-        out, start = {}, 0
-        for name, shape in self.key_compose_layout[stage]:
-            size = math.prod(shape)
-            out[name] = stored.narrow(1, start, size).unflatten(1, shape)
-            start += size
-        return out
+        layout = self.key_compose_layout[stage]
+        pieces = stored.split([math.prod(shape) for _, shape in layout], dim=1)
+        return {name: piece.unflatten(1, shape) for (name, shape), piece in zip(layout, pieces, strict=True)}
 
     def past_key_compose(self, stage: str) -> dict[str, Tensor]:
         """The cached key side of a compose stage in the hooks' layout:

@@ -298,10 +298,10 @@ class Attention(nn.Module):
             gradient_needed=torch.is_grad_enabled() and any(t.requires_grad for t in inputs),
             functorch_active=torch._C._are_functorch_transforms_active(),
         )
-        w1, w2, gates = dcmha.compute_dynamic_weights(path, x, *params)
+        w1, w2, gates = (w.unbind(2) for w in dcmha.compute_dynamic_weights(path, x, *params))  # per branch c
         weights = {}
         for stage, (cq, ck) in BRANCH_DYN_INDEX.items():
-            weights[stage] = (w1[:, :, cq], w2[:, :, cq], w1[:, :, ck], w2[:, :, ck], gates[:, :, cq], gates[:, :, ck])
+            weights[stage] = (w1[cq], w2[cq], w1[ck], w2[ck], gates[cq], gates[ck])
         return weights
 
     def hook_scores_for_compose(self, scores: Float[Tensor, "b h t s"], mask: Float[Tensor, "t s"]) -> Tensor:
@@ -463,7 +463,7 @@ class Attention(nn.Module):
         `composed_weights` with the key side key-last. The compose is linear in the scores, so 1/sqrt(d_head) scales
         the composed scores, with the mask added in the same operation; the compose sees the hidden keys' scores,
         which the mask then hides (as `hook_scores_for_compose` passes them with no hook attached)."""
-        scores = torch.einsum("bthe,bshe->bhts", q, k)
+        scores = q.transpose(1, 2) @ k.permute(0, 2, 3, 1)  # [b, h, t, s]
         pre, post = stages
         if pre is not None:
             qw1, qw2, kw1, kw2, qg, kg = pre
@@ -473,7 +473,7 @@ class Attention(nn.Module):
         if post is not None:
             qw1, qw2, kw1, kw2, qg, kg = post
             pattern = materialised.compose_few_queries(pattern, qw1, qw2, qg, kw1, kw2, kg)
-        return torch.einsum("bhts,bshe->bthe", pattern, v)
+        return (pattern @ v.transpose(1, 2)).transpose(1, 2)
 
     def materialised_z(self, x, q, k, v, mask, past_kv_cache_entry=None) -> Float[Tensor, "b t h e"]:
         """z with every [b, h, t, s] tensor of the layer computed and passed through its hook."""
