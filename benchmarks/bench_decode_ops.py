@@ -19,7 +19,7 @@ In-place ops (`copy_`, `fill_`, `add_`) count: they write memory, so they launch
 
 Each op is attributed to the innermost function of the model's code it was called from:
 - `dynamic weights`: the FFN from the layer's input to qw1, ..., kg (`dynamic_weights`, `torch_dynamic_weights`);
-- `compose`: the compose of the few queries (`Compose.forward`, `compose_few_queries`, `compose_fused`, ...);
+- `compose`: the compose of the few queries (`compose_decoding`, `Compose.forward`, `compose_few_queries`, ...);
 - `cache appends`: the key-value cache (`dcinterp/kv_cache.py`);
 - `rotary`: the tables and the rotation (`rotary_tables`, `rotate`, `apply_rotary`);
 - `attention`: scores, mask, softmax, P V (`few_queries_z`, `materialised_z`, `sdpa_z`);
@@ -63,6 +63,7 @@ FUNCTION_CATEGORY = {
     "compute_dynamic_weights": "dynamic weights",
     "dynamic_weights": "dynamic weights",
     "compose_few_queries": "compose",
+    "compose_decoding": "compose",
     "compose_fused": "compose",
     "branch_outputs": "compose",
     "apply_rotary": "rotary",

@@ -467,12 +467,12 @@ class Attention(nn.Module):
         pre, post = stages
         if pre is not None:
             qw1, qw2, kw1, kw2, qg, kg = pre
-            scores = materialised.compose_few_queries(scores, qw1, qw2, qg, kw1, kw2, kg)
+            scores = materialised.compose_decoding(scores, qw1, qw2, qg, kw1, kw2, kg)
         scores = torch.add(mask.to(scores.dtype), scores, alpha=1 / math.sqrt(self.cfg.d_head))
         pattern = scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
         if post is not None:
             qw1, qw2, kw1, kw2, qg, kg = post
-            pattern = materialised.compose_few_queries(pattern, qw1, qw2, qg, kw1, kw2, kg)
+            pattern = materialised.compose_decoding(pattern, qw1, qw2, qg, kw1, kw2, kg)
         return (pattern @ v.transpose(1, 2)).transpose(1, 2)
 
     def materialised_z(self, x, q, k, v, mask, past_kv_cache_entry=None) -> Float[Tensor, "b t h e"]:

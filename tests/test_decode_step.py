@@ -10,6 +10,7 @@ import torch
 
 import dcinterp.dcmha as dcmha
 from dcinterp import DCFormerConfig, HookedDCFormer
+from dcinterp.dcmha import materialised
 from dcinterp.kv_cache import DCFormerKeyValueCache
 from tests.numerics import assert_as_exact_as, float64_copy
 
@@ -69,3 +70,29 @@ def test_a_no_hook_decoding_step_equals_the_hooked_one(name, semantics, monkeypa
         exact = cached_steps(model64, tokens, mask)
     for (a, b), new, reference, exact_logits in zip(CHUNKS, lean, hooked, exact, strict=True):
         assert_as_exact_as(new, reference, exact_logits, f"{name}, {semantics}, tokens {a}:{b}")
+
+
+@pytest.mark.parametrize("branches", ["qp", "kp", "qg", "kg", "qp kp", "qg kg", "qp kg", "qp kp qg kg"])
+@pytest.mark.parametrize("queries", [1, 3])
+def test_compose_decoding_is_compose_few_queries(branches, queries):
+    """The fewest-operations compose of a decoding step against the few-queries compose (float64 the judge), for each
+    set of branches that are on."""
+    generator = torch.Generator().manual_seed(0)
+    b, h, r, s = 2, 4, 2, 9
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    A = randn(b, h, queries, s)
+    weights = dict(qw1=randn(b, queries, r, h), qw2=randn(b, queries, r, h), qg=randn(b, queries, h))
+    weights.update(kw1=randn(b, r, h, s), kw2=randn(b, r, h, s), kg=randn(b, h, s))
+    on = {
+        name
+        for branch in branches.split()
+        for name in {"qp": ["qw1", "qw2"], "kp": ["kw1", "kw2"]}.get(branch, [branch])
+    }
+    weights = {name: w if name in on else None for name, w in weights.items()}
+    as32 = {name: None if w is None else w.float() for name, w in weights.items()}
+    exact = materialised.compose_few_queries(A, **weights)
+    reference = materialised.compose_few_queries(A.float(), **as32)
+    assert_as_exact_as(materialised.compose_decoding(A.float(), **as32), reference, exact, branches)
