@@ -462,14 +462,15 @@ class Attention(nn.Module):
         in fewer operations (on a GPU each launches a kernel, and launches are what a decoding step costs). `stages`:
         `composed_weights` with the key side key-last. The compose is linear in the scores, so 1/sqrt(d_head) scales
         the composed scores, with the mask added in the same operation; the compose sees the hidden keys' scores,
-        which the mask then hides (as `hook_scores_for_compose` passes them with no hook attached)."""
+        which the mask then hides (as `hook_scores_for_compose` passes them with no hook attached). In a half dtype
+        the softmax is one operation (the kernels compute in float32 and round once), not three."""
         scores = q.transpose(1, 2) @ k.permute(0, 2, 3, 1)  # [b, h, t, s]
         pre, post = stages
         if pre is not None:
             qw1, qw2, kw1, kw2, qg, kg = pre
             scores = materialised.compose_decoding(scores, qw1, qw2, qg, kw1, kw2, kg)
         scores = torch.add(mask.to(scores.dtype), scores, alpha=1 / math.sqrt(self.cfg.d_head))
-        pattern = scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
+        pattern = scores.softmax(-1)  # torch's kernels sum a half dtype's exponentials in float32
         if post is not None:
             qw1, qw2, kw1, kw2, qg, kg = post
             pattern = materialised.compose_decoding(pattern, qw1, qw2, qg, kw1, kw2, kg)

@@ -1,7 +1,7 @@
 """A cached decoding step with no hook (the lean few-queries path: `compose_few_queries`, the shared rotary tables,
 the cache's appends) gives what the hooked step gives (every branch output built and passed through its hook, the
 reference), judged against the hooked step in float64 (tests/numerics.py): global and local layers of both window
-semantics, a left-padded batch, and chunks of one to `FEW_QUERIES` new tokens."""
+semantics, a left-padded batch, and chunks of one to `FEW_QUERIES` new tokens; float32, and one bfloat16 case."""
 
 from pathlib import Path
 
@@ -21,6 +21,12 @@ RANDOM = {
     "pre-only": dict(compose_stages=("pre",), window_type="LG"),
     "partial-rotary": dict(rotary_pct=0.25, window_type="LG", window="official-inference"),
 }
+FLOAT32_CASES = [
+    (name, semantics, torch.float32)
+    for name in ["dcpythia-tiny", "dcformer-tiny", *RANDOM]
+    for semantics in ["training", "official-inference"]
+]
+CASES = [*FLOAT32_CASES, ("dcpythia-tiny", "training", torch.bfloat16)]  # bfloat16: the softmax in the half dtype
 CHUNKS = [(0, 20), (20, 21), (21, 22), (22, 25), (25, 25 + dcmha.FEW_QUERIES)]  # a prompt, then 1, 1, 3, 16 tokens
 
 
@@ -44,10 +50,9 @@ def cached_steps(model: HookedDCFormer, tokens: torch.Tensor, mask: torch.Tensor
         return [model(tokens[:, a:b], attention_mask=mask[:, a:b], past_kv_cache=cache) for a, b in CHUNKS]
 
 
-@pytest.mark.parametrize("semantics", ["training", "official-inference"])
-@pytest.mark.parametrize("name", ["dcpythia-tiny", "dcformer-tiny", *RANDOM])
-def test_a_no_hook_decoding_step_equals_the_hooked_one(name, semantics, monkeypatch):
-    model = load(name)
+@pytest.mark.parametrize("name, semantics, dtype", CASES)
+def test_a_no_hook_decoding_step_equals_the_hooked_one(name, semantics, dtype, monkeypatch):
+    model = load(name).to(dtype)
     monkeypatch.setattr(model.cfg, "window", semantics)
     assert any(model.cfg.layer_window(layer) for layer in range(model.cfg.n_layers)), "a local layer is tested"
     n = CHUNKS[-1][1]
