@@ -1,4 +1,4 @@
-"""A cached decoding step with no hook (the lean few-queries path: `compose_few_queries`, the shared rotary tables,
+"""A cached decoding step with no hook (the lean few-queries path: `compose_decoding`, the shared rotary tables,
 the cache's appends) gives what the hooked step gives (every branch output built and passed through its hook, the
 reference), judged against the hooked step in float64 (tests/numerics.py): global and local layers of both window
 semantics, a left-padded batch, and chunks of one to `FEW_QUERIES` new tokens; float32, and one bfloat16 case."""
