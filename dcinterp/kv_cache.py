@@ -12,7 +12,9 @@ What a new token needs from the tokens before it, per layer:
   `qg`, from its own residual stream) applied to its row of scores, plus the cached key side applied per key:
       o_kp[m, t, s] = sum_r (sum_n A[n, t, s] kw1[s, r, n]) kw2[s, r, m],   o_kg[n, t, s] = A[n, t, s] kg[s, n].
 The key side is stored key-last ([batch, rank, head, key], [batch, head, key]): for one query the branch is then two
-broadcast multiply-adds over contiguous memory. `past_key_compose(stage)` gives it in the hooks' layout.
+broadcast multiply-adds over contiguous memory. A stage's kw1, kw2 and kg lie in one buffer, one above the other
+([batch, 2 rank head + head, key]), so that a step appends them with one copy. `past_key_compose(stage)` gives them
+in the hooks' layout.
 
 Everything grows in place along the key axis (the capacity doubles when full), so a step costs no copy of the past.
 The attention mask (1 for a real token, 0 for padding) of every position so far is kept too: it masks padded keys
@@ -23,6 +25,7 @@ continuations of one cached prefix.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -80,8 +83,10 @@ class DCFormerKeyValueCacheEntry:
 
     keys: GrowingTensor = field(default_factory=lambda: GrowingTensor(1))
     values: GrowingTensor = field(default_factory=lambda: GrowingTensor(1))
-    # stage -> {"kw1": [b, rank, head, s], "kw2": [b, rank, head, s], "kg": [b, head, s]} (branches that are on)
-    key_compose: dict[str, dict[str, GrowingTensor]] = field(default_factory=dict)
+    # stage -> its key side, key-last: kw1, kw2 [b, rank, head, s] and kg [b, head, s] (the branches that are on) one
+    # above the other in one buffer [b, features, s]; key_compose_layout[stage]: (name, [rank, head] or [head]) each
+    key_compose: dict[str, GrowingTensor] = field(default_factory=dict)
+    key_compose_layout: dict[str, list[tuple[str, tuple[int, ...]]]] = field(default_factory=dict)
     frozen: bool = False
 
     @property
@@ -101,25 +106,34 @@ class DCFormerKeyValueCacheEntry:
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """A compose stage's key side [b, new, rank, head] / [b, new, head] for the new positions in; that of every
         position so far out, key-last: kw1, kw2 [b, rank, head, s], kg [b, head, s] (None for branches that are off)."""
-        stored = self.key_compose.setdefault(stage, {})
-        out = []
-        for name, new in (("kw1", kw1), ("kw2", kw2), ("kg", kg)):
-            if new is None:
-                out.append(None)
-                continue
-            key_last = new.permute(0, 2, 3, 1) if new.ndim == 4 else new.transpose(1, 2)
-            out.append(stored.setdefault(name, GrowingTensor(-1)).append(key_last, self.frozen))
-        return tuple(out)
+        named = {name: w for name, w in (("kw1", kw1), ("kw2", kw2), ("kg", kg)) if w is not None}
+        if not named:
+            return None, None, None
+        layout = [(name, tuple(w.shape[2:])) for name, w in named.items()]
+        if self.key_compose_layout.setdefault(stage, layout) != layout:
+            raise ValueError(
+                f"past_kv_cache: the {stage}-compose key side holds {self.key_compose_layout[stage]}, "
+                f"this step gives {layout}"
+            )
+        pieces = [w.flatten(2) for w in named.values()]
+        new = (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)).transpose(1, 2)  # [b, features, new]
+        stored = self.key_compose.setdefault(stage, GrowingTensor(-1)).append(new, self.frozen)
+        by_name = self._split_key_compose(stage, stored)
+        return by_name.get("kw1"), by_name.get("kw2"), by_name.get("kg")
+
+    def _split_key_compose(self, stage: str, stored: Tensor) -> dict[str, Tensor]:
+        """The views of a stage's key-side buffer [b, features, s]: kw1, kw2 [b, rank, head, s], kg [b, head, s]."""
+        layout = self.key_compose_layout[stage]
+        pieces = stored.split([math.prod(shape) for _, shape in layout], dim=1)
+        return {name: piece.unflatten(1, shape) for (name, shape), piece in zip(layout, pieces, strict=True)}
 
     def past_key_compose(self, stage: str) -> dict[str, Tensor]:
         """The cached key side of a compose stage in the hooks' layout:
         kw1, kw2 [b, pos, rank, head], kg [b, pos, head]."""
-        stored = self.key_compose.get(stage, {})
-        return {
-            name: (t.value.permute(0, 3, 1, 2) if t.value.ndim == 4 else t.value.transpose(1, 2))
-            for name, t in stored.items()
-            if t.value is not None
-        }
+        stored = self.key_compose.get(stage)
+        if stored is None or stored.value is None:
+            return {}
+        return {name: t.movedim(-1, 1) for name, t in self._split_key_compose(stage, stored.value).items()}
 
 
 @dataclass

@@ -129,16 +129,45 @@ def apply_rotary(
     positions: of x's positions, for the whole batch or per row (default 0, 1, ...; a key-value cache or left
     padding gives others).
     """
+    return rotate(x, rotary_dim, rotary_tables(rotary_dim, base, x.shape[1], x.device, table_dtype, positions))
+
+
+def rotary_tables(
+    rotary_dim: int,
+    base: float,
+    n_positions: int,
+    device,
+    table_dtype: torch.dtype = torch.float32,
+    positions: Int[Tensor, "*batch pos"] | None = None,
+) -> tuple[Float[Tensor, "*batch pos 1 half"], Float[Tensor, "*batch pos 1 half"]] | None:
+    """`apply_rotary`'s cos and sin tables (float32, rounded to `table_dtype` first) for `n_positions` positions
+    (`positions`, default 0, 1, ...): one layer's q and k share them. None where nothing rotates."""
     if rotary_dim == 0:
-        return x
+        return None
     if rotary_dim % 2:
         raise ValueError(f"rotary_dim must be even (dims rotate in pairs), not {rotary_dim}")
-    half = rotary_dim // 2
     if positions is None:
-        positions = torch.arange(x.shape[1], device=x.device)
-    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, device=x.device, dtype=torch.float32) / rotary_dim)
-    angles = (positions.to(x.device, torch.float32)[..., None] * inv_freq)[..., None, :]  # [(b,) p, 1, half]
-    cos, sin = angles.cos().to(table_dtype).float(), angles.sin().to(table_dtype).float()
+        positions = torch.arange(n_positions, device=device)
+    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim)
+    angles = (positions.to(device, torch.float32)[..., None] * inv_freq)[..., None, :]  # [(b,) p, 1, half]
+    return angles.cos().to(table_dtype).float(), angles.sin().to(table_dtype).float()
+
+
+def model_rotary_tables(
+    cfg: DCFormerConfig, n_positions: int, device, positions: Int[Tensor, "*batch pos"] | None = None
+) -> tuple[Tensor, Tensor] | None:
+    """The rotary tables of `cfg`'s layers (rounded to float16 under the official-inference convention, as the
+    authors' inference code): every layer's, since they share rotary_dim and base."""
+    table = torch.float16 if cfg.window == "official-inference" else torch.float32
+    return rotary_tables(cfg.rotary_dim, cfg.rotary_base, n_positions, device, table, positions)
+
+
+def rotate(x: Float[Tensor, "b p h e"], rotary_dim: int, tables: tuple[Tensor, Tensor] | None) -> Tensor:
+    """x rotated by `rotary_tables`' (cos, sin) on its first `rotary_dim` dims, in float32."""
+    if tables is None:
+        return x
+    cos, sin = tables
+    half = rotary_dim // 2
     xf = x.float()
     x1, x2, rest = xf[..., :half], xf[..., half:rotary_dim], xf[..., rotary_dim:]
     rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
@@ -273,10 +302,10 @@ class Attention(nn.Module):
             gradient_needed=torch.is_grad_enabled() and any(t.requires_grad for t in inputs),
             functorch_active=torch._C._are_functorch_transforms_active(),
         )
-        w1, w2, gates = dcmha.compute_dynamic_weights(path, x, *params)
+        w1, w2, gates = (w.unbind(2) for w in dcmha.compute_dynamic_weights(path, x, *params))  # per branch c
         weights = {}
         for stage, (cq, ck) in BRANCH_DYN_INDEX.items():
-            weights[stage] = (w1[:, :, cq], w2[:, :, cq], w1[:, :, ck], w2[:, :, ck], gates[:, :, cq], gates[:, :, ck])
+            weights[stage] = (w1[cq], w2[cq], w1[ck], w2[ck], gates[cq], gates[ck])
         return weights
 
     def hook_scores_for_compose(self, scores: Float[Tensor, "b h t s"], mask: Float[Tensor, "t s"]) -> Tensor:
@@ -302,13 +331,15 @@ class Attention(nn.Module):
         positions: Tensor | None = None,
         past_kv_cache_entry=None,
         real: Bool[Tensor, "b s"] | None = None,
+        rotary: tuple[Tensor, Tensor] | None = None,
     ) -> Float[Tensor, "b p d"]:
         """`x`: the normed input; `mask`: 0 where a query sees a key, else the dtype's minimum (`attention_mask`).
         `qkv_input`: per-head normed inputs [b, p, h, d] of q, k and v, when split (cfg.use_split_qkv_input);
         the dynamic compose weights still read `x`. `positions`: rotary positions of x's tokens (default 0, 1, ...).
         `past_kv_cache_entry`: this layer's `DCFormerKeyValueCacheEntry`; the keys are then the cached ones and x's.
         `real` [b, s]: False at padded keys, of every key (cached ones first), as `mask` hides them; None: no padding
-        beyond what a [t, s] mask says. The fused kernels read it in place of the mask."""
+        beyond what a [t, s] mask says. The fused kernels read it in place of the mask. `rotary`: the rotary tables of
+        these positions (`model_rotary_tables`), which the model computes once for all layers; None: computed here."""
         cfg = self.cfg
         if qkv_input is None:
             q, k, v = project_heads(x, self.W_Q), project_heads(x, self.W_K), project_heads(x, self.W_V)
@@ -322,9 +353,9 @@ class Attention(nn.Module):
         if cfg.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
-        table = torch.float16 if cfg.window == "official-inference" else torch.float32
-        q = self.hook_rot_q(apply_rotary(q, cfg.rotary_dim, cfg.rotary_base, table, positions))
-        k = self.hook_rot_k(apply_rotary(k, cfg.rotary_dim, cfg.rotary_base, table, positions))
+        tables = rotary if rotary is not None else model_rotary_tables(cfg, q.shape[1], q.device, positions)
+        q = self.hook_rot_q(rotate(q, cfg.rotary_dim, tables))
+        k = self.hook_rot_k(rotate(k, cfg.rotary_dim, tables))
         path = self.path_for(x, mask, q.shape[1], past_kv_cache_entry, real)
         if past_kv_cache_entry is not None:
             k, v = past_kv_cache_entry.append(k, v)
@@ -334,7 +365,9 @@ class Attention(nn.Module):
             z = self.blocked_z(q, k, v, mask, self.composed_weights(x, past_kv_cache_entry))
         elif path == "triton":
             z = self.triton_z(q, k, v, mask, self.composed_weights(x, past_kv_cache_entry), real)
-        else:  # "materialised", "few_queries"
+        elif path == "few_queries":
+            z = self.few_queries_z(q, k, v, mask, self.composed_weights(x, past_kv_cache_entry, key_last=True))
+        else:
             z = self.materialised_z(x, q, k, v, mask, past_kv_cache_entry)
         z = self.hook_z(z)
         if cfg.use_attn_result:
@@ -365,10 +398,13 @@ class Attention(nn.Module):
             keys=mask.shape[-1],
         )
 
-    def composed_weights(self, x: Float[Tensor, "b p d"], past_kv_cache_entry=None) -> list[tuple | None]:
+    def composed_weights(
+        self, x: Float[Tensor, "b p d"], past_kv_cache_entry=None, key_last: bool = False
+    ) -> list[tuple | None]:
         """Per stage (pre, post): its dynamic weights (qw1, qw2, kw1, kw2, qg, kg) after their hooks, None for a
         branch or stage that is off. The key side is every key's (the cache's first, where the new ones are
-        stored), in the hooks' layout: kw1, kw2 [b, s, rank, head], kg [b, s, head]."""
+        stored), in the hooks' layout: kw1, kw2 [b, s, rank, head], kg [b, s, head]; or, with a cache and
+        `key_last`, as the cache holds it: kw1, kw2 [b, rank, head, s], kg [b, head, s]."""
         dyn = self.dynamic_weights(x)
         stages = []
         for compose in (self.pre_compose, self.post_compose):
@@ -377,8 +413,9 @@ class Attention(nn.Module):
                 continue
             qw1, qw2, kw1, kw2, qg, kg = compose.dynamic_weights(*dyn[compose.stage])
             if past_kv_cache_entry is not None:
-                key_last = past_kv_cache_entry.append_key_compose(compose.stage, kw1, kw2, kg)
-                kw1, kw2, kg = (None if w is None else w.movedim(-1, 1) for w in key_last)
+                kw1, kw2, kg = past_kv_cache_entry.append_key_compose(compose.stage, kw1, kw2, kg)
+                if not key_last:
+                    kw1, kw2, kg = (None if w is None else w.movedim(-1, 1) for w in (kw1, kw2, kg))
             stages.append((qw1, qw2, kw1, kw2, qg, kg))
         return stages
 
@@ -427,6 +464,25 @@ class Attention(nn.Module):
                 is_causal=causal_only,
             )
         return z.transpose(1, 2)
+
+    def few_queries_z(self, q, k, v, mask, stages: list[tuple | None]) -> Float[Tensor, "b t h e"]:
+        """z of a cached step of a few queries when nothing reads a [b, h, t, s] tensor: `materialised_z`'s arithmetic
+        in fewer operations (on a GPU each launches a kernel, and launches are what a decoding step costs). `stages`:
+        `composed_weights` with the key side key-last. The compose is linear in the scores, so 1/sqrt(d_head) scales
+        the composed scores, with the mask added in the same operation; the compose sees the hidden keys' scores,
+        which the mask then hides (as `hook_scores_for_compose` passes them with no hook attached). In a half dtype
+        the softmax is one operation (the kernels compute in float32 and round once), not three."""
+        scores = q.transpose(1, 2) @ k.permute(0, 2, 3, 1)  # [b, h, t, s]
+        pre, post = stages
+        if pre is not None:
+            qw1, qw2, kw1, kw2, qg, kg = pre
+            scores = materialised.compose_decoding(scores, qw1, qw2, qg, kw1, kw2, kg)
+        scores = torch.add(mask.to(scores.dtype), scores, alpha=1 / math.sqrt(self.cfg.d_head))
+        pattern = scores.softmax(-1)  # torch's kernels sum a half dtype's exponentials in float32
+        if post is not None:
+            qw1, qw2, kw1, kw2, qg, kg = post
+            pattern = materialised.compose_decoding(pattern, qw1, qw2, qg, kw1, kw2, kg)
+        return (pattern @ v.transpose(1, 2)).transpose(1, 2)
 
     def materialised_z(self, x, q, k, v, mask, past_kv_cache_entry=None) -> Float[Tensor, "b t h e"]:
         """z with every [b, h, t, s] tensor of the layer computed and passed through its hook."""
@@ -520,12 +576,14 @@ class TransformerBlock(nn.Module):
         positions: Tensor | None = None,
         past_kv_cache_entry=None,
         real: Bool[Tensor, "b s"] | None = None,
+        rotary: tuple[Tensor, Tensor] | None = None,
     ) -> Float[Tensor, "b p d"]:
+        """`rotary`: the rotary tables of the positions (`Attention.forward`), None to compute them here."""
         resid_pre = self.hook_resid_pre(resid_pre)
         per_head = self.cfg.use_split_qkv_input or self.cfg.use_attn_in
         qkv_input = self.split_qkv_input(resid_pre) if per_head else None
         attn_in = self.ln1(resid_pre)
-        attn_out = self.hook_attn_out(self.attn(attn_in, mask, qkv_input, positions, past_kv_cache_entry, real))
+        attn_out = self.hook_attn_out(self.attn(attn_in, mask, qkv_input, positions, past_kv_cache_entry, real, rotary))
         if self.cfg.parallel_residual:
             mlp_out = self.hook_mlp_out(self.mlp(self.ln2(self.mlp_in(resid_pre))))
             return self.hook_resid_post(resid_pre + attn_out + mlp_out)
@@ -702,13 +760,14 @@ class HookedDCFormer(TransformerLensAPI, HookedRootModule):
                 real = attention_mask.to(resid.device).bool()
                 positions = (real.cumsum(1) - 1).clamp_min(0)[:, past:]
         masks = {}
+        rotary = model_rotary_tables(self.cfg, n, resid.device, positions)  # every layer's
         first = start_at_layer or 0
         for layer, block in enumerate(self.blocks[start_at_layer:stop_at_layer], start=first):
             window = block.attn.window
             if window not in masks:
                 masks[window] = _attention_mask(n, window, resid.device, resid.dtype, self.cfg.window, past, real)
             entry = None if past_kv_cache is None else past_kv_cache[layer]
-            resid = block(resid, masks[window], positions, entry, real)
+            resid = block(resid, masks[window], positions, entry, real, rotary)
         if stop_at_layer is not None:
             return resid
         logits = self.unembed(self.ln_final(resid))

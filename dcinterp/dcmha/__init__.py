@@ -13,8 +13,9 @@ Paths, and when `choose_path` takes each (first rule that applies):
   cannot run (no Triton, an old one, or Triton refusing to build them for the card at their first launch, e.g. past
   its shared memory: that call is then computed by `materialised.attend`), one warning per reason names why, and
   the next rules apply.
-- `few_queries` (`materialised_z`, whose compose takes `compose_few_queries`, the key side in its low-rank
-  form): a cached step of at most `FEW_QUERIES` new queries.
+- `few_queries` (`Attention.few_queries_z`: `materialised_z`'s arithmetic in the fewest operations, its compose
+  `materialised.compose_decoding`, the key side in its low-rank form, as the cache holds it): a cached step of at
+  most `FEW_QUERIES` new queries.
 - `blocked` (`dcinterp.dcmha.blocked`: a block of queries at a time, never a `[b, h, t, s]` tensor): on the CPU.
 - `materialised` on any other device.
 

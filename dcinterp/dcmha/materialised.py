@@ -1,11 +1,12 @@
 """DCMHA's compose with the `[b, h, t, s]` tensors built: the reference path, and what every hook on a square
 tensor of a layer reads.
 
-Three forms of one compose stage, all equal up to float rounding (tests/test_hooks.py, tests/test_blocked.py):
+Four forms of one compose stage, all equal up to float rounding (tests/test_hooks.py, tests/test_blocked.py):
 - `branch_outputs`: the four branch outputs of Eq. (7) as separate tensors, what `hook_o_qp`, ... see;
 - `compose_fused`: their sum with the skip connection, without per-branch tensors (Eq. 8's row plus column
   decomposition), the form taken when no hook reads a branch output;
-- `compose_few_queries`: the same for a few queries against many cached keys (decoding with a key-value cache).
+- `compose_few_queries`: the same for a few queries against many cached keys (decoding with a key-value cache), and
+  `compose_decoding` the same again in the fewest operations (a decoding step with no hook on a square tensor).
 
 `attend` is the whole attention in this form as a plain function (no hooks): what the fused paths fall back on
 for second derivatives.
@@ -70,6 +71,33 @@ def compose_few_queries(A, qw1=None, qw2=None, qg=None, kw1=None, kw2=None, kg=N
         out = out + (hidden[:, :, None] * kw2[:, :, :, None, :]).sum(1)
     if kg is not None:
         out = out + A * kg[:, :, None, :]
+    return out
+
+
+def compose_decoding(A, qw1=None, qw2=None, qg=None, kw1=None, kw2=None, kg=None) -> Tensor:
+    """compose_few_queries in as few operations as the arithmetic allows (on a GPU a decoding step costs the kernels
+    it launches): what a cached step with no hook on a square tensor takes. Every branch is in its low-rank form; the
+    skip connection and both gates are one multiply-add, A (1 + qg[t] + kg[s]); the query side's and the key side's
+    projections sit side by side along the rank (qw1[t] beside kw1[s] for every pair), so that both branches take one
+    product-and-sum into the hidden units and one out of them."""
+    b, h, t, s = A.shape
+    gates = None
+    if qg is not None:
+        gates = qg.transpose(1, 2).unsqueeze(3)  # [b, h, t, 1]
+    if kg is not None:
+        gates = kg.unsqueeze(2) if gates is None else gates + kg.unsqueeze(2)  # [b, h, t, s]
+    out = A if gates is None else torch.addcmul(A, A, gates)
+    first, second = [], []  # [b, r, h, t, s] each
+    if qw1 is not None:
+        first.append(qw1.permute(0, 2, 3, 1).unsqueeze(4).expand(-1, -1, -1, -1, s))
+        second.append(qw2.permute(0, 2, 3, 1).unsqueeze(4).expand(-1, -1, -1, -1, s))
+    if kw1 is not None:
+        first.append(kw1.unsqueeze(3).expand(-1, -1, -1, t, -1))
+        second.append(kw2.unsqueeze(3).expand(-1, -1, -1, t, -1))
+    if first:
+        w1, w2 = (ws[0] if len(ws) == 1 else torch.cat(ws, dim=1) for ws in (first, second))
+        hidden = (A.unsqueeze(1) * w1).sum(2)  # [b, r, t, s] (2r with both branches)
+        out = out + (hidden.unsqueeze(2) * w2).sum(1)
     return out
 
 
