@@ -47,7 +47,7 @@ from .tl_api import TransformerLensAPI
 DCMHA_ACT_NAMES = ("composed_scores", "composed_pattern")
 COMPOSE_ACT_NAMES = ("qw1", "qw2", "kw1", "kw2", "qg", "kg", "o_qp", "o_kp", "o_qg", "o_kg")
 
-# Plain MHA's backends for a step with cached keys: torch's choice less cuDNN, which builds a graph per key length
+# Plain MHA's backends for a step with cached keys, named rather than left to torch's default choice (see sdpa_z)
 SDPA_BACKENDS_WITH_CACHE = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 BRANCH_DYN_INDEX = {"pre": (0, 1), "post": (2, 3)}  # dynamic-weight branches c: [pre q, pre k, post q, post k]
 
@@ -450,9 +450,9 @@ class Attention(nn.Module):
 
     def sdpa_z(self, q, k, v, mask) -> Float[Tensor, "b t h e"]:
         """z of plain MHA by torch's `scaled_dot_product_attention`; a prompt with causal masking alone says so
-        (`is_causal`), which lets the GPU take its flash kernel. A step with cached keys leaves out the cuDNN backend:
-        cuDNN builds a graph for every new key length, which is every decoding step (on an H100, about 25 ms a layer,
-        15 times the rest of the step)."""
+        (`is_causal`), which lets the GPU take its flash kernel. A step with cached keys (a new key length each
+        decoding step, an additive mask) names its backends: on an NVIDIA H100 with torch 2.11, torch's default choice
+        took a median 45 ms a call over 20 such steps of 32 heads of 128 (up to 1.1 s), the named ones 0.17 ms."""
         causal_only = mask.ndim == 2 and self.window is None and k.shape[1] == q.shape[1]
         cached = k.shape[1] != q.shape[1]
         with sdpa_kernel(SDPA_BACKENDS_WITH_CACHE) if cached and q.is_cuda else contextlib.nullcontext():

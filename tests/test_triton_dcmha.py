@@ -410,7 +410,8 @@ for name in ("_forward_kernel", "_backward_query_kernel", "_backward_key_kernel"
     }
     paths = {(kernel.arg_names.index(arg),): value for arg, value in constants.items()}
     source = ASTSource(fn=kernel, signature=signature, constexprs=paths)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=1))
+    options = dict(num_warps=triton_kernels._num_warps(constants["HP"]), num_stages=1)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     assert compiled.metadata.shared <= 227 * 1024, (name, compiled.metadata.shared)
 
 from dcinterp.dcmha import dynamic_weights
