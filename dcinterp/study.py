@@ -26,6 +26,12 @@ seeds this interval is narrow (5 seeds give at most 126 distinct resamples, and 
 drawn): read it with the per-seed differences beside it. Resamples are drawn with numpy's `default_rng(seed)`,
 the same seed draws for every row.
 
+The p column is the exact paired permutation test of "no difference" (Fisher's sign-flip test, two-sided, by
+`scipy.stats.permutation_test`): under the null hypothesis each seed's difference is as likely to have the other
+sign, so p is the share of the 2^n sign assignments whose mean difference is at least as far from zero as the one
+observed. It assumes nothing about the differences' distribution, and its smallest value is 2 / 2^n: 0.25 with
+3 seeds, 0.0625 with 5, 0.0078 with 8; no result of 5 seeds reaches p < 0.05.
+
 The screen. A study's runs may start from a shared start (a run stopped at the end of the focus phase, where the
 twins are still the same model): a forked run's recipe.json names it under `started_from` (path, step, and its
 answer_loss: the mean answer-token loss over its last 100 steps), and a seed whose start did not form the lookup is
@@ -56,6 +62,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
+import scipy.stats
 
 from .cli import Parser, check_writable_dir
 from .train import DEFAULT_RECORD  # a setting added since a run was trained: the run had its default
@@ -347,6 +354,16 @@ def paired_bootstrap_interval(
     return float(low), float(high)
 
 
+def paired_permutation_p(differences: np.ndarray) -> float:
+    """Exact two-sided sign-flip permutation test of a zero mean paired difference (every 2^n sign assignment)."""
+    if not np.any(differences):
+        return 1.0  # every difference is zero: nothing is further from zero than what was observed
+    result = scipy.stats.permutation_test(
+        (differences,), np.mean, permutation_type="samples", n_resamples=np.inf, alternative="two-sided"
+    )
+    return float(result.pvalue)
+
+
 def summary_table(runs: list[RunResult], level: float = 0.95, n_resamples: int = 10_000, seed: int = 0) -> pd.DataFrame:
     """One row per (eval_set, measure, group); see the module's docstring for the columns."""
     by_arch = {arch: {run.seed: run for run in runs if run.arch == arch} for arch in ARCHES}
@@ -378,6 +395,7 @@ def summary_table(runs: list[RunResult], level: float = 0.95, n_resamples: int =
             "difference": differences.mean() if paired else np.nan,
             "low": low,
             "high": high,
+            "p": paired_permutation_p(differences) if len(paired) else np.nan,
             "seeds": len(paired),
             "dcmha_ahead": int((differences < 0).sum() if measure in LOWER_IS_AHEAD else (differences > 0).sum()),
         }
@@ -393,7 +411,7 @@ def summary_table(runs: list[RunResult], level: float = 0.95, n_resamples: int =
 
 def markdown(table: pd.DataFrame) -> str:
     """The table in markdown, accuracies and differences in percent."""
-    percent = [c for c in table.columns if c not in ("eval_set", "measure", "group", "seeds", "dcmha_ahead")]
+    percent = [c for c in table.columns if c not in ("eval_set", "measure", "group", "p", "seeds", "dcmha_ahead")]
     lines = ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
     for _, row in table.iterrows():
         cells = [
@@ -405,6 +423,8 @@ def markdown(table: pd.DataFrame) -> str:
                 else f"{100 * row[c]:.1f}"
             )
             if c in percent
+            else ("" if pd.isna(row[c]) else f"{row[c]:.3g}")
+            if c == "p"
             else str(row[c])
             for c in table.columns
         ]
@@ -456,6 +476,7 @@ def write_study(study: Study, out_dir: Path) -> None:
         f"paired seeds: {', '.join(map(str, pairs)) or 'none'}.",
         *screen_lines(study.screen),
         f"difference = DCMHA - MHA (percentage points), low/high: {table.attrs['interval']}; "
+        "p: exact paired sign-flip permutation test of no difference (two-sided; at least 2 / 2^seeds); "
         "dcmha_ahead: seeds in which DCMHA is ahead.",
         *(
             [

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dcinterp.study import paired_bootstrap_interval, read_runs, write_summary
+from dcinterp.study import paired_bootstrap_interval, paired_permutation_p, read_runs, write_summary
 from dcinterp.train import main
 
 FIXTURE = Path(__file__).parent / "fixtures" / "study_runs"
@@ -90,6 +90,32 @@ def test_intervals_are_the_paired_bootstrap_over_seeds(table):
         slack = 0.01 + 1e-12
         for end, tail in ((row["low"], 0.025), (row["high"], 0.975)):
             assert (exact < end - 1e-12).mean() <= tail + slack and (exact <= end + 1e-12).mean() >= tail - slack
+
+
+def test_p_is_the_exact_sign_flip_test_of_the_paired_differences(table):
+    """Against a direct enumeration of the 2^3 sign assignments of the seeds' differences."""
+    runs = recipes()
+    for _, row in table.iterrows():
+        differences = np.array(
+            [
+                fixture_accuracy(runs["dcmha", s], row["measure"], row["group"])
+                - fixture_accuracy(runs["mha", s], row["measure"], row["group"])
+                for s in PAIRED_SEEDS
+            ]
+        )
+        flipped = np.array([np.mean(differences * signs) for signs in itertools.product((-1, 1), repeat=3)])
+        direct = np.mean(np.abs(flipped) >= abs(differences.mean()) - 1e-12) if differences.any() else 1.0
+        assert row["p"] == pytest.approx(direct, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "differences, p",
+    [([0.1, 0.2, 0.05, 0.3, 0.01], 2 / 32), ([0.1, -0.1], 1.0), ([0.0, 0.0, 0.0], 1.0), ([0.2, 0.1, -0.01], 0.5)],
+)
+def test_permutation_p_by_hand(differences, p):
+    """All five ahead: only the observed signs and their mirror are as far from zero (2 of 32); one seed's small
+    deficit (-0.01) of three: the observed signs, all three ahead, and their two mirrors are as far (4 of 8)."""
+    assert paired_permutation_p(np.array(differences)) == pytest.approx(p, abs=1e-12)
 
 
 def test_pairing_removes_what_the_seeds_share(table):
