@@ -1487,12 +1487,16 @@ def _plural(n: int, word: str) -> str:
 
 def plot_study_differences(table, eval_set: str, title: str | None = None, caption: str | None = None) -> Figure:
     """The paired study's claim per QK pattern and OV transformation on one evaluation set, from
-    `dcinterp.study.summary_table`: for all tasks (top), each QK pattern and each OV transformation, the mean
-    paired difference DCMHA - MHA in percentage points (black tick) with its interval (grey bar: the table's
-    low/high), each seed's own difference (a dot, one colour per seed), and each architecture's mean accuracy
-    written at the right; right of zero, DCMHA is ahead."""
+    `dcinterp.study.summary_table`: for all tasks (top), each QK pattern, each OV transformation and, for runs that
+    left combinations out of training, the never-seen combinations (all of them, then each), the mean paired
+    difference DCMHA - MHA in percentage points (black tick) with its interval (grey bar: the table's low/high),
+    each seed's own difference (a dot, one colour per seed), and each architecture's mean accuracy written at the
+    right; right of zero, DCMHA is ahead."""
     rows = table[table["eval_set"] == eval_set]
     seeds = _paired_seeds(table)
+    never_seen = ((rows["measure"] == "held_out_combos") & (rows["group"] == "held_out_combos")) | (
+        rows["measure"] == "held_out_combo"
+    )  # the table's order: all the left-out tasks, then each combination
     panels = [
         (rows[rows["measure"] == measure], label)
         for measure, label in (
@@ -1502,6 +1506,8 @@ def plot_study_differences(table, eval_set: str, title: str | None = None, capti
         )
         if (rows["measure"] == measure).any()
     ]
+    if (rows["measure"] == "held_out_combo").any():
+        panels.append((rows[never_seen], "never-seen combination"))
     if not panels:
         raise ValueError(f"eval_set {eval_set!r}: no rows in the table (it has {sorted(set(table['eval_set']))})")
     heights = [len(part) + 1.2 for part, _ in panels]
@@ -1511,6 +1517,8 @@ def plot_study_differences(table, eval_set: str, title: str | None = None, capti
     drawn = []
     for ax, (part, label) in zip(axes, panels, strict=True):
         labels = ["all tasks"] if label == "all tasks" else list(part["group"])
+        if label == "never-seen combination":
+            labels[0] = f"all {len(labels) - 1} combinations"
         drawn.append(_difference_rows(ax, part, labels, seeds, interval))
         if label != "all tasks":
             ax.set_title(label, fontsize=10, loc="left")

@@ -10,7 +10,9 @@ left out). The DCMHA and MHA runs are paired by seed: the twins of a seed share 
 weights of everything they share (`dcinterp.train`), so their difference is the architecture's, not the draw's.
 The table has one row per evaluation set (released, generated_seed0, test_set) and measure: the overall accuracy,
 the accuracy per QK pattern and per OV transformation, and the accuracy on the held-out combinations (the tasks a
-run left out with `--exclude-combos`, or the default split's tasks when it left none out). Its columns: each
+run left out with `--exclude-combos`, or the default split's tasks when it left none out) and, for runs that left
+combinations out, on each of them (`held_out_combo` rows, one per combination: the mean of its tasks' accuracies,
+every task having as many answers). Its columns: each
 architecture's mean over the paired seeds, the mean paired difference DCMHA - MHA with its interval, the number of
 seeds in which DCMHA is ahead, and each run's own accuracy (`dcmha_seed0`, `mha_seed0`, ...).
 
@@ -65,13 +67,13 @@ import pandas as pd
 import scipy.stats
 
 from .cli import Parser, check_writable_dir
-from .train import DEFAULT_RECORD  # a setting added since a run was trained: the run had its default
+from .train import DEFAULT_RECORD, split_tasks  # DEFAULT_RECORD: a setting added since a run was trained
 
 if TYPE_CHECKING:
     from .circuits import HeadDiversity
 
 ARCHES = ("dcmha", "mha")
-MEASURES = ("overall", "qk_pattern", "ov_transformation", "held_out_combos", "head_diversity")
+MEASURES = ("overall", "qk_pattern", "ov_transformation", "held_out_combos", "held_out_combo", "head_diversity")
 LOWER_IS_AHEAD = ("head_diversity",)  # measures on which DCMHA is ahead when its value is lower
 WEIGHTS = "weights"  # the eval_set of the rows read from the weights, not from an evaluation
 DIVERSITY_NORMALIZE = {"qk": "head", "ov": "none"}  # see the module's docstring
@@ -120,6 +122,11 @@ def read_run(path: Path) -> RunResult | str:
             if held and held.get("accuracy") is not None:
                 values[("held_out_combos", key)] = held["accuracy"]
                 break
+        if entry.get("held_out_combos") and entry.get("per_task"):
+            for combo in config["exclude_combos"]:
+                tasks = [entry["per_task"].get(task) for task in split_tasks(combo)[1]]
+                if None not in tasks:
+                    values[("held_out_combo", combo)] = float(np.mean(tasks))
         accuracy[eval_set] = values
     started_from = recipe.get("started_from")
     if started_from is not None and not (
@@ -356,8 +363,8 @@ def paired_bootstrap_interval(
 
 def paired_permutation_p(differences: np.ndarray) -> float:
     """Exact two-sided sign-flip permutation test of a zero mean paired difference (every 2^n sign assignment)."""
-    if not np.any(differences):
-        return 1.0  # every difference is zero: nothing is further from zero than what was observed
+    if len(differences) < 2 or not np.any(differences):
+        return 1.0  # one seed, or every difference zero: every sign assignment is as far from zero as the observed
     result = scipy.stats.permutation_test(
         (differences,), np.mean, permutation_type="samples", n_resamples=np.inf, alternative="two-sided"
     )

@@ -110,7 +110,13 @@ def test_p_is_the_exact_sign_flip_test_of_the_paired_differences(table):
 
 @pytest.mark.parametrize(
     "differences, p",
-    [([0.1, 0.2, 0.05, 0.3, 0.01], 2 / 32), ([0.1, -0.1], 1.0), ([0.0, 0.0, 0.0], 1.0), ([0.2, 0.1, -0.01], 0.5)],
+    [
+        ([0.1, 0.2, 0.05, 0.3, 0.01], 2 / 32),
+        ([0.1, -0.1], 1.0),
+        ([0.0, 0.0, 0.0], 1.0),
+        ([0.3], 1.0),
+        ([0.2, 0.1, -0.01], 0.5),
+    ],
 )
 def test_permutation_p_by_hand(differences, p):
     """All five ahead: only the observed signs and their mirror are as far from zero (2 of 32); one seed's small
@@ -410,6 +416,44 @@ def test_held_out_rows_name_the_tasks_they_are(tmp_path):
     runs, _ = read_runs(runs_dir)
     assert {run.accuracy["released"].get(("held_out_combos", "held_out_combos")) for run in runs} == {0.25}
     assert not any(("held_out_combos", "default_combo_tasks") in run.accuracy["released"] for run in runs)
+
+
+def test_each_never_seen_combination_has_a_row_and_a_panel(tmp_path):
+    """Runs that left two combinations out: one row per combination, the mean of its tasks' accuracies (each task
+    has as many answers), paired like every row; the difference figure draws them in a fourth panel."""
+    from dcinterp.plotting import plot_study_differences
+    from dcinterp.train import split_tasks
+
+    combos = ["same-person:superclass", "other-person:capability"]
+    runs_dir = tmp_path / "runs"
+    shutil.copytree(FIXTURE, runs_dir)
+    rng = np.random.default_rng(0)
+    per_task = {}
+    for path in runs_dir.rglob("recipe.json"):
+        recipe = json.loads(path.read_text())
+        recipe["train_config"]["exclude_combos"] = combos
+        if recipe.get("accuracy"):
+            entry = recipe["accuracy"]["released"]
+            entry["held_out_combos"] = entry.pop("default_combo_tasks")
+            entry["per_task"] = {f"task{i}": round(float(rng.uniform()), 3) for i in range(74)}
+            per_task[recipe["train_config"]["arch"], recipe["seed"]] = entry["per_task"]
+        path.write_text(json.dumps(recipe))
+    table, _ = write_summary(runs_dir, tmp_path, n_resamples=200)
+    rows = table[table["measure"] == "held_out_combo"]
+    assert list(rows["group"]) == sorted(combos)
+    for _, row in rows.iterrows():
+        tasks = split_tasks(row["group"])[1]
+        assert len(tasks) == 2
+        for arch in ("dcmha", "mha"):
+            for seed in PAIRED_SEEDS:
+                direct = np.mean([per_task[arch, seed][t] for t in tasks])
+                assert row[f"{arch}_seed{seed}"] == pytest.approx(direct, abs=1e-12)
+        differences = [row[f"dcmha_seed{s}"] - row[f"mha_seed{s}"] for s in PAIRED_SEEDS]
+        assert row["difference"] == pytest.approx(np.mean(differences), abs=1e-12) and row["seeds"] == 3
+    fig = plot_study_differences(table, "released")
+    assert len(fig.axes) == 4 and fig.axes[3].get_title(loc="left") == "never-seen combination"
+    assert [t.get_text() for t in fig.axes[3].get_yticklabels()] == ["all 2 combinations", *sorted(combos)]
+    fig.savefig(io.BytesIO(), format="png")
 
 
 def test_head_diversity_figure_draws_every_run_and_each_arches_mean(study):
