@@ -37,6 +37,17 @@ def fixture_accuracy(recipe: dict, measure: str, group: str) -> float:
     return entry[f"by_{measure}"][group]
 
 
+def fixture_differences(runs: dict, row) -> np.ndarray:
+    """The paired seeds' differences DCMHA - MHA of one row of the table, from the fixture's recipes."""
+    return np.array(
+        [
+            fixture_accuracy(runs["dcmha", s], row["measure"], row["group"])
+            - fixture_accuracy(runs["mha", s], row["measure"], row["group"])
+            for s in PAIRED_SEEDS
+        ]
+    )
+
+
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
     out = tmp_path_factory.mktemp("summary")
@@ -76,13 +87,7 @@ def test_intervals_are_the_paired_bootstrap_over_seeds(table):
     2.5% and 97.5% up to the resampling error of 4,000 draws."""
     runs = recipes()
     for _, row in table.iterrows():
-        differences = np.array(
-            [
-                fixture_accuracy(runs["dcmha", s], row["measure"], row["group"])
-                - fixture_accuracy(runs["mha", s], row["measure"], row["group"])
-                for s in PAIRED_SEEDS
-            ]
-        )
+        differences = fixture_differences(runs, row)
         draws = np.random.default_rng(7).integers(0, 3, size=(4000, 3))
         direct = np.quantile(differences[draws].mean(axis=1), [0.025, 0.975])
         assert (row["low"], row["high"]) == pytest.approx(tuple(direct), abs=1e-12)
@@ -96,13 +101,7 @@ def test_p_is_the_exact_sign_flip_test_of_the_paired_differences(table):
     """Against a direct enumeration of the 2^3 sign assignments of the seeds' differences."""
     runs = recipes()
     for _, row in table.iterrows():
-        differences = np.array(
-            [
-                fixture_accuracy(runs["dcmha", s], row["measure"], row["group"])
-                - fixture_accuracy(runs["mha", s], row["measure"], row["group"])
-                for s in PAIRED_SEEDS
-            ]
-        )
+        differences = fixture_differences(runs, row)
         flipped = np.array([np.mean(differences * signs) for signs in itertools.product((-1, 1), repeat=3)])
         direct = np.mean(np.abs(flipped) >= abs(differences.mean()) - 1e-12) if differences.any() else 1.0
         assert row["p"] == pytest.approx(direct, abs=1e-12)
