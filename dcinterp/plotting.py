@@ -1433,11 +1433,18 @@ def _seed_differences(row, seeds: list[int]) -> list[tuple[int, float]]:
 
 
 def _difference_rows(
-    ax, rows, labels: list[str], seeds: list[int], interval: str, means: bool = True, scale: float = 100.0
+    ax,
+    rows,
+    labels: list[str],
+    seeds: list[int],
+    interval: str,
+    means: bool = True,
+    scale: float = 100.0,
+    unit: str = "%",
 ) -> np.ndarray:
     """Per row (top to bottom): the interval [low, high] as a bar, the mean difference as a tick, each seed's own
-    difference as a dot (spread vertically by seed), each architecture's mean written at the right (`means`); zero
-    line. Returns every x drawn, for the caller's limits (`_pad_limits`)."""
+    difference as a dot (spread vertically by seed), each architecture's mean written at the right (`means`, in
+    `unit`); zero line. Returns every x drawn, for the caller's limits (`_pad_limits`)."""
     drawn = [0.0]
     y = np.arange(len(rows))
     low, high = scale * rows["low"].to_numpy(float), scale * rows["high"].to_numpy(float)
@@ -1457,11 +1464,12 @@ def _difference_rows(
                 zorder=4,
                 label=f"seed {seed}",
             )
+    number = ".1f" if unit == "%" else "+.1f"  # an accuracy, or a change
     for j, (_, row) in enumerate(rows.iterrows() if means else []):
         ax.text(
             1.02,
             j,
-            f"DCMHA {scale * row['dcmha']:.1f}%, MHA {scale * row['mha']:.1f}%",
+            f"DCMHA {scale * row['dcmha']:{number}}{unit}, MHA {scale * row['mha']:{number}}{unit}",
             transform=ax.get_yaxis_transform(),
             va="center",
             fontsize=SMALLEST_TYPE,
@@ -1488,10 +1496,11 @@ def _plural(n: int, word: str) -> str:
 def plot_study_differences(table, eval_set: str, title: str | None = None, caption: str | None = None) -> Figure:
     """The paired study's claim per QK pattern and OV transformation on one evaluation set, from
     `dcinterp.study.summary_table`: for all tasks (top), each QK pattern, each OV transformation and, for runs that
-    left combinations out of training, the never-seen combinations (all of them, then each), the mean paired
-    difference DCMHA - MHA in percentage points (black tick) with its interval (grey bar: the table's low/high),
-    each seed's own difference (a dot, one colour per seed), and each architecture's mean accuracy written at the
-    right; right of zero, DCMHA is ahead."""
+    left combinations out of training, the never-seen combinations (all of them, then each) and, where the table
+    has them, what never seeing them cost (`held_out_change`: the accuracy there minus the twin's trained on them),
+    the mean paired difference DCMHA - MHA in percentage points (black tick) with its interval (grey bar: the
+    table's low/high), each seed's own difference (a dot, one colour per seed), and each architecture's mean
+    written at the right; right of zero, DCMHA is ahead (on the last panel: it lost less)."""
     rows = table[table["eval_set"] == eval_set]
     seeds = _paired_seeds(table)
     never_seen = ((rows["measure"] == "held_out_combos") & (rows["group"] == "held_out_combos")) | (
@@ -1508,6 +1517,10 @@ def plot_study_differences(table, eval_set: str, title: str | None = None, capti
     ]
     if (rows["measure"] == "held_out_combo").any():
         panels.append((rows[never_seen], "never-seen combination"))
+    if (rows["measure"] == "held_out_change").any():
+        change = rows[rows["measure"] == "held_out_change"]
+        change = change.sort_values("group", key=lambda group: group != "held_out_combos", kind="stable")  # all first
+        panels.append((change, "never seen, against the twin trained on it"))
     if not panels:
         raise ValueError(f"eval_set {eval_set!r}: no rows in the table (it has {sorted(set(table['eval_set']))})")
     heights = [len(part) + 1.2 for part, _ in panels]
@@ -1517,9 +1530,10 @@ def plot_study_differences(table, eval_set: str, title: str | None = None, capti
     drawn = []
     for ax, (part, label) in zip(axes, panels, strict=True):
         labels = ["all tasks"] if label == "all tasks" else list(part["group"])
-        if label == "never-seen combination":
+        if part["measure"].iloc[0] in ("held_out_combos", "held_out_combo", "held_out_change"):
             labels[0] = f"all {len(labels) - 1} combinations"
-        drawn.append(_difference_rows(ax, part, labels, seeds, interval))
+        unit = " points" if part["measure"].iloc[0] == "held_out_change" else "%"
+        drawn.append(_difference_rows(ax, part, labels, seeds, interval, unit=unit))
         if label != "all tasks":
             ax.set_title(label, fontsize=10, loc="left")
     _pad_limits(axes[-1], np.concatenate(drawn))  # shared by the panels

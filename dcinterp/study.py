@@ -4,6 +4,7 @@
     python -m dcinterp.train summarize runs/study                 # runs/study/summary.csv and summary.md
     python -m dcinterp.train summarize runs/study --head-diversity    # + each run's head diversity (Fig. 5)
     python -m dcinterp.train summarize runs/study --figures figs     # + the study's figures (PNG), see below
+    python -m dcinterp.train summarize runs/study-heldout --trained-on runs/study   # + held_out_change rows
 
 Every finished run's recipe.json under the folder is read (runs stopped early, or not evaluated, are listed and
 left out). The DCMHA and MHA runs are paired by seed: the twins of a seed share the data order and the initial
@@ -12,7 +13,10 @@ The table has one row per evaluation set (released, generated_seed0, test_set) a
 the accuracy per QK pattern and per OV transformation, and the accuracy on the held-out combinations (the tasks a
 run left out with `--exclude-combos`, or the default split's tasks when it left none out) and, for runs that left
 combinations out, on each of them (`held_out_combo` rows, one per combination: the mean of its tasks' accuracies,
-every task having as many answers). Its columns: each
+every task having as many answers). Given `--trained-on DIR`, the same seeds' runs trained on every task, it adds
+what each run lost for never seeing them (`held_out_change` rows: its accuracy on the left-out tasks, all and per
+combination, minus its twin's under DIR), which sets apart "composes a new combination better" from "learned the
+pattern or the transformation better". Its columns: each
 architecture's mean over the paired seeds, the mean paired difference DCMHA - MHA with its interval, the number of
 seeds in which DCMHA is ahead, and each run's own accuracy (`dcmha_seed0`, `mha_seed0`, ...).
 
@@ -73,7 +77,15 @@ if TYPE_CHECKING:
     from .circuits import HeadDiversity
 
 ARCHES = ("dcmha", "mha")
-MEASURES = ("overall", "qk_pattern", "ov_transformation", "held_out_combos", "held_out_combo", "head_diversity")
+MEASURES = (
+    "overall",
+    "qk_pattern",
+    "ov_transformation",
+    "held_out_combos",
+    "held_out_combo",
+    "held_out_change",
+    "head_diversity",
+)
 LOWER_IS_AHEAD = ("head_diversity",)  # measures on which DCMHA is ahead when its value is lower
 WEIGHTS = "weights"  # the eval_set of the rows read from the weights, not from an evaluation
 DIVERSITY_NORMALIZE = {"qk": "head", "ov": "none"}  # see the module's docstring
@@ -89,6 +101,7 @@ class RunResult:
     seed: int
     config: dict
     accuracy: dict  # {eval set: {(measure, group): accuracy}}
+    per_task: dict = field(default_factory=dict)  # {eval set: {task id: accuracy}}, where recipe.json has them
     history: list = field(default_factory=list)  # recipe["history"]: the logged steps, some with eval_accuracy
     started_from: dict | None = None  # {"path", "step", "answer_loss"} of the shared start, for a forked run
     diversity: HeadDiversity | None = None  # filled by add_head_diversity
@@ -110,10 +123,12 @@ def read_run(path: Path) -> RunResult | str:
         return f"{path}: stopped early at step {recipe.get('steps')} (continue it with --resume)"
     if not evaluated:
         return f"{path}: not evaluated (python -m dcinterp.train --eval-only)"
-    accuracy = {}
+    accuracy, per_task = {}, {}
     for eval_set, entry in evaluated.items():
         if not isinstance(entry, dict) or "accuracy" not in entry:
             continue
+        if entry.get("per_task"):
+            per_task[eval_set] = entry["per_task"]
         values = {("overall", "all"): entry["accuracy"]}
         for measure, key in (("qk_pattern", "by_qk_pattern"), ("ov_transformation", "by_ov_transformation")):
             values.update({(measure, group): value for group, value in entry.get(key, {}).items()})
@@ -133,7 +148,7 @@ def read_run(path: Path) -> RunResult | str:
         isinstance(started_from, dict) and {"step", "answer_loss"} <= started_from.keys()
     ):
         raise ValueError(f"{path}: started_from must hold the start's path, step and answer_loss, not {started_from!r}")
-    return RunResult(path, arch, seed, config, accuracy, recipe.get("history") or [], started_from)
+    return RunResult(path, arch, seed, config, accuracy, per_task, recipe.get("history") or [], started_from)
 
 
 def read_runs(runs_dir: Path) -> tuple[list[RunResult], list[str]]:
@@ -168,6 +183,52 @@ def check_one_recipe(runs: list[RunResult]) -> None:
                     f"{run.path}: train_config {key}={run.config.get(key)!r}, but {first.path} has "
                     f"{first.config.get(key)!r}: summarize one recipe's runs at a time"
                 )
+
+
+def add_held_out_change(runs: list[RunResult], trained_on: list[RunResult], trained_on_dir: Path) -> list[str]:
+    """Give every run that left combinations out its `held_out_change` rows: per combination, and for all of them
+    (group `held_out_combos`), its accuracy on their tasks minus that of its twin trained on every task (the run of
+    the same seed and architecture under `trained_on_dir`, from the same start). 0 is nothing lost for never
+    having seen them. The lines returned name the runs that have no such twin."""
+    twins = {(run.arch, run.seed): run for run in trained_on}
+    missing = []
+    for run in runs:
+        combos = run.config["exclude_combos"]
+        if not combos:
+            continue
+        twin = twins.get((run.arch, run.seed))
+        if twin is None:
+            missing.append(
+                f"{run.path}: no {run.arch} run of seed {run.seed} under {trained_on_dir} (no held_out_change)"
+            )
+            continue
+        check_trained_on_every_task(run, twin)
+        groups = {"held_out_combos": split_tasks(combos)[1], **{combo: split_tasks(combo)[1] for combo in combos}}
+        for eval_set, never_seen in run.per_task.items():
+            trained = twin.per_task.get(eval_set, {})
+            for group, tasks in groups.items():
+                if all(task in never_seen and task in trained for task in tasks):
+                    change = np.mean([never_seen[t] for t in tasks]) - np.mean([trained[t] for t in tasks])
+                    run.accuracy[eval_set][("held_out_change", group)] = float(change)
+    return missing
+
+
+def check_trained_on_every_task(run: RunResult, twin: RunResult) -> None:
+    """The twin trained on every task, with the run's recipe otherwise, from the run's start."""
+    if twin.config["exclude_combos"]:
+        left_out = ", ".join(twin.config["exclude_combos"])
+        raise ValueError(f"{twin.path}: left {left_out} out; --trained-on needs runs trained on every task")
+    for key in sorted(set(run.config) | set(twin.config)):
+        if key not in (*MAY_DIFFER, "exclude_combos") and run.config.get(key) != twin.config.get(key):
+            raise ValueError(
+                f"{twin.path}: train_config {key}={twin.config.get(key)!r}, but {run.path} has "
+                f"{run.config.get(key)!r}: the twin trained on every task must share the rest of the recipe"
+            )
+    start, twin_start = run.started_from or {}, twin.started_from or {}
+    if (start.get("path"), start.get("step")) != (twin_start.get("path"), twin_start.get("step")):
+        raise ValueError(
+            f"{twin.path}: started from {twin_start or 'scratch'}, but {run.path} from {start or 'scratch'}"
+        )
 
 
 SCREEN_COLUMNS = ("seed", "kept", "answer_loss", "threshold", "step", "start", "reason")
@@ -448,25 +509,33 @@ class Study:
     left_out: list[str]
     table: pd.DataFrame
     screen: pd.DataFrame
+    trained_on: Path | None = None
 
 
-def read_study(runs_dir: Path, head_diversity: bool = False, **bootstrap) -> Study:
-    """Read the runs (with their head diversity if asked), the screen, and make the table."""
+def read_study(runs_dir: Path, head_diversity: bool = False, trained_on: Path | None = None, **bootstrap) -> Study:
+    """Read the runs (with their head diversity if asked, and their `held_out_change` against the runs under
+    `trained_on` if given), the screen, and make the table."""
     runs, left_out = read_runs(runs_dir)
     if not runs:
         raise ValueError(f"{runs_dir}: no finished, evaluated run ({len(left_out)} left out: {left_out[0]})")
     screen = read_screen(runs_dir, runs)
+    if trained_on is not None:
+        left_out += add_held_out_change(runs, read_runs(trained_on)[0], trained_on)
     if head_diversity:
         add_head_diversity(runs)
-    return Study(runs_dir, runs, left_out, summary_table(runs, **bootstrap), screen)
+    return Study(runs_dir, runs, left_out, summary_table(runs, **bootstrap), screen, trained_on)
 
 
 def write_summary(
-    runs_dir: Path, out_dir: Path | None = None, head_diversity: bool = False, **bootstrap
+    runs_dir: Path,
+    out_dir: Path | None = None,
+    head_diversity: bool = False,
+    trained_on: Path | None = None,
+    **bootstrap,
 ) -> tuple[pd.DataFrame, list[str]]:
     """Read the runs, write summary.csv and summary.md (and screen.csv if the study has a screen) to `out_dir`
     (default: `runs_dir`); (table, left out)."""
-    study = read_study(runs_dir, head_diversity, **bootstrap)
+    study = read_study(runs_dir, head_diversity, trained_on, **bootstrap)
     write_study(study, out_dir or runs_dir)
     return study.table, study.left_out
 
@@ -492,6 +561,15 @@ def write_study(study: Study, out_dir: Path) -> None:
                 "where its share is lower (QK normalised per head, OV raw; dcinterp.study's docstring)."
             ]
             if (table["measure"] == "head_diversity").any()
+            else []
+        ),
+        *(
+            [
+                "held_out_change rows: each run's accuracy on the combinations it never saw minus its twin's, the "
+                f"run of the same seed and architecture under `{study.trained_on}` that trained on them (from the "
+                "same start); 0 = nothing lost for never seeing them, and DCMHA is ahead where it loses less."
+            ]
+            if (table["measure"] == "held_out_change").any()
             else []
         ),
         *(f"Left out: {line}" for line in study.left_out),
@@ -544,6 +622,13 @@ def main(argv: list[str] | None = None) -> None:
         help="load each run's model and add its head diversity (Fig. 5) as rows of the table",
     )
     parser.add_argument(
+        "--trained-on",
+        metavar="DIR",
+        default=None,
+        help="the same seeds' runs trained on every task: adds what each run lost on the combinations it left out "
+        "(held_out_change rows)",
+    )
+    parser.add_argument(
         "--figures",
         metavar="DIR",
         default=None,
@@ -563,6 +648,7 @@ def main(argv: list[str] | None = None) -> None:
         study = read_study(
             runs_dir,
             head_diversity=args.head_diversity or figures_dir is not None,
+            trained_on=Path(args.trained_on) if args.trained_on else None,
             level=args.level,
             n_resamples=args.resamples,
             seed=args.seed,

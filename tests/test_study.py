@@ -455,6 +455,87 @@ def test_each_never_seen_combination_has_a_row_and_a_panel(tmp_path):
     fig.savefig(io.BytesIO(), format="png")
 
 
+def held_out_and_trained_on(tmp_path, combos) -> tuple[Path, Path, dict]:
+    """Two copies of FIXTURE forked from the same starts: `heldout` left `combos` out, `full` trained on every
+    task; random per-task accuracies, {(folder, arch, seed): per_task}."""
+    rng = np.random.default_rng(1)
+    per_task = {}
+    for folder, left_out in (("heldout", combos), ("full", [])):
+        shutil.copytree(FIXTURE, tmp_path / folder)
+        for path in (tmp_path / folder).rglob("recipe.json"):
+            recipe = fork(json.loads(path.read_text()))
+            recipe["train_config"]["exclude_combos"] = left_out
+            if recipe.get("accuracy"):
+                entry = recipe["accuracy"]["released"]
+                if left_out:
+                    entry["held_out_combos"] = entry.pop("default_combo_tasks")
+                entry["per_task"] = {f"task{i}": round(float(rng.uniform()), 3) for i in range(74)}
+                per_task[folder, recipe["train_config"]["arch"], recipe["seed"]] = entry["per_task"]
+            path.write_text(json.dumps(recipe))
+    return tmp_path / "heldout", tmp_path / "full", per_task
+
+
+def test_held_out_change_is_each_runs_loss_against_its_twin_trained_on_every_task(tmp_path):
+    """`--trained-on`: per combination and for all of them, the mean accuracy of the left-out tasks minus that of
+    the same seed and architecture's run that trained on them, paired DCMHA - MHA like every row; the difference
+    figure draws them in a fifth panel."""
+    from dcinterp.plotting import plot_study_differences
+    from dcinterp.train import split_tasks
+
+    combos = ["same-person:superclass", "other-person:capability"]
+    heldout, full, per_task = held_out_and_trained_on(tmp_path, combos)
+    table, left_out = write_summary(heldout, tmp_path / "out", trained_on=full, n_resamples=200)
+    rows = table[table["measure"] == "held_out_change"]
+    assert sorted(rows["group"]) == sorted(["held_out_combos", *combos])
+    for _, row in rows.iterrows():
+        tasks = split_tasks(combos if row["group"] == "held_out_combos" else row["group"])[1]
+        assert len(tasks) == (4 if row["group"] == "held_out_combos" else 2)
+        for arch in ("dcmha", "mha"):
+            for seed in PAIRED_SEEDS:
+                never_seen = np.mean([per_task["heldout", arch, seed][t] for t in tasks])
+                trained = np.mean([per_task["full", arch, seed][t] for t in tasks])
+                assert row[f"{arch}_seed{seed}"] == pytest.approx(never_seen - trained, abs=1e-12)
+        differences = [row[f"dcmha_seed{s}"] - row[f"mha_seed{s}"] for s in PAIRED_SEEDS]
+        assert row["difference"] == pytest.approx(np.mean(differences), abs=1e-12) and row["seeds"] == 3
+        assert row["dcmha_ahead"] == sum(d > 0 for d in differences)  # ahead: lost less
+    assert "held_out_change rows" in (tmp_path / "out" / "summary.md").read_text()
+    fig = plot_study_differences(table, "released")
+    assert len(fig.axes) == 5 and fig.axes[4].get_title(loc="left") == "never seen, against the twin trained on it"
+    assert [t.get_text() for t in fig.axes[4].get_yticklabels()] == ["all 2 combinations", *sorted(combos)]
+    fig.savefig(io.BytesIO(), format="png")
+
+
+@pytest.mark.parametrize(
+    "problem", ["twins left combinations out", "twins of another recipe", "twins of another start", "no twin"]
+)
+def test_trained_on_twins_are_checked_by_name(tmp_path, capsys, problem):
+    heldout, full, _ = held_out_and_trained_on(tmp_path, ["same-person:superclass"])
+    if problem == "no twin":
+        shutil.rmtree(full / "seed1" / "pythia-synth")
+        _, left_out = write_summary(heldout, tmp_path / "out", trained_on=full, n_resamples=50)
+        assert any("no mha run of seed 1 under" in line and "no held_out_change" in line for line in left_out)
+        return
+    change = {"exclude_combos": ["other-person:capability"]} if "combinations" in problem else {"lr": 1.0}
+    for path in full.rglob("recipe.json"):  # every run, so that the folder is one recipe of its own
+        recipe = json.loads(path.read_text())
+        if "start" in problem:
+            recipe["started_from"]["step"] = 3000
+        else:
+            recipe["train_config"] |= change
+        path.write_text(json.dumps(recipe))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["summarize", str(heldout), "--out", str(tmp_path / "out"), "--trained-on", str(full)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    expected = {
+        "twins left combinations out": "left other-person:capability out; --trained-on needs runs trained on every",
+        "twins of another recipe": "train_config lr=1.0, but",
+        "twins of another start": "started from {'path': 'runs/starts/seed0/pythia-synth/checkpoint.pt', 'step': 3000",
+    }[problem]
+    assert "full/seed0/dcpythia-synth/recipe.json: " + expected in err
+    assert not (tmp_path / "out" / "summary.csv").exists()
+
+
 def test_head_diversity_figure_draws_every_run_and_each_arches_mean(study):
     from dcinterp.plotting import plot_study_head_diversity
     from dcinterp.study import diversity_frame
