@@ -176,13 +176,17 @@ def check_one_recipe(runs: list[RunResult]) -> None:
                 f"{run.path}: a second {run.arch} run of seed {run.seed} (the first: {seen[run.arch, run.seed]})"
             )
         seen[run.arch, run.seed] = run.path
-        first = runs[0]
-        for key in sorted(set(run.config) | set(first.config)):
-            if key not in MAY_DIFFER and run.config.get(key) != first.config.get(key):
-                raise ValueError(
-                    f"{run.path}: train_config {key}={run.config.get(key)!r}, but {first.path} has "
-                    f"{first.config.get(key)!r}: summarize one recipe's runs at a time"
-                )
+        check_same_recipe(run, runs[0], "summarize one recipe's runs at a time")
+
+
+def check_same_recipe(run: RunResult, other: RunResult, why: str, may_differ: tuple = MAY_DIFFER) -> None:
+    """`run` trained with `other`'s settings, but those of `may_differ`; else a ValueError naming the first key."""
+    for key in sorted(set(run.config) | set(other.config)):
+        if key not in may_differ and run.config.get(key) != other.config.get(key):
+            raise ValueError(
+                f"{run.path}: train_config {key}={run.config.get(key)!r}, but {other.path} has "
+                f"{other.config.get(key)!r}: {why}"
+            )
 
 
 def add_held_out_change(runs: list[RunResult], trained_on: list[RunResult], trained_on_dir: Path) -> list[str]:
@@ -218,12 +222,8 @@ def check_trained_on_every_task(run: RunResult, twin: RunResult) -> None:
     if twin.config["exclude_combos"]:
         left_out = ", ".join(twin.config["exclude_combos"])
         raise ValueError(f"{twin.path}: left {left_out} out; --trained-on needs runs trained on every task")
-    for key in sorted(set(run.config) | set(twin.config)):
-        if key not in (*MAY_DIFFER, "exclude_combos") and run.config.get(key) != twin.config.get(key):
-            raise ValueError(
-                f"{twin.path}: train_config {key}={twin.config.get(key)!r}, but {run.path} has "
-                f"{run.config.get(key)!r}: the twin trained on every task must share the rest of the recipe"
-            )
+    why = "the twin trained on every task must share the rest of the recipe"
+    check_same_recipe(twin, run, why, may_differ=(*MAY_DIFFER, "exclude_combos"))
     start, twin_start = run.started_from or {}, twin.started_from or {}
     if (start.get("path"), start.get("step")) != (twin_start.get("path"), twin_start.get("step")):
         raise ValueError(
