@@ -396,6 +396,8 @@ class Attention(nn.Module):
             cached_queries=None if past_kv_cache_entry is None else n_queries,
             padding_as_mask_only=mask.ndim == 4 and real is None,
             keys=mask.shape[-1],
+            gradient_needed=torch.is_grad_enabled()
+            and (x.requires_grad or any(p.requires_grad for p in self.parameters())),
         )
 
     def composed_weights(

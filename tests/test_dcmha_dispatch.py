@@ -135,6 +135,9 @@ def on_cuda(monkeypatch, paths):
         (dict(keys=dcmha.FUSED_MIN_KEYS - 1), "blocked", "materialised"),  # a short prompt: the kernels measured slower
         (dict(keys=dcmha.FUSED_MIN_KEYS), "blocked", "triton"),
         (dict(cached_queries=dcmha.FEW_QUERIES + 1, keys=dcmha.FUSED_MIN_KEYS - 1), "blocked", "materialised"),
+        (dict(keys=16, gradient_needed=False), "blocked", "triton"),  # no gradient: the forward through the maps
+        (dict(keys=dcmha.FUSED_MIN_KEYS - 1, gradient_needed=False), "blocked", "triton"),
+        (dict(cached_queries=1, gradient_needed=False), "few_queries", "few_queries"),
         (dict(cached_queries=1, square_tensor_read=True), "materialised", "materialised"),
         (dict(padding_as_mask_only=True), "blocked", "materialised"),
         (dict(dcmha=False), "sdpa", "sdpa"),
@@ -215,6 +218,24 @@ def test_a_functorch_transform_keeps_the_materialised_path(model, paths):
     embeddings = model.embed(tokens).detach()
     torch.func.grad(lambda x: model(x, start_at_layer=0)[0, -1, 0])(embeddings)
     assert set(paths) == {"materialised"}
+
+
+def test_a_short_prompt_takes_the_kernels_without_gradients_only(model, kernels, paths, monkeypatch):
+    """On CUDA with the kernels (the default thresholds): a 12-token prompt takes the Triton path under no_grad (its
+    forward through the maps) and the materialised one when a gradient is needed, to the input or to the weights."""
+    choose = dcmha.choose_path
+    monkeypatch.setattr(dcmha, "choose_path", lambda **facts: choose(**{**facts, "device": CUDA}))
+    tokens = tokens_for(model, batch=1, length=12)
+    n = model.cfg.n_layers
+    model(tokens)  # the weights are frozen, as loaded: no gradient is needed
+    embeddings = model.embed(tokens).detach().requires_grad_(True)
+    model(embeddings, start_at_layer=0)  # a gradient to the input
+    model.requires_grad_(True)
+    try:
+        model(tokens)  # gradients to the weights
+    finally:
+        model.requires_grad_(False)
+    assert paths == ["triton"] * n + ["materialised"] * 2 * n
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

@@ -32,6 +32,7 @@ from tests.numerics import assert_as_exact_as  # noqa: E402
 FIXTURES = Path(__file__).parent / "fixtures"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCKS = (16, 16, 16)  # the smallest tiles: several query and key blocks, and head-dim chunks, at tiny shapes
+MAP_BLOCKS = (16, 16)  # likewise for the forward through the maps
 TIMES_REFERENCE_ERROR = 4  # the fused float32 error, at most this multiple of the float32 reference's
 
 pytestmark = pytest.mark.skipif(available(DEVICE) is not None, reason=str(available(DEVICE)))
@@ -127,9 +128,11 @@ def check(
     inputs, *, window=None, official=False, past=0, real=None, gradients=True, blocks=BLOCKS, dtype=torch.float32
 ):
     """The fused forward and the gradients of every input (for a random dz) against the float64 reference and the
-    reference in `dtype` (float32 unless told)."""
+    reference in `dtype` (float32 unless told); and the forward through the maps (which runs without gradients)."""
     q, k, v, pre, post = inputs
     options = dict(window=window, official=official, past=past, real=real)
+    with torch.no_grad():
+        maps = fused_dcmha(*[to(x, dtype) for x in (q, k, v, pre, post)], **options, map_blocks=MAP_BLOCKS)
     runs = {}
     for name, run_dtype in (("exact", torch.float64), ("single", dtype), ("fused", dtype)):
         args = [to(x, run_dtype, gradients) for x in (q, k, v, pre, post)]
@@ -141,6 +144,7 @@ def check(
             grads = torch.autograd.grad(z, leaves, dz.to(run_dtype))
         runs[name] = (z, grads)
     assert_as_exact(runs["fused"][0], runs["single"][0], runs["exact"][0], "z")
+    assert_as_exact(maps, runs["single"][0], runs["exact"][0], "z through the maps")
     names = [n for n, x in zip(["q", "k", "v"] + [f"{s} {b}" for s in ("pre", "post") for b in BRANCHES],
                                [q, k, v, *flat(pre, post)], strict=True) if x is not None]  # fmt: skip
     for i, name in enumerate(names if gradients else []):
@@ -289,11 +293,48 @@ def test_same_inputs_give_the_same_bits():
 
 
 def test_without_gradients_the_same_forward():
-    """Under no_grad the kernels run without the autograd.Function: the same z, bit for bit."""
+    """Under no_grad the kernels run without the autograd.Function: with the tiles forward (the one gradients take),
+    the same z, bit for bit."""
     inputs = [to(x, torch.float32, True) for x in make_inputs(1, 20, 3, 16, 1)]
     z = fused_dcmha(*inputs, window=None, official=False, blocks=BLOCKS)
     with torch.no_grad():
-        assert torch.equal(z, fused_dcmha(*inputs, window=None, official=False, blocks=BLOCKS))
+        assert torch.equal(z, fused_dcmha(*inputs, window=None, official=False, blocks=BLOCKS, forward="tiles"))
+
+
+def test_the_maps_of_a_long_prompt_go_a_chunk_of_queries_at_a_time(monkeypatch):
+    """With room for the maps of 16 queries only, the forward through the maps goes 16 queries at a time (3 chunks,
+    the last one short, in a window): the z of the whole prompt at once, judged against float64."""
+    b, t, h, e, rank = 2, 45, 3, 16, 2
+    monkeypatch.setattr(triton_kernels, "MAPS_BYTES", b * 4 * rank * t * 4 * 16)
+    inputs = make_inputs(b, t, h, e, rank)
+    calls = []
+    launches = triton_kernels._maps_launches
+    monkeypatch.setattr(
+        triton_kernels, "_maps_launches", lambda *args: calls.append(args[1].shape[1]) or launches(*args)
+    )
+    with torch.no_grad():
+        z = fused_dcmha(*[to(x, torch.float32) for x in inputs], window=20, official=True, map_blocks=MAP_BLOCKS)
+    assert calls == [16, 16, 13]
+    options = dict(window=20, official=True)
+    single = reference(*[to(x, torch.float32) for x in inputs], **options)
+    assert_as_exact(z, single, reference(*[to(x, torch.float64) for x in inputs], **options), "z")
+
+
+def test_keys_before_the_window_change_nothing_through_the_maps():
+    """The forward through the maps loads whole aligned key blocks, so it reads keys before a window: NaN in them
+    and in their weights changes no bit of z."""
+    past, window = 40, 6
+    clean = [to(x, torch.float32) for x in make_inputs(1, 5, 3, 16, 2, past=past)]
+    poisoned = [to(x, torch.float32) for x in clean]
+    hidden = slice(0, past - window + 1)
+    for x in [poisoned[1], poisoned[2], *[w for i, w in enumerate(flat(*poisoned[3:])) if i % 6 in (2, 3, 5)]]:
+        x[:, hidden] = float("nan")
+    with torch.no_grad():
+        first, second = (
+            fused_dcmha(*inputs, window=window, official=False, past=past, map_blocks=MAP_BLOCKS)
+            for inputs in (clean, poisoned)
+        )
+    assert torch.equal(first, second)
 
 
 def test_views_give_what_contiguous_tensors_give():
@@ -398,19 +439,28 @@ from triton.compiler import ASTSource
 from dcinterp.dcmha import triton_kernels
 
 triton_kernels._decorate()
-constants = dict(HP=4, BQ=16, BK=16, BE=32, PADDING=True, HALF=True)
-constants.update({f"{stage}_{branch}": True for stage in ("PRE", "POST") for branch in ("QP", "KP", "QG", "KG")})
+every = dict(HP=4, BQ=16, BK=16, BE=32, PADDING=True, HALF=True, R=2, RP=2, EP=128, QP=True, KP=True, QG=True,
+             KG=True)
+every.update({f"{stage}_{branch}": True for stage in ("PRE", "POST") for branch in ("QP", "KP", "QG", "KG")})
 scalars = dict(T="i32", S="i32", H="i32", E="i32", R="i32", past="i32", span="i32", scale="fp32")
-for name in ("_forward_kernel", "_backward_query_kernel", "_backward_key_kernel"):
+tiles = ("_forward_kernel", "_backward_query_kernel", "_backward_key_kernel")
+maps = ("_pre_maps_kernel", "_row_statistics_kernel", "_post_maps_kernel", "_head_output_kernel")
+for name in tiles + maps:
     kernel = getattr(triton_kernels, name)
+    constants = {arg: value for arg, value in every.items() if arg in kernel.arg_names}
+    if name in maps:  # the default launch
+        launch = triton_kernels.MAPS_KERNELS if "maps" in name else triton_kernels.HEAD_KERNELS
+        constants.update({key: value for key, value in launch.items() if key in kernel.arg_names})
+        options = {key: value for key, value in launch.items() if key.startswith("num_")}
+    else:
+        options = dict(num_warps=triton_kernels._num_warps(constants["HP"]), num_stages=1)
     signature = {
         arg: "constexpr" if arg in constants else scalars.get(arg) or
-        ("*bf16" if arg in ("q", "k", "v", "dz") else "*i8" if arg == "real" else "*fp32")
+        ("*bf16" if arg in ("q", "k", "v", "dz", "z", "maps") else "*i8" if arg == "real" else "*fp32")
         for arg in kernel.arg_names
     }
     paths = {(kernel.arg_names.index(arg),): value for arg, value in constants.items()}
     source = ASTSource(fn=kernel, signature=signature, constexprs=paths)
-    options = dict(num_warps=triton_kernels._num_warps(constants["HP"]), num_stages=1)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     assert compiled.metadata.shared <= 227 * 1024, (name, compiled.metadata.shared)
 

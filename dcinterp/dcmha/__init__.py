@@ -6,10 +6,12 @@ Paths, and when `choose_path` takes each (first rule that applies):
   nnsight trace reads or sets a square tensor of the layer (scores, patterns, a branch output), or a functorch
   transform (`vmap`, `grad`, ...) is active; on any device.
 - `sdpa`: plain MHA (`use_dcmha=False`) otherwise, by `torch.nn.functional.scaled_dot_product_attention`.
-- `triton` (`dcinterp.dcmha.triton_kernels.fused_dcmha`, one fused kernel forward and backward): DCMHA on CUDA
-  where the kernels run, for prompts of at least `FUSED_MIN_KEYS` keys. Shorter prompts take the materialised
-  path and cached decoding steps the few-queries one, where the kernels measured slower on an H100 (the numbers are
-  beside `FUSED_MIN_KEYS`; `FUSED_DECODING = True` sends decoding steps to the kernels too). Where the kernels
+- `triton` (`dcinterp.dcmha.triton_kernels.fused_dcmha`: without gradients its forward through the cross-head
+  maps, with them its tiles forward and fused backward): DCMHA on CUDA where the kernels run, for every prompt when
+  no gradient is needed (`FUSED_MIN_KEYS_WITHOUT_GRADIENTS`), and for prompts of at least `FUSED_MIN_KEYS` keys
+  when one is. Shorter prompts with gradients take the materialised path and cached decoding steps the few-queries
+  one, where the kernels measured slower (the numbers are beside the thresholds; `FUSED_DECODING = True` sends
+  decoding steps to the kernels too). Where the kernels
   cannot run (no Triton, an old one, or Triton refusing to build them for the card at their first launch, e.g. past
   its shared memory: that call is then computed by `materialised.attend`), one warning per reason names why, and
   the next rules apply.
@@ -55,6 +57,11 @@ FEW_QUERIES = 16  # with a key-value cache, up to this many new queries take a d
 # of its. A decoding step took 4.3x (1,024 keys) and 18.6x (4,096) the materialised step's time (one program walks
 # every key): decoding keeps the few-queries path.
 FUSED_MIN_KEYS = 2048
+# Without gradients the kernels' forward goes through the cross-head maps (triton_kernels): on an NVIDIA H200 (the same
+# layer, one run: benchmarks/results/h200-2026-11-27-maps-sweep-1.jsonl) 0.70 ms against the materialised path's 1.1
+# ms at 512 keys, 0.98 against 2.6 at 1,024, 6.9 against 28.6 at 4,096, memory growing with the prompt alone; whole
+# models at 128 tokens within 10% of the materialised path either way. So it is taken at every length.
+FUSED_MIN_KEYS_WITHOUT_GRADIENTS = 0
 FUSED_DECODING = False
 # Up to this many positions the fused dynamic weights are faster than torch's ops (an H100, the 6.9B width: bfloat16
 # 0.06 against 0.18-0.27 ms at 16-512 positions, 0.09 against 0.17 at 2,048, 0.38 against 0.17 at 8,192; float32
@@ -104,6 +111,7 @@ def choose_path(
     cached_queries: int | None = None,
     padding_as_mask_only: bool = False,
     keys: int | None = None,
+    gradient_needed: bool = True,
 ) -> Path:
     """Which path computes one attention call (the table in this module's docstring).
 
@@ -111,7 +119,8 @@ def choose_path(
     `functorch_active`: `torch._C._are_functorch_transforms_active()`; `cached_queries`: with a key-value cache,
     the number of new queries (None without one); `padding_as_mask_only`: padded keys are hidden by the additive
     mask alone, without the [b, s] table of real keys the kernels take (a direct call of `Attention`); `keys`: how
-    many keys the queries attend over (cached ones included; None: not known, as many as the kernels need)."""
+    many keys the queries attend over (cached ones included; None: not known, as many as the kernels need);
+    `gradient_needed`: grad mode is on and the layer's input or a parameter requires grad."""
     if square_tensor_read or functorch_active:
         return "materialised"
     if not dcmha:
@@ -122,7 +131,7 @@ def choose_path(
         if reason is None:
             if decoding and not FUSED_DECODING:
                 return "few_queries"
-            if keys is not None and keys < FUSED_MIN_KEYS:
+            if keys is not None and keys < (FUSED_MIN_KEYS if gradient_needed else FUSED_MIN_KEYS_WITHOUT_GRADIENTS):
                 return "materialised"
             return "triton"
         _warn_once(reason, device)

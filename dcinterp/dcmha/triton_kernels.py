@@ -1,5 +1,10 @@
 """DCMHA fused in Triton kernels: the attention's forward and backward without any [b, h, t, s] tensor.
 
+Two forwards: without gradients, the forward through the cross-head maps (four kernels, each head alone, its output
+in registers; the faster); with them, the tiles forward (one kernel, every head of a tile together), whose row
+statistics the backward's recomputation reproduces bit for bit (the forward through the maps sums in another order:
+its statistics would leave the softmax's gradient a few float32 units off, more than the tests allow).
+
 One DCMHA layer, per batch row (t queries, s keys, n/m heads, e head dim, r rank, scale = 1 / sqrt(e)):
     S[n, t, s] = scale q[t, n] . k[s, n]
     A = compose(S, pre),  P = softmax over the visible keys of A,  P' = compose(P, post)
@@ -10,7 +15,20 @@ The compose mixes the heads of one (query, key) pair and nothing else, so a tile
 `[heads, queries, keys]` (heads padded to a power of two, the padding masked), and reads only its own queries' and
 keys' dynamic weights, in their low-rank form.
 
-Forward (`_forward_kernel`, grid (query blocks, batch rows), one program per block of queries of one row): pass 1
+Forward through the maps (`_forward_through_maps`). The compose mixes heads only through rank-R maps of [queries,
+keys] that every head shares: hq[r] = sum_n qw1[t, r, n] S[n] and hk[r] = sum_n kw1[s, r, n] S[n] before the softmax,
+gq[r] = sum_n qw1'[t, r, n] P[n] and gk[r] after it. Four kernels:
+- `_pre_maps_kernel`, per (query block, key block) tile that any query sees: hq and hk, summing each head's scores;
+- `_row_statistics_kernel`, per (head, query block): the head's pre-composed scores from its own q k^T, its gates and
+  the maps, and its softmax max and sum, online over the keys;
+- `_post_maps_kernel`, per tile: gq and gk, summing each head's probabilities;
+- `_head_output_kernel`, per (head, query block): the probabilities again, post-composed with the maps, times v,
+  accumulated in registers as FlashAttention does.
+The maps are kept in a [b, 4R, t, s] buffer (bfloat16 / float16 for such inputs, float32 otherwise) of at most
+`MAPS_BYTES`: a longer prompt goes a chunk of queries at a time. So memory grows with the prompt times the chunk, not
+with the heads: 4R numbers a (query, key) pair against the materialised path's dozen a head.
+
+Tiles forward (`_forward_kernel`, grid (query blocks, batch rows), one program per block of queries of one row): pass 1
 over the keys the block's queries see (keys after its last query, and before a local window, are not even read)
 computes the scores, the pre-compose, the mask and each (head, query)'s running softmax max and sum; pass 2
 recomputes them, normalises with the final statistics, applies the post-compose and accumulates P' V. Only q, k, v,
@@ -50,6 +68,7 @@ Index names: b batch, t queries, s keys, h/m/n heads, e head dim, r rank.
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 import torch
 from jaxtyping import Bool, Float
@@ -65,6 +84,13 @@ else:
     _IMPORT_ERROR = None
 
 BLOCKS = (16, 16, 32)  # a tile's queries and keys, and a chunk of the head dim (powers of two, at least 16)
+# The forward through the maps: the launches of its two kernels that sum the maps over the heads (tiles of BQ queries
+# by BK keys), and of its two of one head a program; the fastest of a sweep on an NVIDIA H200 (bfloat16, 32 heads of
+# 128, rank 2, 4,096 tokens: benchmarks/results/h200-2026-11-27-maps-sweep-*.jsonl). With programs of 2 or 4 heads
+# (tiles [heads, queries, keys], products batched over the heads) the output kernel took 2.8 to 66 times as long.
+MAPS_KERNELS = dict(BQ=64, BK=32, num_warps=4, num_stages=3)
+HEAD_KERNELS = dict(BQ=64, BK=32, num_warps=4, num_stages=2)
+MAPS_BYTES = 256 * 2**20  # the forward through the maps holds at most this much of them at a time
 BRANCHES = ("qw1", "qw2", "kw1", "kw2", "qg", "kg")  # a stage's dynamic weights, in this order
 
 
@@ -425,6 +451,250 @@ def _backward_key_kernel(
             d_keys = _dot(tl.permute(d_scores, (0, 2, 1)), q_rows, HALF)
             _accumulate_rows(dk, row, s_idx, s_ok, h_idx, h_ok, e, e_ok, S, H, E, d_keys)
 
+
+# --- the forward through the cross-head maps: four kernels, each head alone but for the maps ----------------------
+# The compose mixes heads only through rank-R maps of [queries, keys], shared by every head: the pre-compose's
+# hq[r] = sum_n qw1[t, r, n] S[n] and hk[r] = sum_n kw1[s, r, n] S[n], the post-compose's gq[r] = sum_n qw1'[t, r, n]
+# P[n] and gk[r] alike. Kept in a [b, 4R, t, s] buffer (`maps`, j = r, R + r, 2R + r, 3R + r), they let each head be
+# computed alone, FlashAttention's way, its output accumulated in registers; the two maps kernels sum over the heads
+# one at a time. A head's tiles are [1, queries, keys] (the leading axis: the tiles kernels' loaders serve as they are).
+
+
+def _head_dot(a, b, HALF: tl.constexpr):
+    """`_dot` of one head's [1, m, k] and [1, k, n] tiles, as a 2D product."""
+    product = _dot(tl.reshape(a, (a.shape[1], a.shape[2])), tl.reshape(b, (b.shape[1], b.shape[2])), HALF)
+    return tl.reshape(product, (1, a.shape[1], b.shape[2]))
+
+
+def _head_weights(w, row, idx, ok, n, N, H, R, RP: tl.constexpr):
+    """w[row, idx, r, n] of head n for every r: [RP, positions], float32, of a [b, N, R, H] tensor."""
+    r_idx = tl.arange(0, RP)
+    offsets = ((row * N + idx[None, :]) * R + r_idx[:, None]) * H + n
+    return tl.load(w + offsets, mask=(r_idx[:, None] < R) & ok[None, :], other=0.0).to(tl.float32)
+
+
+def _load_map(maps, row, j, t_idx, t_ok, s_idx, s_ok, seen, T, S, R: tl.constexpr):
+    """maps[row, j] where the pair is seen (0 elsewhere): [queries, keys], float32. (Loaded whole tile rows, so that
+    the loads are vectors; entries no query sees were never written, and are dropped after the load.)"""
+    plane = maps + (row.to(tl.int64) * 4 * R + j) * T * S  # 64-bit only here: a plane itself fits 32 bits
+    tile = tl.load(plane + t_idx[:, None] * S + s_idx[None, :], mask=t_ok[:, None] & s_ok[None, :], other=0.0)
+    return tl.where(seen, tile.to(tl.float32), 0.0)
+
+
+def _store_maps(maps, row, first, t_idx, t_ok, s_idx, s_ok, T, S, R: tl.constexpr, RP: tl.constexpr, value):
+    """maps[row, first + r, t, s] = value[r, t, s]."""
+    r_ok = tl.arange(0, RP) < R
+    mask = r_ok[:, None, None] & t_ok[None, :, None] & s_ok[None, None, :]
+    planes = maps + (row.to(tl.int64) * 4 * R + first) * T * S
+    offsets = tl.arange(0, RP)[:, None, None] * T * S + t_idx[None, :, None] * S + s_idx[None, None, :]
+    tl.store(planes + offsets, value.to(maps.dtype.element_ty), mask=mask)
+
+
+def _head_scores(q_rows, k, row, s_idx, s_ok, h_idx, h_ok, S, H, E, scale, EP: tl.constexpr, HALF: tl.constexpr):
+    """S = scale q k^T of one head: [1, queries, keys], float32, from its query rows ([1, queries, EP])."""
+    e = tl.arange(0, EP)
+    k_rows = _rows(k, row, s_idx, s_ok, h_idx, h_ok, e, e < E, S, H, E)
+    return _head_dot(q_rows, tl.permute(k_rows, (0, 2, 1)), HALF) * scale
+
+
+def _head_compose(
+    x, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, R: tl.constexpr, maps, first, qw2, kw2, qg, kg,
+    QP: tl.constexpr, KP: tl.constexpr, QG: tl.constexpr, KG: tl.constexpr
+):
+    """One compose stage on one head's [1, queries, keys] tile, its cross-head terms read from the stage's maps
+    (maps[first + r] query-wise, maps[first + R + r] key-wise)."""
+    y = x
+    if QG:
+        y = y + x * _weight(qg, row, t_idx, t_ok, 0, h_idx, h_ok, T, 1, H)[:, :, None]
+    if KG:
+        y = y + x * _weight(kg, row, s_idx, s_ok, 0, h_idx, h_ok, S, 1, H)[:, None, :]
+    for r in tl.static_range(R):
+        if QP:
+            hidden = _load_map(maps, row, first + r, t_idx, t_ok, s_idx, s_ok, seen, T, S, R)
+            y = y + hidden[None, :, :] * _weight(qw2, row, t_idx, t_ok, r, h_idx, h_ok, T, R, H)[:, :, None]
+        if KP:
+            hidden = _load_map(maps, row, first + R + r, t_idx, t_ok, s_idx, s_ok, seen, T, S, R)
+            y = y + hidden[None, :, :] * _weight(kw2, row, s_idx, s_ok, r, h_idx, h_ok, S, R, H)[:, None, :]
+    return y
+
+
+def _head_pattern(
+    q_rows, k, maps, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, E, R: tl.constexpr, scale, qw2, kw2,
+    qg, kg, maxima, sums, QP: tl.constexpr, KP: tl.constexpr, QG: tl.constexpr, KG: tl.constexpr, EP: tl.constexpr,
+    HALF: tl.constexpr, NORMALISED: tl.constexpr
+):
+    """One head's pre-composed scores (-inf where hidden) or, NORMALISED, its probabilities from the row statistics
+    ([1, queries] each)."""
+    scores = _head_scores(q_rows, k, row, s_idx, s_ok, h_idx, h_ok, S, H, E, scale, EP, HALF)
+    composed = _head_compose(
+        scores, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, R, maps, 0, qw2, kw2, qg, kg, QP, KP, QG,
+        KG
+    )
+    if NORMALISED:
+        return tl.where(seen[None, :, :], tl.exp(composed - maxima[:, :, None]) / sums[:, :, None], 0.0)
+    return tl.where(seen[None, :, :], composed, float("-inf"))
+
+
+def _head_rows(x, row, idx, ok, h_idx, h_ok, N, H, E, EP: tl.constexpr):
+    """One head's rows of a [b, N, H, E] tensor: [1, positions, EP] (the head dim padded), in its dtype."""
+    e = tl.arange(0, EP)
+    return _rows(x, row, idx, ok, h_idx, h_ok, e, e < E, N, H, E)
+
+
+def _tile_is_seen(t0, s0, past, span, BQ: tl.constexpr, BK: tl.constexpr):
+    """Whether any query of the block starting at t0 sees any key of the block starting at s0."""
+    return (s0 <= past + t0 + BQ - 1) & (s0 + BK - 1 > past + t0 - span)
+
+
+def _pre_maps_kernel(
+    q, k, maps, qw1, kw1, T, S, H, E, R: tl.constexpr, past, span, scale, RP: tl.constexpr, EP: tl.constexpr,
+    BQ: tl.constexpr, BK: tl.constexpr, QP: tl.constexpr, KP: tl.constexpr, HALF: tl.constexpr
+):
+    """The pre-compose's maps hq (j < R) and hk (R <= j < 2R) of one (key block, query block) tile (program axes 0,
+    1) of one batch row (axis 2), summed over the heads one at a time; tiles no query sees are skipped."""
+    s0 = tl.program_id(0) * BK
+    t0 = tl.program_id(1) * BQ
+    row = tl.program_id(2)
+    if _tile_is_seen(t0, s0, past, span, BQ, BK):
+        t_idx = t0 + tl.arange(0, BQ)
+        t_ok = t_idx < T
+        s_idx = s0 + tl.arange(0, BK)
+        s_ok = s_idx < S
+        q_maps = tl.zeros((RP, BQ, BK), dtype=tl.float32)
+        k_maps = tl.zeros((RP, BQ, BK), dtype=tl.float32)
+        for n in range(H):
+            head = n + tl.arange(0, 1)
+            q_rows = _head_rows(q, row, t_idx, t_ok, head, head < H, T, H, E, EP)
+            scores = _head_scores(q_rows, k, row, s_idx, s_ok, head, head < H, S, H, E, scale, EP, HALF)
+            if QP:
+                q_maps += scores * _head_weights(qw1, row, t_idx, t_ok, n, T, H, R, RP)[:, :, None]
+            if KP:
+                k_maps += scores * _head_weights(kw1, row, s_idx, s_ok, n, S, H, R, RP)[:, None, :]
+        if QP:
+            _store_maps(maps, row, 0, t_idx, t_ok, s_idx, s_ok, T, S, R, RP, q_maps)
+        if KP:
+            _store_maps(maps, row, R, t_idx, t_ok, s_idx, s_ok, T, S, R, RP, k_maps)
+
+
+def _row_statistics_kernel(
+    q, k, maps, row_max, row_sum, real, qw2, kw2, qg, kg, T, S, H, E, R: tl.constexpr, past, span, scale,
+    EP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, QP: tl.constexpr, KP: tl.constexpr,
+    QG: tl.constexpr, KG: tl.constexpr, PADDING: tl.constexpr, HALF: tl.constexpr
+):
+    """The softmax's max and sum of one head (program axis 0) over one block of queries (axis 1) of one batch row
+    (axis 2), over every key those queries see (online, one pass)."""
+    h_idx = tl.program_id(0) + tl.arange(0, 1)
+    h_ok = h_idx < H
+    t0 = tl.program_id(1) * BQ
+    row = tl.program_id(2)
+    t_idx = t0 + tl.arange(0, BQ)
+    t_ok = t_idx < T
+    first_key = tl.maximum(past + t0 - span + 1, 0) // BK * BK  # aligned, so that whole vectors load
+    end_key = tl.minimum(past + t0 + BQ, S)
+    q_rows = _head_rows(q, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP)
+    running_max = tl.full((1, BQ), float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros((1, BQ), dtype=tl.float32)
+    for s0 in range(first_key, end_key, BK):
+        s_idx = s0 + tl.arange(0, BK)
+        s_ok = s_idx < end_key  # keys past the block's last query are not even read
+        seen = _visible(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING)
+        composed = _head_pattern(
+            q_rows, k, maps, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, E, R, scale, qw2, kw2, qg,
+            kg, running_max, running_sum, QP, KP, QG, KG, EP, HALF, False
+        )
+        new_max = tl.maximum(running_max, tl.max(composed, axis=2))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(composed - shift[:, :, None]), axis=2)
+        running_max = new_max
+    running_max = tl.where(running_max == float("-inf"), 0.0, running_max)
+    running_sum = tl.where(running_sum == 0.0, 1.0, running_sum)
+    stats = (row * H + h_idx[:, None]) * T + t_idx[None, :]
+    tl.store(row_max + stats, running_max, mask=h_ok[:, None] & t_ok[None, :])
+    tl.store(row_sum + stats, running_sum, mask=h_ok[:, None] & t_ok[None, :])
+
+
+def _post_maps_kernel(
+    q, k, maps, row_max, row_sum, real, pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1, T, S, H, E,
+    R: tl.constexpr, past, span, scale, RP: tl.constexpr, EP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+    PRE_QP: tl.constexpr, PRE_KP: tl.constexpr, PRE_QG: tl.constexpr, PRE_KG: tl.constexpr, POST_QP: tl.constexpr,
+    POST_KP: tl.constexpr, PADDING: tl.constexpr, HALF: tl.constexpr
+):
+    """The post-compose's maps gq (2R <= j < 3R) and gk (3R <= j < 4R) of one (key block, query block) tile (program
+    axes 0, 1) of one batch row (axis 2): every head's probabilities, one head at a time, summed."""
+    s0 = tl.program_id(0) * BK
+    t0 = tl.program_id(1) * BQ
+    row = tl.program_id(2)
+    if _tile_is_seen(t0, s0, past, span, BQ, BK):
+        t_idx = t0 + tl.arange(0, BQ)
+        t_ok = t_idx < T
+        s_idx = s0 + tl.arange(0, BK)
+        s_ok = s_idx < S
+        seen = _visible(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING)
+        q_maps = tl.zeros((RP, BQ, BK), dtype=tl.float32)
+        k_maps = tl.zeros((RP, BQ, BK), dtype=tl.float32)
+        for n in range(H):
+            head = n + tl.arange(0, 1)
+            stats = (row * H + head[:, None]) * T + t_idx[None, :]
+            maxima = tl.load(row_max + stats, mask=t_ok[None, :], other=0.0)
+            sums = tl.load(row_sum + stats, mask=t_ok[None, :], other=1.0)
+            pattern = _head_pattern(
+                _head_rows(q, row, t_idx, t_ok, head, head < H, T, H, E, EP), k, maps, row, t_idx, t_ok, s_idx,
+                s_ok, head, head < H, seen, T, S, H, E, R, scale, pre_qw2, pre_kw2, pre_qg, pre_kg, maxima, sums,
+                PRE_QP, PRE_KP, PRE_QG, PRE_KG, EP, HALF, True
+            )
+            if POST_QP:
+                q_maps += pattern * _head_weights(post_qw1, row, t_idx, t_ok, n, T, H, R, RP)[:, :, None]
+            if POST_KP:
+                k_maps += pattern * _head_weights(post_kw1, row, s_idx, s_ok, n, S, H, R, RP)[:, None, :]
+        if POST_QP:
+            _store_maps(maps, row, 2 * R, t_idx, t_ok, s_idx, s_ok, T, S, R, RP, q_maps)
+        if POST_KP:
+            _store_maps(maps, row, 3 * R, t_idx, t_ok, s_idx, s_ok, T, S, R, RP, k_maps)
+
+
+def _head_output_kernel(
+    q, k, v, z, maps, row_max, row_sum, real, pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw2, post_kw2, post_qg, post_kg,
+    T, S, H, E, R: tl.constexpr, past, span, scale, EP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+    PRE_QP: tl.constexpr, PRE_KP: tl.constexpr, PRE_QG: tl.constexpr, PRE_KG: tl.constexpr,
+    POST_QP: tl.constexpr, POST_KP: tl.constexpr, POST_QG: tl.constexpr, POST_KG: tl.constexpr, PADDING: tl.constexpr,
+    HALF: tl.constexpr
+):
+    """z of one head (program axis 0) for one block of queries (axis 1) of one batch row (axis 2): its probabilities,
+    post-composed with the maps, times v, accumulated over the keys in registers."""
+    h_idx = tl.program_id(0) + tl.arange(0, 1)
+    h_ok = h_idx < H
+    t0 = tl.program_id(1) * BQ
+    row = tl.program_id(2)
+    t_idx = t0 + tl.arange(0, BQ)
+    t_ok = t_idx < T
+    first_key = tl.maximum(past + t0 - span + 1, 0)
+    end_key = tl.minimum(past + t0 + BQ, S)
+    stats = (row * H + h_idx[:, None]) * T + t_idx[None, :]
+    maxima = tl.load(row_max + stats, mask=h_ok[:, None] & t_ok[None, :], other=0.0)
+    sums = tl.load(row_sum + stats, mask=h_ok[:, None] & t_ok[None, :], other=1.0)
+    q_rows = _head_rows(q, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP)
+    out = tl.zeros((1, BQ, EP), dtype=tl.float32)
+    for s0 in range(first_key // BK * BK, end_key, BK):  # aligned, so that whole vectors load
+        s_idx = s0 + tl.arange(0, BK)
+        s_ok = s_idx < end_key
+        seen = _visible(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING)
+        pattern = _head_pattern(
+            q_rows, k, maps, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, E, R, scale, pre_qw2, pre_kw2,
+            pre_qg, pre_kg, maxima, sums, PRE_QP, PRE_KP, PRE_QG, PRE_KG, EP, HALF, True
+        )
+        pattern = _head_compose(
+            pattern, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, R, maps, 2 * R, post_qw2, post_kw2,
+            post_qg, post_kg, POST_QP, POST_KP, POST_QG, POST_KG
+        )
+        # keys of the aligned block before the first visible one were loaded, never used: 0, whatever they hold
+        values = _head_rows(v, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP)
+        values = tl.where((s_idx >= first_key)[None, :, None], values, 0.0).to(v.dtype.element_ty)
+        out += _head_dot(tl.where(seen[None, :, :], pattern, 0.0), values, HALF)
+    e = tl.arange(0, EP)
+    offsets = ((row * T + t_idx[None, :, None]) * H + h_idx[:, None, None]) * E + e[None, None, :]
+    mask = h_ok[:, None, None] & t_ok[None, :, None] & (e[None, None, :] < E)
+    tl.store(z + offsets, out.to(z.dtype.element_ty), mask=mask)
+
 # fmt: on
 
 _KERNELS = (
@@ -442,6 +712,19 @@ _KERNELS = (
     "_forward_kernel",
     "_backward_query_kernel",
     "_backward_key_kernel",
+    "_head_dot",
+    "_head_weights",
+    "_load_map",
+    "_store_maps",
+    "_head_scores",
+    "_head_compose",
+    "_head_pattern",
+    "_head_rows",
+    "_tile_is_seen",
+    "_pre_maps_kernel",
+    "_row_statistics_kernel",
+    "_post_maps_kernel",
+    "_head_output_kernel",
 )
 _decorated = False
 _decorated_interpreted = False
@@ -468,7 +751,7 @@ class _Launch:
     """What every kernel of one call is given besides the tensors: shapes, the mask's past and span, which branches
     are on (the kernels' constexpr flags), the block sizes."""
 
-    def __init__(self, q: Tensor, k: Tensor, weights: tuple, window, official, past, real, blocks):
+    def __init__(self, q: Tensor, k: Tensor, weights: tuple, window, official, past, real, blocks, forward, map_blocks):
         batch, self.n_queries, self.n_heads, self.d_head = q.shape
         self.batch, self.n_keys = batch, k.shape[1]
         self.past = past
@@ -479,6 +762,9 @@ class _Launch:
         ranks = {w.shape[2] for w, name in zip(weights, BRANCHES * 2, strict=True) if w is not None and name[1] == "w"}
         self.rank = ranks.pop() if ranks else 1
         self.block_queries, self.block_keys, self.block_dim = blocks
+        self.forward = forward
+        blocks_given = {} if map_blocks is None else dict(BQ=map_blocks[0], BK=map_blocks[1])
+        self.maps_kernels, self.head_kernels = dict(MAPS_KERNELS, **blocks_given), dict(HEAD_KERNELS, **blocks_given)
         self.flags = {
             f"{stage}_{branch}": weights[offset + index] is not None
             for stage, offset in (("PRE", 0), ("POST", 6))
@@ -524,6 +810,74 @@ def _forward(launch: _Launch, q, k, v, real, weights) -> tuple[Tensor, Tensor, T
     return z.to(q.dtype), stats[0], stats[1]
 
 
+def _forward_through_maps(launch: _Launch, q, k, v, real, weights) -> tuple[Tensor, Tensor, Tensor]:
+    """z (in q's dtype) and the softmax's row max and sum ([b, h, t], float32), by the four kernels of the forward
+    through the cross-head maps: the pre-compose's maps, each head's row statistics, the post-compose's maps, each
+    head's output. The maps of at most MAPS_BYTES are held at a time: longer prompts go a chunk of queries at a time
+    (each against every key it sees, the chunks' own cache-like `past`)."""
+    batch, n_queries, n_keys = launch.batch, launch.n_queries, launch.n_keys
+    any_map = any(launch.flags[f"{stage}_{branch}"] for stage in ("PRE", "POST") for branch in ("QP", "KP"))
+    maps_dtype = q.dtype if launch.flags["HALF"] else torch.float32
+    block_queries = max(launch.maps_kernels["BQ"], launch.head_kernels["BQ"])
+    bytes_a_query = batch * 4 * launch.rank * n_keys * maps_dtype.itemsize
+    chunk = max(block_queries, MAPS_BYTES // bytes_a_query // block_queries * block_queries)
+    maps = None
+    if any_map:
+        maps = torch.empty(batch, 4 * launch.rank, min(chunk, n_queries), n_keys, dtype=maps_dtype, device=q.device)
+    query_side = {0, 1, 4, 6, 7, 10}  # each stage's qw1, qw2, qg: [b, t, ...]
+    outputs = []
+    for first in range(0, n_queries, chunk):
+        last = min(first + chunk, n_queries)
+        part = [w if w is None or i not in query_side else w[:, first:last].contiguous() for i, w in enumerate(weights)]
+        outputs.append(
+            _maps_launches(launch, q[:, first:last].contiguous(), k, v, real, part, maps, launch.past + first)
+        )
+    if len(outputs) == 1:
+        return outputs[0]
+    z, row_max, row_sum = zip(*outputs, strict=True)
+    return torch.cat(z, dim=1), torch.cat(row_max, dim=-1), torch.cat(row_sum, dim=-1)
+
+
+def _maps_launches(launch: _Launch, q, k, v, real, weights, maps, past) -> tuple[Tensor, Tensor, Tensor]:
+    """The four kernels on the queries q (at positions past, past + 1, ...) against every key k, v."""
+    flags, batch, n_queries, n_heads = launch.flags, q.shape[0], q.shape[1], launch.n_heads
+    scalars = (n_queries, launch.n_keys, n_heads, launch.d_head, launch.rank, past, launch.span, launch.scale)
+    head_dim = dict(EP=max(16, triton.next_power_of_2(launch.d_head)))
+    summed = dict(RP=triton.next_power_of_2(launch.rank), **head_dim, **launch.maps_kernels)
+    one_head = dict(**head_dim, **launch.head_kernels)
+    pre_qw1, pre_qw2, pre_kw1, pre_kw2, pre_qg, pre_kg, post_qw1, post_qw2, post_kw1, post_kw2, post_qg, post_kg = (
+        _pointers(weights, q)
+    )
+    branches = ("QP", "KP", "QG", "KG")
+    pre = {branch: flags[f"PRE_{branch}"] for branch in branches}
+    both = {f"{stage}_{branch}": flags[f"{stage}_{branch}"] for stage in ("PRE", "POST") for branch in branches}
+    masks = dict(PADDING=flags["PADDING"], HALF=flags["HALF"])
+    maps = q if maps is None else maps
+    stats = torch.empty(2, batch, n_heads, n_queries, dtype=torch.float32, device=q.device)
+    z = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    real = q if real is None else real
+    tiles = (triton.cdiv(launch.n_keys, summed["BK"]), triton.cdiv(n_queries, summed["BQ"]), batch)
+    heads = (n_heads, triton.cdiv(n_queries, one_head["BQ"]), batch)
+    if pre["QP"] or pre["KP"]:
+        _pre_maps_kernel[tiles](
+            q, k, maps, pre_qw1, pre_kw1, *scalars, QP=pre["QP"], KP=pre["KP"], HALF=flags["HALF"], **summed
+        )
+    _row_statistics_kernel[heads](
+        q, k, maps, *stats, real, pre_qw2, pre_kw2, pre_qg, pre_kg, *scalars, **pre, **masks, **one_head
+    )
+    if flags["POST_QP"] or flags["POST_KP"]:
+        post_maps = {name: on for name, on in both.items() if name not in ("POST_QG", "POST_KG")}
+        _post_maps_kernel[tiles](
+            q, k, maps, *stats, real, pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1, *scalars, **post_maps,
+            **masks, **summed,
+        )  # fmt: skip
+    _head_output_kernel[heads](
+        q, k, v, z, maps, *stats, real, pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw2, post_kw2, post_qg, post_kg,
+        *scalars, **both, **masks, **one_head,
+    )  # fmt: skip
+    return z, stats[0], stats[1]
+
+
 def _backward(launch: _Launch, q, k, v, real, weights, row_max, row_sum, dz) -> tuple:
     """The gradients of q, k, v and of each dynamic weight (None for a weight that is None)."""
     float32 = dict(dtype=torch.float32, device=q.device)
@@ -546,12 +900,15 @@ def _backward(launch: _Launch, q, k, v, real, weights, row_max, row_sum, dz) -> 
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *d_weights
 
 
+_FORWARDS = {"maps": _forward_through_maps, "tiles": _forward}
+
+
 class FusedDCMHA(torch.autograd.Function):
     """z of DCMHA whose backward is the fused kernels': the forward saves the inputs and the row statistics only."""
 
     @staticmethod
     def forward(ctx, launch: _Launch, q, k, v, real, *weights):
-        z, row_max, row_sum = _forward(launch, q, k, v, real, weights)
+        z, row_max, row_sum = _forward(launch, q, k, v, real, weights)  # the statistics the backward recomputes
         ctx.launch = launch
         ctx.save_for_backward(q, k, v, real, row_max, row_sum, *weights)
         return z
@@ -579,6 +936,8 @@ def fused_dcmha(
     past: int = 0,
     real: Bool[Tensor, "b s"] | None = None,
     blocks: tuple[int, int, int] = BLOCKS,
+    forward: Literal["maps", "tiles"] = "maps",
+    map_blocks: tuple[int, int] | None = None,
 ) -> Float[Tensor, "b t h e"]:
     """z of DCMHA, differentiable in q, k, v and every dynamic weight (fused backward). s = past + t.
 
@@ -586,8 +945,10 @@ def fused_dcmha(
     None for a branch that is off. qw1, qw2: [b, t, r, h]; kw1, kw2: [b, s, r, h]; qg: [b, t, h]; kg: [b, s, h].
     window: a local layer's window (None: global), `official` for the "official-inference" semantics (window + 1
     keys). real: False at padded keys (a query always sees itself). blocks: queries and keys of a tile and the chunk
-    of the head dim, powers of two of at least 16. Second derivatives (create_graph=True) raise: take the
-    materialised path for them."""
+    of the head dim for the tiles kernels, powers of two of at least 16. forward: which forward computes z when no
+    gradient is needed ("maps", the faster, or "tiles"); with gradients, always "tiles" (this module's docstring).
+    map_blocks: queries and keys of a tile of the four kernels of the forward through the maps (None: MAPS_KERNELS'
+    and HEAD_KERNELS'). Second derivatives (create_graph=True) raise: take the materialised path for them."""
     reason = available(q.device)
     if reason is not None:
         raise RuntimeError(f"fused_dcmha: {reason}")
@@ -598,17 +959,17 @@ def fused_dcmha(
                 f"fused_dcmha: {name} must be (qw1, qw2, kw1, kw2, qg, kg) or None (got {len(stage)} items)"
             )
     weights = tuple(None if w is None else w.contiguous() for w in (*(pre or (None,) * 6), *(post or (None,) * 6)))
-    _check(q, k, v, weights, past, real, window, blocks)
+    _check(q, k, v, weights, past, real, window, blocks, forward, map_blocks)
     if real is not None:
         real = real.to(device=q.device, dtype=torch.int8).contiguous()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    launch = _Launch(q, k, weights, window, official, past, real, blocks)
+    launch = _Launch(q, k, weights, window, official, past, real, blocks, forward, map_blocks)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, *weights)):
         return FusedDCMHA.apply(launch, q, k, v, real, *weights)
-    return _forward(launch, q, k, v, real, weights)[0]
+    return _FORWARDS[forward](launch, q, k, v, real, weights)[0]
 
 
-def _check(q, k, v, weights, past, real, window, blocks) -> None:
+def _check(q, k, v, weights, past, real, window, blocks, forward, map_blocks) -> None:
     """One clear line naming the argument at fault."""
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
         raise ValueError(f"fused_dcmha: q, k, v must be [b, t, h, e], [b, s, h, e] (got {tuple(q.shape)}, "
@@ -651,3 +1012,7 @@ def _check(q, k, v, weights, past, real, window, blocks) -> None:
         raise ValueError(f"fused_dcmha: window must be at least 1 (got {window})")
     if len(blocks) != 3 or any(n < 16 or n & (n - 1) for n in blocks):
         raise ValueError(f"fused_dcmha: blocks must be three powers of two of at least 16 (got {blocks})")
+    if map_blocks is not None and (len(map_blocks) != 2 or any(n < 16 or n & (n - 1) for n in map_blocks)):
+        raise ValueError(f"fused_dcmha: map_blocks must be two powers of two of at least 16 (got {map_blocks})")
+    if forward not in _FORWARDS:
+        raise ValueError(f"fused_dcmha: forward must be one of {sorted(_FORWARDS)} (got {forward!r})")
