@@ -4,7 +4,8 @@
     python benchmarks/bench_gpu_attention.py --quick    # 2,048 tokens and one decoding step only
 
 One attention layer at DCPythia-6.9B's width (32 heads of 128, rank 2, every branch of both stages), bfloat16, batch 1,
-causal: the fused Triton kernels (`dcinterp.dcmha.triton_kernels.fused_dcmha`), the materialised path's arithmetic
+causal: the fused Triton kernels (`dcinterp.dcmha.triton_kernels.fused_dcmha`: the forward through the cross-head maps
+without gradients, the tiles forward and the fused backward with them), the materialised path's arithmetic
 with every [b, h, t, s] tensor (`dcinterp.dcmha.materialised.attend`: no hook), and plain attention by
 `scaled_dot_product_attention` (SDPA) on the same q, k, v. Forward; forward + backward to q, k, v (and to every
 dynamic weight for DCMHA); one decoding step (1 new query against a cache). Medians of 10 timed runs after warm-up (CUDA
