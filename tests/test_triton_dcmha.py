@@ -380,8 +380,10 @@ def test_second_derivatives_raise_clearly():
         (dict(blocks=(16, 24, 16)), "blocks must be"),
         (dict(post=lambda weights: weights[:5]), "post must be"),
         (dict(v=lambda v: v.double()), "q, k, v must share"),
+        (dict(forward="fast"), "forward must be one of"),
+        (dict(map_blocks=(64, 8)), "map_blocks must be"),
     ],
-    ids=["keys", "weight", "padding", "blocks", "stage", "dtype"],
+    ids=["keys", "weight", "padding", "blocks", "stage", "dtype", "forward", "map-blocks"],
 )
 def test_bad_input_says_which_argument(change, message):
     q, k, v, pre, post = [to(x, torch.float32) for x in make_inputs(1, 16, 2, 16, 1)]
@@ -396,9 +398,10 @@ def test_bad_input_says_which_argument(change, message):
         post = change["post"](post)
     if "v" in change:
         v = change["v"](v)
+    options = {key: change[key] for key in ("forward", "map_blocks") if key in change}
     blocks = change.get("blocks", BLOCKS)
     with pytest.raises(ValueError, match=f"^fused_dcmha: {message}"):
-        fused_dcmha(q, k, v, pre, post, window=None, official=False, real=real, blocks=blocks)
+        fused_dcmha(q, k, v, pre, post, window=None, official=False, real=real, blocks=blocks, **options)
 
 
 BRANCH_OF = {"qw1": "qp", "qw2": "qp", "kw1": "kp", "kw2": "kp", "qg": "qg", "kg": "kg"}
