@@ -33,19 +33,6 @@ CHECKS = [(torch.float32, 2, 77, 6, 64, 2, 0), (torch.float32, 1, 200, 32, 128, 
           (torch.float16, 1, 300, 32, 128, 2, 0), (torch.bfloat16, 1, 1000, 32, 128, 2, 0)]  # fmt: skip
 
 
-def check_forward(fused, dtype, b, t, h, e, rank, past=0) -> float:
-    """The forward's largest error over what the rule allows (at most 1 passes)."""
-    exact_inputs = bench.inputs(b, t, h, e, rank, past, torch.float64)
-    inputs = bench.inputs(b, t, h, e, rank, past, dtype)
-    with torch.no_grad():
-        new = fused(*inputs[0], *inputs[1], past=past)
-        single = bench.formulas(*inputs[0], *inputs[1], past=past)
-        exact = bench.formulas(*exact_inputs[0], *exact_inputs[1], past=past)
-    factor, floor = (4, 8 * torch.finfo(torch.float32).eps) if dtype == torch.float32 else (2, 0.0)
-    error = (new.double() - exact).abs().max().item()
-    return error / (factor * (single.double() - exact).abs().max().item() + floor * exact.abs().max().item())
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="also write the JSON lines to this file")
@@ -67,7 +54,7 @@ def main(argv=None) -> int:
     start = time.time()
     emit(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=sys.modules["triton"].__version__)
     for dtype, b, t, h, e, rank, past in CHECKS:
-        ratio = check_forward(fused, dtype, b, t, h, e, rank, past)
+        ratio = bench.check(fused, dtype, b, t, h, e, rank, past, with_gradients=False)
         shape = dict(dtype=str(dtype).split(".")[1], batch=b, tokens=t, heads=h, head_dim=e, rank=rank, past=past)
         emit(check="forward through the maps vs formulas, judged by float64", **shape, ratio=round(ratio, 3))
 

@@ -45,11 +45,8 @@ def test_without_cuda_one_line_and_no_number():
     assert result.stdout.strip() == "bench_gpu_attention: no CUDA device: no GPU number is measured here"
 
 
-sweep = pytest.importorskip("sweep_gpu_maps")
-
-
-def test_the_sweeps_check_is_the_float64_rule_and_fails_a_wrong_kernel(monkeypatch):
-    """benchmarks/sweep_gpu_maps.py checks the forward through the maps (no gradient) by the same rule."""
+def test_the_no_gradient_check_holds_the_forward_through_the_maps_to_the_rule(monkeypatch):
+    """benchmarks/sweep_gpu_maps.py checks the forward through the maps with `check(..., with_gradients=False)`."""
     kernels = bench.load("triton_kernels")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if kernels.available(device) is not None:
@@ -59,13 +56,13 @@ def test_the_sweeps_check_is_the_float64_rule_and_fails_a_wrong_kernel(monkeypat
     def fused(q, k, v, pre, post, past=0):
         return kernels.fused_dcmha(q, k, v, pre, post, window=None, official=False, past=past, map_blocks=(16, 16))
 
-    assert sweep.check_forward(fused, torch.float32, 2, 21, 3, 16, 2) <= 1
-    assert sweep.check_forward(fused, torch.float32, 1, 3, 3, 16, 1, past=20) <= 1
+    assert bench.check(fused, torch.float32, 2, 21, 3, 16, 2, with_gradients=False) <= 1
+    assert bench.check(fused, torch.float32, 1, 3, 3, 16, 1, past=20) <= 1
 
     def off_by_a_rounding(q, k, v, pre, post, past=0):
         return fused(q, k, v, pre, post, past) * (1 + 1e-5)
 
-    assert sweep.check_forward(off_by_a_rounding, torch.float32, 2, 21, 3, 16, 2) > 1
+    assert bench.check(off_by_a_rounding, torch.float32, 2, 21, 3, 16, 2, with_gradients=False) > 1
 
 
 def test_the_sweep_without_cuda_says_so_in_one_line():
