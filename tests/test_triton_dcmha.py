@@ -153,8 +153,8 @@ def check(
 
 @pytest.mark.parametrize(
     "b, t, h, e, rank",
-    [(2, 37, 3, 24, 2), (1, 40, 6, 16, 1), (2, 19, 4, 32, 2), (1, 33, 1, 16, 2)],
-    ids=["heads-3-dim-24", "heads-6-rank-1", "heads-4-dim-32", "one-head"],
+    [(2, 37, 3, 24, 2), (1, 40, 6, 16, 1), (2, 19, 4, 32, 2), (1, 33, 1, 16, 2), (1, 21, 3, 16, 3)],
+    ids=["heads-3-dim-24", "heads-6-rank-1", "heads-4-dim-32", "one-head", "rank-3"],
 )
 def test_global_layer(b, t, h, e, rank):
     check(make_inputs(b, t, h, e, rank))
