@@ -11,9 +11,9 @@ One DCMHA layer, per batch row (t queries, s keys, n/m heads, e head dim, r rank
     z[t, m] = sum_s P'[m, t, s] v[s, m]
     compose(X)[m, t, s] = X[m] (1 + qg[t, m] + kg[s, m]) + sum_r (sum_n X[n] qw1[t, r, n]) qw2[t, r, m]
                                                            + sum_r (sum_n X[n] kw1[s, r, n]) kw2[s, r, m]
-The compose mixes the heads of one (query, key) pair and nothing else, so a tile of queries x keys holds every head,
-`[heads, queries, keys]` (heads padded to a power of two, the padding masked), and reads only its own queries' and
-keys' dynamic weights, in their low-rank form.
+The compose mixes the heads of one (query, key) pair and nothing else, so a tile of queries x keys of the tiles
+kernels holds every head, `[heads, queries, keys]` (heads padded to a power of two, the padding masked), and reads
+only its own queries' and keys' dynamic weights, in their low-rank form.
 
 Forward through the maps (`_forward_through_maps`). The compose mixes heads only through rank-R maps of [queries,
 keys] that every head shares: hq[r] = sum_n qw1[t, r, n] S[n] and hk[r] = sum_n kw1[s, r, n] S[n] before the softmax,
