@@ -52,6 +52,11 @@ SDPA_BACKENDS_WITH_CACHE = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATT
 BRANCH_DYN_INDEX = {"pre": (0, 1), "post": (2, 3)}  # dynamic-weight branches c: [pre q, pre k, post q, post k]
 
 
+def _gradient_needed(*tensors: Tensor) -> bool:
+    """Whether autograd will need a gradient through an operation on these tensors."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _hooked(hook: HookPoint) -> bool:
     """Whether anything reads or sets the hook point: a TransformerLens or torch hook, or a wrapped forward."""
     return bool(hook.fwd_hooks or hook.bwd_hooks or hook._forward_hooks or hook._backward_hooks) or _wrapped(hook)
@@ -299,7 +304,7 @@ class Attention(nn.Module):
             device=x.device,
             dtypes={t.dtype for t in inputs},
             positions=x.shape[0] * x.shape[1],
-            gradient_needed=torch.is_grad_enabled() and any(t.requires_grad for t in inputs),
+            gradient_needed=_gradient_needed(*inputs),
             functorch_active=torch._C._are_functorch_transforms_active(),
         )
         w1, w2, gates = (w.unbind(2) for w in dcmha.compute_dynamic_weights(path, x, *params))  # per branch c
@@ -396,8 +401,7 @@ class Attention(nn.Module):
             cached_queries=None if past_kv_cache_entry is None else n_queries,
             padding_as_mask_only=mask.ndim == 4 and real is None,
             keys=mask.shape[-1],
-            gradient_needed=torch.is_grad_enabled()
-            and (x.requires_grad or any(p.requires_grad for p in self.parameters())),
+            gradient_needed=_gradient_needed(x, *self.parameters()),
         )
 
     def composed_weights(

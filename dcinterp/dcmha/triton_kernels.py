@@ -92,6 +92,7 @@ MAPS_KERNELS = dict(BQ=64, BK=32, num_warps=4, num_stages=3)
 HEAD_KERNELS = dict(BQ=64, BK=32, num_warps=4, num_stages=2)
 MAPS_BYTES = 256 * 2**20  # the forward through the maps holds at most this much of them at a time
 BRANCHES = ("qw1", "qw2", "kw1", "kw2", "qg", "kg")  # a stage's dynamic weights, in this order
+QUERY_SIDE, KEY_SIDE = (0, 1, 4, 6, 7, 10), (2, 3, 5, 8, 9, 11)  # both stages' weights of [b, t, ...] and [b, s, ...]
 
 
 def available(device: torch.device) -> str | None:
@@ -266,6 +267,26 @@ def _pattern(composed, seen, row_max, row_sum):
     return tl.where(seen, tl.exp(composed - row_max[:, :, None]) / row_sum[:, :, None], 0.0)
 
 
+def _online_softmax(running_max, running_sum, composed):
+    """The softmax's running max and sum ([heads, queries]) after one more block of keys ([heads, queries, keys],
+    -inf where hidden)."""
+    new_max = tl.maximum(running_max, tl.max(composed, axis=2))
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(composed - shift[:, :, None]), axis=2)
+    return new_max, running_sum
+
+
+def _store_statistics(row_max, row_sum, running_max, running_sum, row, h_idx, h_ok, t_idx, t_ok, H, T):
+    """Each (head, query)'s final max and sum into [b, H, T] buffers, and returned; a row with no visible key gets
+    max 0 and sum 1 (no NaN later)."""
+    running_max = tl.where(running_max == float("-inf"), 0.0, running_max)
+    running_sum = tl.where(running_sum == 0.0, 1.0, running_sum)
+    stats = (row * H + h_idx[:, None]) * T + t_idx[None, :]
+    tl.store(row_max + stats, running_max, mask=h_ok[:, None] & t_ok[None, :])
+    tl.store(row_sum + stats, running_sum, mask=h_ok[:, None] & t_ok[None, :])
+    return running_max, running_sum
+
+
 def _forward_kernel(
     q, k, v, z, row_max, row_sum, real, pre_qw1, pre_qw2, pre_kw1, pre_kw2, pre_qg, pre_kg, post_qw1, post_qw2,
     post_kw1, post_kw2, post_qg, post_kg, T, S, H, E, R, past, span, scale, HP: tl.constexpr, BQ: tl.constexpr,
@@ -293,15 +314,10 @@ def _forward_kernel(
             q, k, real, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, T, S, H, E, R, past, span, scale, pre_qw1, pre_qw2,
             pre_kw1, pre_kw2, pre_qg, pre_kg, PRE_QP, PRE_KP, PRE_QG, PRE_KG, BE, HALF, PADDING
         )
-        new_max = tl.maximum(running_max, tl.max(composed, axis=2))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(composed - shift[:, :, None]), axis=2)
-        running_max = new_max
-    running_max = tl.where(running_max == float("-inf"), 0.0, running_max)
-    running_sum = tl.where(running_sum == 0.0, 1.0, running_sum)
-    stats = (row * H + h_idx[:, None]) * T + t_idx[None, :]
-    tl.store(row_max + stats, running_max, mask=h_ok[:, None] & t_ok[None, :])
-    tl.store(row_sum + stats, running_sum, mask=h_ok[:, None] & t_ok[None, :])
+        running_max, running_sum = _online_softmax(running_max, running_sum, composed)
+    running_max, running_sum = _store_statistics(
+        row_max, row_sum, running_max, running_sum, row, h_idx, h_ok, t_idx, t_ok, H, T
+    )
 
     for s0 in range(first_key, end_key, BK):
         s_idx = s0 + tl.arange(0, BK)
@@ -602,15 +618,8 @@ def _row_statistics_kernel(
             q_rows, k, maps, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, E, R, scale, qw2, kw2, qg,
             kg, running_max, running_sum, QP, KP, QG, KG, EP, HALF, False
         )
-        new_max = tl.maximum(running_max, tl.max(composed, axis=2))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(composed - shift[:, :, None]), axis=2)
-        running_max = new_max
-    running_max = tl.where(running_max == float("-inf"), 0.0, running_max)
-    running_sum = tl.where(running_sum == 0.0, 1.0, running_sum)
-    stats = (row * H + h_idx[:, None]) * T + t_idx[None, :]
-    tl.store(row_max + stats, running_max, mask=h_ok[:, None] & t_ok[None, :])
-    tl.store(row_sum + stats, running_sum, mask=h_ok[:, None] & t_ok[None, :])
+        running_max, running_sum = _online_softmax(running_max, running_sum, composed)
+    _store_statistics(row_max, row_sum, running_max, running_sum, row, h_idx, h_ok, t_idx, t_ok, H, T)
 
 
 def _post_maps_kernel(
@@ -709,6 +718,8 @@ _KERNELS = (
     "_compose_backward",
     "_pre_composed",
     "_pattern",
+    "_online_softmax",
+    "_store_statistics",
     "_forward_kernel",
     "_backward_query_kernel",
     "_backward_key_kernel",
@@ -751,7 +762,7 @@ class _Launch:
     """What every kernel of one call is given besides the tensors: shapes, the mask's past and span, which branches
     are on (the kernels' constexpr flags), the block sizes."""
 
-    def __init__(self, q: Tensor, k: Tensor, weights: tuple, window, official, past, real, blocks, forward, map_blocks):
+    def __init__(self, q: Tensor, k: Tensor, weights: tuple, window, official, past, real, blocks, map_blocks):
         batch, self.n_queries, self.n_heads, self.d_head = q.shape
         self.batch, self.n_keys = batch, k.shape[1]
         self.past = past
@@ -762,7 +773,6 @@ class _Launch:
         ranks = {w.shape[2] for w, name in zip(weights, BRANCHES * 2, strict=True) if w is not None and name[1] == "w"}
         self.rank = ranks.pop() if ranks else 1
         self.block_queries, self.block_keys, self.block_dim = blocks
-        self.forward = forward
         blocks_given = {} if map_blocks is None else dict(BQ=map_blocks[0], BK=map_blocks[1])
         self.maps_kernels, self.head_kernels = dict(MAPS_KERNELS, **blocks_given), dict(HEAD_KERNELS, **blocks_given)
         self.flags = {
@@ -824,11 +834,10 @@ def _forward_through_maps(launch: _Launch, q, k, v, real, weights) -> tuple[Tens
     maps = None
     if any_map:
         maps = torch.empty(batch, 4 * launch.rank, min(chunk, n_queries), n_keys, dtype=maps_dtype, device=q.device)
-    query_side = {0, 1, 4, 6, 7, 10}  # each stage's qw1, qw2, qg: [b, t, ...]
     outputs = []
     for first in range(0, n_queries, chunk):
         last = min(first + chunk, n_queries)
-        part = [w if w is None or i not in query_side else w[:, first:last].contiguous() for i, w in enumerate(weights)]
+        part = [w if w is None or i not in QUERY_SIDE else w[:, first:last].contiguous() for i, w in enumerate(weights)]
         outputs.append(
             _maps_launches(launch, q[:, first:last].contiguous(), k, v, real, part, maps, launch.past + first)
         )
@@ -886,8 +895,8 @@ def _backward(launch: _Launch, q, k, v, real, weights, row_max, row_sum, dz) -> 
     d_row = torch.empty(launch.batch, launch.n_heads, launch.n_queries, **float32)
     tensors = (q, k, v, dz.contiguous(), row_max, row_sum, d_row)
     real = q if real is None else real
-    query_side = _pointers([d_weights[i] for i in (0, 1, 4, 6, 7, 10)], dq)
-    key_side = _pointers([d_weights[i] for i in (2, 3, 5, 8, 9, 11)], dk)
+    query_side = _pointers([d_weights[i] for i in QUERY_SIDE], dq)
+    key_side = _pointers([d_weights[i] for i in KEY_SIDE], dk)
     grid = (triton.cdiv(launch.n_queries, launch.block_queries), launch.batch)
     _backward_query_kernel[grid](
         *tensors, dq, real, *_pointers(weights, q), *query_side, *launch.scalars(), **launch.constants()
@@ -963,7 +972,7 @@ def fused_dcmha(
     if real is not None:
         real = real.to(device=q.device, dtype=torch.int8).contiguous()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    launch = _Launch(q, k, weights, window, official, past, real, blocks, forward, map_blocks)
+    launch = _Launch(q, k, weights, window, official, past, real, blocks, map_blocks)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, *weights)):
         return FusedDCMHA.apply(launch, q, k, v, real, *weights)
     return _FORWARDS[forward](launch, q, k, v, real, weights)[0]
