@@ -445,7 +445,7 @@ triton_kernels._decorate()
 every = dict(HP=4, BQ=16, BK=16, BE=32, PADDING=True, HALF=True, R=2, RP=2, EP=128, QP=True, KP=True, QG=True,
              KG=True)
 every.update({f"{stage}_{branch}": True for stage in ("PRE", "POST") for branch in ("QP", "KP", "QG", "KG")})
-scalars = dict(T="i32", S="i32", H="i32", E="i32", R="i32", past="i32", span="i32", scale="fp32", NKB="i32")
+scalars = dict(T="i32", S="i32", H="i32", E="i32", R="i32", past="i32", span="i32", scale="fp32")
 tiles = ("_forward_kernel", "_backward_query_kernel", "_backward_key_kernel")
 maps = ("_pre_maps_kernel", "_row_statistics_kernel", "_post_maps_kernel", "_head_output_kernel")
 for name in tiles + maps:

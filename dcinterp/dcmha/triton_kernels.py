@@ -19,9 +19,8 @@ Forward through the maps (`_forward_through_maps`). The compose mixes heads only
 keys] that every head shares: hq[r] = sum_n qw1[t, r, n] S[n] and hk[r] = sum_n kw1[s, r, n] S[n] before the softmax,
 gq[r] = sum_n qw1'[t, r, n] P[n] and gk[r] after it. Four kernels:
 - `_pre_maps_kernel`, per (query block, key block) tile that any query sees: hq and hk, summing each head's scores;
-  then, with the maps still in registers, each head's pre-composed scores and their softmax max and sum over the
-  tile's keys (so no kernel reads the pre-compose's maps once per head just for the statistics);
-- `_row_statistics_kernel`, per (head, query block): those per-tile statistics combined over the key blocks;
+- `_row_statistics_kernel`, per (head, query block): the head's pre-composed scores from its own q k^T, its gates and
+  the maps, and its softmax max and sum, online over the keys;
 - `_post_maps_kernel`, per tile: gq and gk, summing each head's probabilities;
 - `_head_output_kernel`, per (head, query block): the probabilities again, post-composed with the maps, times v,
   accumulated in registers as FlashAttention does.
@@ -490,20 +489,12 @@ def _head_weights(w, row, idx, ok, n, N, H, R, RP: tl.constexpr):
     return tl.load(w + offsets, mask=(r_idx[:, None] < R) & ok[None, :], other=0.0).to(tl.float32)
 
 
-def _load_maps(
-    maps, row, first, t_idx, t_ok, s_idx, s_ok, seen, T, S, R: tl.constexpr, RP: tl.constexpr, ON: tl.constexpr
-):
-    """maps[row, first + r] for every r where the pair is seen (0 elsewhere, and for r >= R): [RP, queries, keys],
-    float32; zeros, read from nowhere, for a branch that is off (not ON). (Whole tile rows are loaded, so that the
-    loads are vectors; entries no query sees were never written, and are dropped after the load.)"""
-    if not ON:
-        return tl.zeros((RP, t_idx.shape[0], s_idx.shape[0]), dtype=tl.float32)
-    r_idx = tl.arange(0, RP)
-    planes = maps + (row.to(tl.int64) * 4 * R + first) * T * S  # 64-bit only here: a plane itself fits 32 bits
-    offsets = r_idx[:, None, None] * T * S + t_idx[None, :, None] * S + s_idx[None, None, :]
-    mask = (r_idx[:, None, None] < R) & t_ok[None, :, None] & s_ok[None, None, :]
-    tiles = tl.load(planes + offsets, mask=mask, other=0.0)
-    return tl.where(seen[None, :, :], tiles.to(tl.float32), 0.0)
+def _load_map(maps, row, j, t_idx, t_ok, s_idx, s_ok, seen, T, S, R: tl.constexpr):
+    """maps[row, j] where the pair is seen (0 elsewhere): [queries, keys], float32. (Loaded whole tile rows, so that
+    the loads are vectors; entries no query sees were never written, and are dropped after the load.)"""
+    plane = maps + (row.to(tl.int64) * 4 * R + j) * T * S  # 64-bit only here: a plane itself fits 32 bits
+    tile = tl.load(plane + t_idx[:, None] * S + s_idx[None, :], mask=t_ok[:, None] & s_ok[None, :], other=0.0)
+    return tl.where(seen, tile.to(tl.float32), 0.0)
 
 
 def _store_maps(maps, row, first, t_idx, t_ok, s_idx, s_ok, T, S, R: tl.constexpr, RP: tl.constexpr, value):
@@ -523,34 +514,37 @@ def _head_scores(q_rows, k, row, s_idx, s_ok, h_idx, h_ok, S, H, E, scale, EP: t
 
 
 def _head_compose(
-    x, row, n, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, T, S, H, R: tl.constexpr, RP: tl.constexpr, q_maps, k_maps, qw2,
-    kw2, qg, kg, QP: tl.constexpr, KP: tl.constexpr, QG: tl.constexpr, KG: tl.constexpr
+    x, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, R: tl.constexpr, maps, first, qw2, kw2, qg, kg,
+    QP: tl.constexpr, KP: tl.constexpr, QG: tl.constexpr, KG: tl.constexpr
 ):
-    """One compose stage on head n's [1, queries, keys] tile, its cross-head terms from the stage's maps
-    ([RP, queries, keys] each: query-wise, key-wise)."""
+    """One compose stage on one head's [1, queries, keys] tile, its cross-head terms read from the stage's maps
+    (maps[first + r] query-wise, maps[first + R + r] key-wise)."""
     y = x
     if QG:
         y = y + x * _weight(qg, row, t_idx, t_ok, 0, h_idx, h_ok, T, 1, H)[:, :, None]
     if KG:
         y = y + x * _weight(kg, row, s_idx, s_ok, 0, h_idx, h_ok, S, 1, H)[:, None, :]
-    if QP:
-        y = y + tl.sum(q_maps * _head_weights(qw2, row, t_idx, t_ok, n, T, H, R, RP)[:, :, None], axis=0)[None, :, :]
-    if KP:
-        y = y + tl.sum(k_maps * _head_weights(kw2, row, s_idx, s_ok, n, S, H, R, RP)[:, None, :], axis=0)[None, :, :]
+    for r in tl.static_range(R):
+        if QP:
+            hidden = _load_map(maps, row, first + r, t_idx, t_ok, s_idx, s_ok, seen, T, S, R)
+            y = y + hidden[None, :, :] * _weight(qw2, row, t_idx, t_ok, r, h_idx, h_ok, T, R, H)[:, :, None]
+        if KP:
+            hidden = _load_map(maps, row, first + R + r, t_idx, t_ok, s_idx, s_ok, seen, T, S, R)
+            y = y + hidden[None, :, :] * _weight(kw2, row, s_idx, s_ok, r, h_idx, h_ok, S, R, H)[:, None, :]
     return y
 
 
 def _head_pattern(
-    q_rows, k, row, n, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, E, R: tl.constexpr, RP: tl.constexpr,
-    scale, q_maps, k_maps, qw2, kw2, qg, kg, maxima, sums, QP: tl.constexpr, KP: tl.constexpr, QG: tl.constexpr,
-    KG: tl.constexpr, EP: tl.constexpr, HALF: tl.constexpr, NORMALISED: tl.constexpr
+    q_rows, k, maps, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, E, R: tl.constexpr, scale, qw2, kw2,
+    qg, kg, maxima, sums, QP: tl.constexpr, KP: tl.constexpr, QG: tl.constexpr, KG: tl.constexpr, EP: tl.constexpr,
+    HALF: tl.constexpr, NORMALISED: tl.constexpr
 ):
-    """Head n's pre-composed scores (-inf where hidden) or, NORMALISED, its probabilities from the row statistics
+    """One head's pre-composed scores (-inf where hidden) or, NORMALISED, its probabilities from the row statistics
     ([1, queries] each)."""
     scores = _head_scores(q_rows, k, row, s_idx, s_ok, h_idx, h_ok, S, H, E, scale, EP, HALF)
     composed = _head_compose(
-        scores, row, n, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, T, S, H, R, RP, q_maps, k_maps, qw2, kw2, qg, kg, QP,
-        KP, QG, KG
+        scores, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, R, maps, 0, qw2, kw2, qg, kg, QP, KP, QG,
+        KG
     )
     if NORMALISED:
         return tl.where(seen[None, :, :], tl.exp(composed - maxima[:, :, None]) / sums[:, :, None], 0.0)
@@ -569,14 +563,11 @@ def _tile_is_seen(t0, s0, past, span, BQ: tl.constexpr, BK: tl.constexpr):
 
 
 def _pre_maps_kernel(
-    q, k, maps, tile_max, tile_sum, real, qw1, qw2, kw1, kw2, qg, kg, T, S, H, E, R: tl.constexpr, past, span, scale,
-    NKB, RP: tl.constexpr, EP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, QP: tl.constexpr, KP: tl.constexpr,
-    QG: tl.constexpr, KG: tl.constexpr, PADDING: tl.constexpr, HALF: tl.constexpr
+    q, k, maps, qw1, kw1, T, S, H, E, R: tl.constexpr, past, span, scale, RP: tl.constexpr, EP: tl.constexpr,
+    BQ: tl.constexpr, BK: tl.constexpr, QP: tl.constexpr, KP: tl.constexpr, HALF: tl.constexpr
 ):
-    """One (key block, query block) tile (program axes 0, 1) of one batch row (axis 2), skipped if no query sees it:
-    the pre-compose's maps hq (j < R) and hk (R <= j < 2R), summing each head's scores, then each head's pre-composed
-    scores from the maps in registers and their softmax max and sum over the tile's keys, into tile_max and tile_sum
-    ([b, H, NKB, T], NKB key blocks)."""
+    """The pre-compose's maps hq (j < R) and hk (R <= j < 2R) of one (key block, query block) tile (program axes 0,
+    1) of one batch row (axis 2), summed over the heads one at a time; tiles no query sees are skipped."""
     s0 = tl.program_id(0) * BK
     t0 = tl.program_id(1) * BQ
     row = tl.program_id(2)
@@ -585,64 +576,50 @@ def _pre_maps_kernel(
         t_ok = t_idx < T
         s_idx = s0 + tl.arange(0, BK)
         s_ok = s_idx < S
-        seen = _visible(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING)
         q_maps = tl.zeros((RP, BQ, BK), dtype=tl.float32)
         k_maps = tl.zeros((RP, BQ, BK), dtype=tl.float32)
-        if QP or KP:
-            for n in range(H):
-                head = n + tl.arange(0, 1)
-                q_rows = _head_rows(q, row, t_idx, t_ok, head, head < H, T, H, E, EP)
-                scores = _head_scores(q_rows, k, row, s_idx, s_ok, head, head < H, S, H, E, scale, EP, HALF)
-                if QP:
-                    q_maps += scores * _head_weights(qw1, row, t_idx, t_ok, n, T, H, R, RP)[:, :, None]
-                if KP:
-                    k_maps += scores * _head_weights(kw1, row, s_idx, s_ok, n, S, H, R, RP)[:, None, :]
-            if QP:
-                _store_maps(maps, row, 0, t_idx, t_ok, s_idx, s_ok, T, S, R, RP, q_maps)
-            if KP:
-                _store_maps(maps, row, R, t_idx, t_ok, s_idx, s_ok, T, S, R, RP, k_maps)
-        # the maps as the later kernels read them back: rounded to their dtype, 0 where hidden
-        q_maps = tl.where(seen[None, :, :], q_maps.to(maps.dtype.element_ty).to(tl.float32), 0.0)
-        k_maps = tl.where(seen[None, :, :], k_maps.to(maps.dtype.element_ty).to(tl.float32), 0.0)
         for n in range(H):
             head = n + tl.arange(0, 1)
-            composed = _head_pattern(
-                _head_rows(q, row, t_idx, t_ok, head, head < H, T, H, E, EP), k, row, n, t_idx, t_ok, s_idx, s_ok,
-                head, head < H, seen, T, S, H, E, R, RP, scale, q_maps, k_maps, qw2, kw2, qg, kg, 0.0, 1.0, QP, KP,
-                QG, KG, EP, HALF, False
-            )
-            block_max, block_sum = _online_softmax(
-                tl.full((1, BQ), float("-inf"), dtype=tl.float32), tl.zeros((1, BQ), dtype=tl.float32), composed
-            )
-            stats = ((row * H + n) * NKB + tl.program_id(0)) * T + t_idx
-            tl.store(tile_max + stats, tl.reshape(block_max, (BQ,)), mask=t_ok)
-            tl.store(tile_sum + stats, tl.reshape(block_sum, (BQ,)), mask=t_ok)
+            q_rows = _head_rows(q, row, t_idx, t_ok, head, head < H, T, H, E, EP)
+            scores = _head_scores(q_rows, k, row, s_idx, s_ok, head, head < H, S, H, E, scale, EP, HALF)
+            if QP:
+                q_maps += scores * _head_weights(qw1, row, t_idx, t_ok, n, T, H, R, RP)[:, :, None]
+            if KP:
+                k_maps += scores * _head_weights(kw1, row, s_idx, s_ok, n, S, H, R, RP)[:, None, :]
+        if QP:
+            _store_maps(maps, row, 0, t_idx, t_ok, s_idx, s_ok, T, S, R, RP, q_maps)
+        if KP:
+            _store_maps(maps, row, R, t_idx, t_ok, s_idx, s_ok, T, S, R, RP, k_maps)
 
 
 def _row_statistics_kernel(
-    tile_max, tile_sum, row_max, row_sum, T, S, H, past, span, NKB, BQ: tl.constexpr, BK: tl.constexpr
+    q, k, maps, row_max, row_sum, real, qw2, kw2, qg, kg, T, S, H, E, R: tl.constexpr, past, span, scale,
+    EP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, QP: tl.constexpr, KP: tl.constexpr,
+    QG: tl.constexpr, KG: tl.constexpr, PADDING: tl.constexpr, HALF: tl.constexpr
 ):
     """The softmax's max and sum of one head (program axis 0) over one block of queries (axis 1) of one batch row
-    (axis 2): the per-tile statistics of every key block each query sees, combined (BK: the tiles' keys)."""
+    (axis 2), over every key those queries see (online, one pass)."""
     h_idx = tl.program_id(0) + tl.arange(0, 1)
+    h_ok = h_idx < H
     t0 = tl.program_id(1) * BQ
     row = tl.program_id(2)
     t_idx = t0 + tl.arange(0, BQ)
     t_ok = t_idx < T
-    position = past + t_idx
+    first_key = tl.maximum(past + t0 - span + 1, 0) // BK * BK  # aligned, so that whole vectors load
+    end_key = tl.minimum(past + t0 + BQ, S)
+    q_rows = _head_rows(q, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP)
     running_max = tl.full((1, BQ), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((1, BQ), dtype=tl.float32)
-    for block in range(tl.maximum(past + t0 - span + 1, 0) // BK, (tl.minimum(past + t0 + BQ, S) + BK - 1) // BK):
-        # a tile no query of it sees was never written: only blocks with a key the query sees are read
-        sees = t_ok & (block * BK <= position) & (block * BK + BK - 1 > position - span)
-        stats = ((row * H + h_idx[:, None]) * NKB + block) * T + t_idx[None, :]
-        block_max = tl.load(tile_max + stats, mask=sees[None, :], other=float("-inf"))
-        block_sum = tl.load(tile_sum + stats, mask=sees[None, :], other=0.0)
-        new_max = tl.maximum(running_max, block_max)
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        running_sum = running_sum * tl.exp(running_max - shift) + block_sum * tl.exp(block_max - shift)
-        running_max = new_max
-    _store_statistics(row_max, row_sum, running_max, running_sum, row, h_idx, h_idx < H, t_idx, t_ok, H, T)
+    for s0 in range(first_key, end_key, BK):
+        s_idx = s0 + tl.arange(0, BK)
+        s_ok = s_idx < end_key  # keys past the block's last query are not even read
+        seen = _visible(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING)
+        composed = _head_pattern(
+            q_rows, k, maps, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, E, R, scale, qw2, kw2, qg,
+            kg, running_max, running_sum, QP, KP, QG, KG, EP, HALF, False
+        )
+        running_max, running_sum = _online_softmax(running_max, running_sum, composed)
+    _store_statistics(row_max, row_sum, running_max, running_sum, row, h_idx, h_ok, t_idx, t_ok, H, T)
 
 
 def _post_maps_kernel(
@@ -662,8 +639,6 @@ def _post_maps_kernel(
         s_idx = s0 + tl.arange(0, BK)
         s_ok = s_idx < S
         seen = _visible(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING)
-        pre_q_maps = _load_maps(maps, row, 0, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP, PRE_QP)
-        pre_k_maps = _load_maps(maps, row, R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP, PRE_KP)
         q_maps = tl.zeros((RP, BQ, BK), dtype=tl.float32)
         k_maps = tl.zeros((RP, BQ, BK), dtype=tl.float32)
         for n in range(H):
@@ -672,9 +647,9 @@ def _post_maps_kernel(
             maxima = tl.load(row_max + stats, mask=t_ok[None, :], other=0.0)
             sums = tl.load(row_sum + stats, mask=t_ok[None, :], other=1.0)
             pattern = _head_pattern(
-                _head_rows(q, row, t_idx, t_ok, head, head < H, T, H, E, EP), k, row, n, t_idx, t_ok, s_idx, s_ok,
-                head, head < H, seen, T, S, H, E, R, RP, scale, pre_q_maps, pre_k_maps, pre_qw2, pre_kw2, pre_qg,
-                pre_kg, maxima, sums, PRE_QP, PRE_KP, PRE_QG, PRE_KG, EP, HALF, True
+                _head_rows(q, row, t_idx, t_ok, head, head < H, T, H, E, EP), k, maps, row, t_idx, t_ok, s_idx,
+                s_ok, head, head < H, seen, T, S, H, E, R, scale, pre_qw2, pre_kw2, pre_qg, pre_kg, maxima, sums,
+                PRE_QP, PRE_KP, PRE_QG, PRE_KG, EP, HALF, True
             )
             if POST_QP:
                 q_maps += pattern * _head_weights(post_qw1, row, t_idx, t_ok, n, T, H, R, RP)[:, :, None]
@@ -688,15 +663,14 @@ def _post_maps_kernel(
 
 def _head_output_kernel(
     q, k, v, z, maps, row_max, row_sum, real, pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw2, post_kw2, post_qg, post_kg,
-    T, S, H, E, R: tl.constexpr, past, span, scale, RP: tl.constexpr, EP: tl.constexpr, BQ: tl.constexpr,
-    BK: tl.constexpr, PRE_QP: tl.constexpr, PRE_KP: tl.constexpr, PRE_QG: tl.constexpr, PRE_KG: tl.constexpr,
+    T, S, H, E, R: tl.constexpr, past, span, scale, EP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+    PRE_QP: tl.constexpr, PRE_KP: tl.constexpr, PRE_QG: tl.constexpr, PRE_KG: tl.constexpr,
     POST_QP: tl.constexpr, POST_KP: tl.constexpr, POST_QG: tl.constexpr, POST_KG: tl.constexpr, PADDING: tl.constexpr,
     HALF: tl.constexpr
 ):
     """z of one head (program axis 0) for one block of queries (axis 1) of one batch row (axis 2): its probabilities,
     post-composed with the maps, times v, accumulated over the keys in registers."""
-    n = tl.program_id(0)
-    h_idx = n + tl.arange(0, 1)
+    h_idx = tl.program_id(0) + tl.arange(0, 1)
     h_ok = h_idx < H
     t0 = tl.program_id(1) * BQ
     row = tl.program_id(2)
@@ -713,17 +687,13 @@ def _head_output_kernel(
         s_idx = s0 + tl.arange(0, BK)
         s_ok = s_idx < end_key
         seen = _visible(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING)
-        pre_q_maps = _load_maps(maps, row, 0, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP, PRE_QP)
-        pre_k_maps = _load_maps(maps, row, R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP, PRE_KP)
         pattern = _head_pattern(
-            q_rows, k, row, n, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, E, R, RP, scale, pre_q_maps,
-            pre_k_maps, pre_qw2, pre_kw2, pre_qg, pre_kg, maxima, sums, PRE_QP, PRE_KP, PRE_QG, PRE_KG, EP, HALF, True
+            q_rows, k, maps, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, E, R, scale, pre_qw2, pre_kw2,
+            pre_qg, pre_kg, maxima, sums, PRE_QP, PRE_KP, PRE_QG, PRE_KG, EP, HALF, True
         )
-        post_q_maps = _load_maps(maps, row, 2 * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP, POST_QP)
-        post_k_maps = _load_maps(maps, row, 3 * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP, POST_KP)
         pattern = _head_compose(
-            pattern, row, n, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, T, S, H, R, RP, post_q_maps, post_k_maps,
-            post_qw2, post_kw2, post_qg, post_kg, POST_QP, POST_KP, POST_QG, POST_KG
+            pattern, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, R, maps, 2 * R, post_qw2, post_kw2,
+            post_qg, post_kg, POST_QP, POST_KP, POST_QG, POST_KG
         )
         # keys of the aligned block before the first visible one were loaded, never used: 0, whatever they hold
         values = _head_rows(v, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP)
@@ -755,7 +725,7 @@ _KERNELS = (
     "_backward_key_kernel",
     "_head_dot",
     "_head_weights",
-    "_load_maps",
+    "_load_map",
     "_store_maps",
     "_head_scores",
     "_head_compose",
@@ -859,8 +829,7 @@ def _forward_through_maps(launch: _Launch, q, k, v, real, weights) -> tuple[Tens
     any_map = any(launch.flags[f"{stage}_{branch}"] for stage in ("PRE", "POST") for branch in ("QP", "KP"))
     maps_dtype = q.dtype if launch.flags["HALF"] else torch.float32
     block_queries = max(launch.maps_kernels["BQ"], launch.head_kernels["BQ"])
-    key_blocks = triton.cdiv(n_keys, launch.maps_kernels["BK"])
-    bytes_a_query = batch * (4 * launch.rank * n_keys * maps_dtype.itemsize + 2 * launch.n_heads * key_blocks * 4)
+    bytes_a_query = batch * 4 * launch.rank * n_keys * maps_dtype.itemsize
     chunk = max(block_queries, MAPS_BYTES // bytes_a_query // block_queries * block_queries)
     maps = None
     if any_map:
@@ -882,8 +851,9 @@ def _maps_launches(launch: _Launch, q, k, v, real, weights, maps, past) -> tuple
     """The four kernels on the queries q (at positions past, past + 1, ...) against every key k, v."""
     flags, batch, n_queries, n_heads = launch.flags, q.shape[0], q.shape[1], launch.n_heads
     scalars = (n_queries, launch.n_keys, n_heads, launch.d_head, launch.rank, past, launch.span, launch.scale)
-    padded = dict(RP=triton.next_power_of_2(launch.rank), EP=max(16, triton.next_power_of_2(launch.d_head)))
-    summed, one_head = dict(**padded, **launch.maps_kernels), dict(**padded, **launch.head_kernels)
+    head_dim = dict(EP=max(16, triton.next_power_of_2(launch.d_head)))
+    summed = dict(RP=triton.next_power_of_2(launch.rank), **head_dim, **launch.maps_kernels)
+    one_head = dict(**head_dim, **launch.head_kernels)
     pre_qw1, pre_qw2, pre_kw1, pre_kw2, pre_qg, pre_kg, post_qw1, post_qw2, post_kw1, post_kw2, post_qg, post_kg = (
         _pointers(weights, q)
     )
@@ -892,21 +862,18 @@ def _maps_launches(launch: _Launch, q, k, v, real, weights, maps, past) -> tuple
     both = {f"{stage}_{branch}": flags[f"{stage}_{branch}"] for stage in ("PRE", "POST") for branch in branches}
     masks = dict(PADDING=flags["PADDING"], HALF=flags["HALF"])
     maps = q if maps is None else maps
-    key_blocks = triton.cdiv(launch.n_keys, summed["BK"])
-    tile_stats = torch.empty(2, batch, n_heads, key_blocks, n_queries, dtype=torch.float32, device=q.device)
     stats = torch.empty(2, batch, n_heads, n_queries, dtype=torch.float32, device=q.device)
     z = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     real = q if real is None else real
-    tiles = (key_blocks, triton.cdiv(n_queries, summed["BQ"]), batch)
+    tiles = (triton.cdiv(launch.n_keys, summed["BK"]), triton.cdiv(n_queries, summed["BQ"]), batch)
     heads = (n_heads, triton.cdiv(n_queries, one_head["BQ"]), batch)
-    _pre_maps_kernel[tiles](
-        q, k, maps, *tile_stats, real, pre_qw1, pre_qw2, pre_kw1, pre_kw2, pre_qg, pre_kg, *scalars, key_blocks,
-        **pre, **masks, **summed,
-    )  # fmt: skip
+    if pre["QP"] or pre["KP"]:
+        _pre_maps_kernel[tiles](
+            q, k, maps, pre_qw1, pre_kw1, *scalars, QP=pre["QP"], KP=pre["KP"], HALF=flags["HALF"], **summed
+        )
     _row_statistics_kernel[heads](
-        *tile_stats, *stats, n_queries, launch.n_keys, n_heads, past, launch.span, key_blocks, BQ=one_head["BQ"],
-        BK=summed["BK"],
-    )  # fmt: skip
+        q, k, maps, *stats, real, pre_qw2, pre_kw2, pre_qg, pre_kg, *scalars, **pre, **masks, **one_head
+    )
     if flags["POST_QP"] or flags["POST_KP"]:
         post_maps = {name: on for name, on in both.items() if name not in ("POST_QG", "POST_KG")}
         _post_maps_kernel[tiles](
