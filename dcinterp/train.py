@@ -594,7 +594,7 @@ def save_checkpoint(path: Path, checkpoint: dict) -> None:
 # Shared starts: a seed's twins are one model until the compose trains, and the held-out variants are that model
 # until the focus phase ends, so all of them can begin from one run stopped there (`--start-from`); so are runs of
 # other focus stages until the first stage in which they differ begins
-START_MAY_DIFFER = ("arch", "exclude_combos", "focus_stages", "eval_every", *RUN_SETTINGS)
+START_MAY_DIFFER = ("arch", "exclude_combos", "focus_stages", "eval_every", "d_mlp", *RUN_SETTINGS)
 SCREEN_STEPS = 100  # a start's answer loss, which says whether its focus phase formed the lookup: over its last steps
 
 
@@ -608,13 +608,18 @@ def load_start(path: Path, cfg: TrainConfig) -> dict:
     """The checkpoint at `path`, another run's (stopped with --stop-after), checked to be the beginning of the run
     `cfg` describes: the same recipe but for START_MAY_DIFFER, stopped while the two runs are still the same run
     (before the compose trains when the architectures differ, within the focus phase when the excluded
-    combinations differ, before the first step that draws other tasks when the focus stages differ). ResumeError
-    (one line naming the file) if not."""
+    combinations differ, before the first step that draws other tasks when the focus stages differ); this run's MLP
+    may be wider (`widen_mlp`). ResumeError (one line naming the file) if not."""
     checkpoint = read_checkpoint(path, "--start-from")
     saved, step = checkpoint["train_config"], checkpoint["progress"]["step"]
     mismatch = config_mismatch(saved, cfg, START_MAY_DIFFER)
     if mismatch:
         raise ResumeError(f"--start-from: {path} is another recipe's checkpoint: {mismatch}")
+    if cfg.d_mlp < saved["d_mlp"]:
+        raise ResumeError(
+            f"--start-from: {path} has an MLP of {saved['d_mlp']} units, this run {cfg.d_mlp}: a start can be widened "
+            f"(a parameter-matched twin), not narrowed"
+        )
     compose_from = round(cfg.compose_from * cfg.steps)
     if saved["arch"] != cfg.arch and step > compose_from:
         raise ResumeError(
@@ -640,10 +645,28 @@ def load_start(path: Path, cfg: TrainConfig) -> dict:
     return checkpoint
 
 
+MLP_AXES = {"mlp.W_in": 1, "mlp.b_in": 0, "mlp.W_out": 0}  # each MLP tensor's d_mlp axis
+
+
+def widen_mlp(name: str, start: torch.Tensor, own: torch.Tensor, moment: bool = False) -> torch.Tensor:
+    """The start's MLP tensor `name` in this run's wider MLP: the start's hidden units first, then the new ones, which
+    keep this run's initialisation in W_in and b_in and are 0 in W_out (and in every AdamW moment, `moment`), so
+    that the widened model computes what its start did (a parameter-matched twin begins as its start)."""
+    import torch
+
+    suffix = next((key for key in MLP_AXES if name.endswith(key)), None)
+    if suffix is None or start.ndim != own.ndim:
+        raise ResumeError(f"--start-from: the start's {name} is {list(start.shape)}, this run's {list(own.shape)}")
+    widened = torch.zeros_like(own) if moment or suffix == "mlp.W_out" else own.clone()
+    widened.narrow(MLP_AXES[suffix], 0, start.shape[MLP_AXES[suffix]]).copy_(start)
+    return widened
+
+
 def take_start(checkpoint: dict, model: HookedDCFormer, opt: torch.optim.AdamW) -> None:
     """The start's weights and AdamW state, by parameter name, into this run's model and optimizer. The compose's
     parameters (`W_dyn_*`, DCMHA only) keep this run's initialisation when the start has none (an MHA start) and
-    are dropped when this run has none: they have not trained in either run yet (`load_start`)."""
+    are dropped when this run has none: they have not trained in either run yet (`load_start`). A wider MLP than the
+    start's takes the start's hidden units and keeps its own new ones (`widen_mlp`)."""
     from .model import HookedDCFormer
 
     start_arch = checkpoint["train_config"]["arch"]
@@ -652,6 +675,8 @@ def take_start(checkpoint: dict, model: HookedDCFormer, opt: torch.optim.AdamW) 
     unshared = sorted(set(weights) ^ set(own))
     if any("W_dyn" not in name for name in unshared):
         raise ResumeError(f"--start-from: the start's model differs from this run's in {unshared[0]}")
+    widened = {name for name in weights if name in own and weights[name].shape != own[name].shape}
+    weights = {name: widen_mlp(name, w, own[name]) if name in widened else w for name, w in weights.items()}
     model.load_state_dict({name: w for name, w in weights.items() if name in own}, strict=False)
     start_names = [name for group in optimizer_groups(start_model) for name in group]
     own_groups = optimizer_groups(model)
@@ -660,7 +685,14 @@ def take_start(checkpoint: dict, model: HookedDCFormer, opt: torch.optim.AdamW) 
     trained_compose = [start_names[i] for i in saved["state"] if start_names[i] not in index]
     if trained_compose:
         raise ResumeError(f"--start-from: the start has trained {trained_compose[0]}, which this run does not have")
-    state = {index[start_names[i]]: s for i, s in saved["state"].items()}
+    state = {
+        index[start_names[i]]: {
+            key: widen_mlp(start_names[i], value, own[start_names[i]], moment=True)
+            if start_names[i] in widened and key.startswith("exp_avg") else value
+            for key, value in s.items()
+        }
+        for i, s in saved["state"].items()
+    }
     groups, first = [], 0
     for saved_group, names in zip(saved["param_groups"], own_groups, strict=True):
         groups.append({**saved_group, "params": list(range(first, first + len(names)))})

@@ -381,3 +381,39 @@ def test_a_run_with_focus_stages_begins_from_a_start_of_other_stages_only_before
         ResumeError, match=r"at step 3, after its focus stages \[\] and this run's \['task57@0.5'\] draw other tasks"
     ):
         quiet_train(STAGED, tmp_path / "x", start_from=tmp_path / "late" / CHECKPOINT_FILE)
+
+
+def test_a_wider_mlp_begun_from_a_start_begins_as_the_start(tmp_path):
+    """A parameter-matched twin (an MLP wider than its start's, `--d-mlp`) takes the start's hidden units and weights
+    the new ones by 0, so that it computes what its start did; then it trains them. A narrower MLP is refused."""
+    from dcinterp import HookedDCFormer
+
+    mha = dataclasses.replace(STATEFUL, arch="mha")
+    start_model, _ = quiet_train(mha, tmp_path / "start", stop_after=4)
+    start = tmp_path / "start" / CHECKPOINT_FILE
+
+    def begin(cfg):  # as train() begins a run from a start, before its first step
+        model = HookedDCFormer(cfg.model_config(start_model.cfg.d_vocab), init=False)
+        model.init_weights(identity_compose=True)
+        optimizer = train_module.make_optimizer(model, cfg)
+        train_module.take_start(train_module.load_start(start, cfg), model, optimizer)
+        return model, optimizer
+
+    wide = dataclasses.replace(mha, d_mlp=80)
+    (begun, optimizer), (same, same_optimizer) = begin(wide), begin(mha)
+    for layer in range(wide.n_layers):
+        mlp, start_mlp = begun.blocks[layer].mlp, start_model.blocks[layer].mlp
+        assert torch.equal(mlp.W_in[:, :64], start_mlp.W_in) and mlp.W_in[:, 64:].abs().sum() > 0
+        assert torch.equal(mlp.W_out[64:], torch.zeros(16, wide.d_model))
+        moments, start_moments = optimizer.state[mlp.W_out], same_optimizer.state[same.blocks[layer].mlp.W_out]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(moments[key][:64], start_moments[key]) and not moments[key][64:].any()
+    tokens = torch.randint(0, start_model.cfg.d_vocab, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # in float64, where the two MLPs' sums differ only in their rounding
+        expected = same.to(torch.float64)(tokens)  # the start, begun the same way at its own width
+        torch.testing.assert_close(begun.to(torch.float64)(tokens), expected, rtol=1e-12, atol=1e-12)
+    trained, recipe = quiet_train(wide, tmp_path / "trained", start_from=start)
+    assert recipe["steps"] == wide.steps and all(block.mlp.W_out[64:].abs().sum() > 0 for block in trained.blocks)
+    quiet_train(wide, tmp_path / "wide-start", stop_after=2)
+    with pytest.raises(ResumeError, match=r"has an MLP of 80 units, this run 64: a start can be widened"):
+        train_module.load_start(tmp_path / "wide-start" / CHECKPOINT_FILE, mha)
