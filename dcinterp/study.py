@@ -90,6 +90,9 @@ LOWER_IS_AHEAD = ("head_diversity",)  # measures on which DCMHA is ahead when it
 WEIGHTS = "weights"  # the eval_set of the rows read from the weights, not from an evaluation
 DIVERSITY_NORMALIZE = {"qk": "head", "ov": "none"}  # see the module's docstring
 MAY_DIFFER = ("seed", "arch", "threads", "max_minutes", "log_every", "eval_every")  # in one study: not what is learned
+# ... and between the architectures, one value each: a parameter-matched twin's wider MLP (`--d-mlp`, widened from the
+# shared start by dcinterp.train)
+MAY_DIFFER_BETWEEN_ARCHES = ("d_mlp",)
 
 
 @dataclass
@@ -167,16 +170,31 @@ def read_runs(runs_dir: Path) -> tuple[list[RunResult], list[str]]:
 
 
 def check_one_recipe(runs: list[RunResult]) -> None:
-    """Every run of the folder trained with the same settings but those of MAY_DIFFER, and no seed has two runs of
-    one architecture: else the pairs would compare more than the architecture."""
+    """Every run of the folder trained with the same settings but those of MAY_DIFFER (and, between the
+    architectures, MAY_DIFFER_BETWEEN_ARCHES), and no seed has two runs of one architecture: else the pairs would
+    compare more than the architecture (and its parameter-matched width)."""
     seen: dict[tuple[str, int], Path] = {}
+    first_of_arch: dict[str, RunResult] = {}
     for run in runs:
         if (run.arch, run.seed) in seen:
             raise ValueError(
                 f"{run.path}: a second {run.arch} run of seed {run.seed} (the first: {seen[run.arch, run.seed]})"
             )
         seen[run.arch, run.seed] = run.path
-        check_same_recipe(run, runs[0], "summarize one recipe's runs at a time")
+        check_same_recipe(run, runs[0], "summarize one recipe's runs at a time", MAY_DIFFER + MAY_DIFFER_BETWEEN_ARCHES)
+        check_same_recipe(run, first_of_arch.setdefault(run.arch, run), f"one {run.arch} recipe a study")
+
+
+def width_lines(runs: list[RunResult]) -> list[str]:
+    """A sentence for summary.md's header where the architectures' MLPs differ (a parameter-matched study)."""
+    widths = {run.arch: run.config.get("d_mlp") for run in runs}
+    if len(set(widths.values())) < 2:
+        return []
+    return [
+        "The architectures' MLPs differ (a parameter-matched study): "
+        + ", ".join(f"{arch.upper()} d_mlp {width}" for arch, width in sorted(widths.items()))
+        + "."
+    ]
 
 
 def check_same_recipe(run: RunResult, other: RunResult, why: str, may_differ: tuple = MAY_DIFFER) -> None:
@@ -551,6 +569,7 @@ def write_study(study: Study, out_dir: Path) -> None:
         f"Runs under `{study.runs_dir}`: {len(runs)} ({', '.join(f'{r.arch} seed {r.seed}' for r in runs)}); "
         f"paired seeds: {', '.join(map(str, pairs)) or 'none'}.",
         *screen_lines(study.screen),
+        *width_lines(runs),
         f"difference = DCMHA - MHA (percentage points), low/high: {table.attrs['interval']}; "
         "p: exact paired sign-flip permutation test of no difference (two-sided; at least 2 / 2^seeds); "
         "dcmha_ahead: seeds in which DCMHA is ahead.",

@@ -150,6 +150,31 @@ def test_runs_of_another_recipe_are_refused_by_name(tmp_path):
         read_runs(runs_dir)
 
 
+def test_a_parameter_matched_study_pairs_twins_of_other_widths(tmp_path):
+    """The MHA twins may have a wider MLP than the DCMHA runs (a parameter-matched control), one width each: the
+    table is the same as with equal widths, and summary.md's header says the widths; a second width of one
+    architecture is refused by name."""
+    runs_dir = tmp_path / "runs"
+    shutil.copytree(FIXTURE, runs_dir)
+    for path in runs_dir.glob("seed*/pythia-synth/recipe.json"):
+        recipe = json.loads(path.read_text())
+        recipe["train_config"]["d_mlp"] = 304
+        path.write_text(json.dumps(recipe))
+    table, _ = write_summary(runs_dir, tmp_path / "out", n_resamples=400)
+    same_widths, _ = write_summary(FIXTURE, tmp_path / "same", n_resamples=400)
+    pd.testing.assert_frame_equal(table, same_widths)
+    widths = json.loads((FIXTURE / "seed0" / "dcpythia-synth" / "recipe.json").read_text())["train_config"]["d_mlp"]
+    assert f"DCMHA d_mlp {widths}, MHA d_mlp 304." in (tmp_path / "out" / "summary.md").read_text()
+    assert "d_mlp" not in (tmp_path / "same" / "summary.md").read_text()
+    odd = runs_dir / "seed1" / "pythia-synth" / "recipe.json"
+    recipe = json.loads(odd.read_text())
+    recipe["train_config"]["d_mlp"] = 300
+    odd.write_text(json.dumps(recipe))
+    with pytest.raises(ValueError, match=r"seed1/pythia-synth/recipe.json: train_config d_mlp=300, but .* has 304: "
+                       r"one mha recipe a study"):
+        read_runs(runs_dir)
+
+
 @pytest.mark.parametrize("problem", ["missing", "empty", "broken"])
 def test_summarize_cli_errors_are_one_line(capsys, tmp_path, problem):
     runs_dir = tmp_path / "runs"
