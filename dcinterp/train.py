@@ -688,7 +688,8 @@ def take_start(checkpoint: dict, model: HookedDCFormer, opt: torch.optim.AdamW) 
     state = {
         index[start_names[i]]: {
             key: widen_mlp(start_names[i], value, own[start_names[i]], moment=True)
-            if start_names[i] in widened and key.startswith("exp_avg") else value
+            if start_names[i] in widened and key.startswith("exp_avg")
+            else value
             for key, value in s.items()
         }
         for i, s in saved["state"].items()

@@ -170,8 +170,11 @@ def test_a_parameter_matched_study_pairs_twins_of_other_widths(tmp_path):
     recipe = json.loads(odd.read_text())
     recipe["train_config"]["d_mlp"] = 300
     odd.write_text(json.dumps(recipe))
-    with pytest.raises(ValueError, match=r"seed1/pythia-synth/recipe.json: train_config d_mlp=300, but .* has 304: "
-                       r"one mha recipe a study"):
+    with pytest.raises(
+        ValueError,
+        match=r"seed1/pythia-synth/recipe.json: train_config d_mlp=300, but .* has 304: "
+        r"one mha recipe a study",
+    ):
         read_runs(runs_dir)
 
 
