@@ -45,7 +45,7 @@ from .checks import (
     real_lengths,
     word_token,
 )
-from .model import HookedDCFormer
+from .model import HookedDCFormer, at_least_float32
 
 TargetFn = Callable[[Tensor, Tensor], Tensor]  # (logits [N, pos, vocab], tokens [N, pos]) -> [N]
 Target = int | str | Tensor | TargetFn
@@ -138,7 +138,7 @@ def head_baseline(
     names = [f"blocks.{l}.attn.hook_z" for l in range(model.cfg.n_layers)]
     with torch.no_grad():
         _, cache = model.run_with_cache(reference_tokens, names_filter=names, stop_at_layer=model.cfg.n_layers)
-    return torch.stack([cache[name].float()[real.to(cache[name].device)].mean(0) for name in names])
+    return torch.stack([at_least_float32(cache[name])[real.to(cache[name].device)].mean(0) for name in names])
 
 
 def gate_hooks(alpha: Float[Tensor, "batch layer head"], baseline: Tensor | None) -> list[tuple[str, Callable]]:
@@ -148,11 +148,11 @@ def gate_hooks(alpha: Float[Tensor, "batch layer head"], baseline: Tensor | None
         def hook(z: Float[Tensor, "batch pos head d_head"], hook) -> Tensor:
             # In float32 whatever the model's dtype: a bfloat16 gate would round the quadrature's points
             # (alpha = 0.0199 has 3 significant digits) and its gradient sum(dz * (z - base)).
-            gate = alpha[:, layer, None, :, None].float()
+            gate = at_least_float32(alpha[:, layer, None, :, None])
             if baseline is None:
-                return (z.float() * gate).to(z.dtype)
-            base = baseline[layer].float()
-            return (base + gate * (z.float() - base)).to(z.dtype)
+                return (at_least_float32(z) * gate).to(z.dtype)
+            base = at_least_float32(baseline[layer])
+            return (base + gate * (at_least_float32(z) - base)).to(z.dtype)
 
         return hook
 
@@ -166,7 +166,7 @@ def final_normed(
     (a bfloat16 logit has 3 significant digits: IG's completeness gap would be its noise)."""
     rows = torch.arange(resid.shape[0], device=resid.device)
     position = torch.as_tensor(position, device=resid.device).expand(resid.shape[0])
-    return model.ln_final(resid[rows, position][:, None].float())[:, 0]
+    return model.ln_final(at_least_float32(resid[rows, position][:, None]))[:, 0]
 
 
 def answer_logits(
@@ -174,12 +174,12 @@ def answer_logits(
 ) -> Float[Tensor, " batch"]:
     """The logit of each prompt's answer token from `final_normed`, without the [batch, d_vocab] logits."""
     answer = torch.as_tensor(answer, device=model.W_U.device).expand(final.shape[0])
-    return (final * model.W_U[:, answer].T.float()).sum(-1) + model.b_U[answer].float()
+    return (final * at_least_float32(model.W_U[:, answer].T)).sum(-1) + at_least_float32(model.b_U[answer])
 
 
 def answer_log_probs(model: HookedDCFormer, final: Float[Tensor, "batch d_model"]) -> Float[Tensor, "batch d_vocab"]:
     """Log-probabilities over the vocabulary from `final_normed` (unembedded in the model's dtype)."""
-    return model.unembed(final.to(model.W_U.dtype)).float().log_softmax(-1)
+    return at_least_float32(model.unembed(final.to(model.W_U.dtype))).log_softmax(-1)
 
 
 def target_value(
@@ -197,7 +197,7 @@ def target_value(
     """
     if callable(target):
         logits = model.run_with_hooks(tokens, fwd_hooks=list(fwd_hooks))
-        return target(logits, tokens).float()
+        return at_least_float32(target(logits, tokens))
     resid = model.run_with_hooks(tokens, fwd_hooks=list(fwd_hooks), stop_at_layer=model.cfg.n_layers)
     rows = torch.arange(tokens.shape[0], device=resid.device)
     final = final_normed(model, resid, position)
@@ -248,18 +248,15 @@ def _prepare(model: HookedDCFormer, tokens, target: Target, position, target_typ
 
 def _integrate(forward: Callable, ones: Tensor, args: tuple, n_steps: int, method: str, internal_batch_size) -> Tensor:
     ig = IntegratedGradients(forward)
-    return (
-        ig.attribute(
-            ones,
-            baselines=torch.zeros_like(ones),
-            additional_forward_args=args,
-            n_steps=n_steps,
-            method=method,
-            internal_batch_size=internal_batch_size,
-        )
-        .detach()
-        .float()
+    attributions = ig.attribute(
+        ones,
+        baselines=torch.zeros_like(ones),
+        additional_forward_args=args,
+        n_steps=n_steps,
+        method=method,
+        internal_batch_size=internal_batch_size,
     )
+    return at_least_float32(attributions.detach())
 
 
 def warn_incomplete(

@@ -46,7 +46,7 @@ from transformer_lens import FactoredMatrix
 
 from .checks import check_head, check_layer, word_token
 from .config import parse_dtype
-from .model import HookedDCFormer
+from .model import HookedDCFormer, at_least_float32
 from .processing import require_raw_weights
 
 
@@ -109,12 +109,12 @@ def ov_logits(
         block = model.blocks[0]
         x = x + block.mlp(block.ln2(x))
     attn = model.blocks[layer].attn
-    x = model.blocks[layer].ln1(x)[0].float()
-    out = (x @ attn.W_V[head].float()) @ attn.W_O[head].float()  # [n, d_model]
+    x = at_least_float32(model.blocks[layer].ln1(x)[0])
+    out = (x @ at_least_float32(attn.W_V[head])) @ at_least_float32(attn.W_O[head])  # [n, d_model]
     out = out.to(model.W_U.dtype)
     if final_norm:
         out = model.ln_final(out[None])[0]
-    return (out @ model.W_U).float()
+    return at_least_float32(out @ model.W_U)
 
 
 def ov_top_tokens(

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .checks import check_head, check_key_before_query, check_layer, check_position, check_tokens, find_word
 from .dcmha.materialised import branch_outputs
-from .model import HookedDCFormer, visible_keys
+from .model import HookedDCFormer, at_least_float32, visible_keys
 
 Stage = Literal["pre", "post"]
 BRANCHES = ("qp", "qg", "kp", "kg")  # the order of the paper's Fig. 7
@@ -129,7 +129,7 @@ def _prompt_stage_activations(model: HookedDCFormer, tokens, layer: int, stage: 
     _check_stage(model, stage)
     layer = check_layer(model, layer)
     prompt = _single_prompt(model, tokens, batch_index)
-    return prompt, {k: v.float().cpu() for k, v in stage_activations(model, prompt, layer, stage).items()}
+    return prompt, {k: at_least_float32(v).cpu() for k, v in stage_activations(model, prompt, layer, stage).items()}
 
 
 @torch.no_grad()
@@ -295,9 +295,9 @@ def attention_distributions(
         with torch.no_grad():
             _, cache = model.run_with_cache(prompt, names_filter=[name], stop_at_layer=layer + 1)
         acts = {"before": cache[name][0], "after": cache[name][0]}
-    before = acts["before"][heads, t, : t + 1].float().cpu()
-    after = acts["after"][heads, t, : t + 1].float().cpu()
-    w_k1 = acts["kw1"][: t + 1].transpose(1, 2).float().cpu() if "kw1" in acts else None
+    before = at_least_float32(acts["before"][heads, t, : t + 1]).cpu()
+    after = at_least_float32(acts["after"][heads, t, : t + 1]).cpu()
+    w_k1 = at_least_float32(acts["kw1"][: t + 1].transpose(1, 2)).cpu() if "kw1" in acts else None
     return AttentionDistributions(layer, t, stage, heads, before, after, w_k1)
 
 

@@ -54,7 +54,7 @@ from torch import Tensor
 
 from . import distributed
 from .attribution import answer_log_probs, answer_logits, final_normed
-from .model import HookedDCFormer, attention_mask, visible_keys
+from .model import HookedDCFormer, at_least_float32, attention_mask, visible_keys
 from .synth.contrast import PairTokens
 
 STAGE_INPUT = {"pre": "scores", "post": "pattern"}  # what A_n is, by stage (the hook it is read from)
@@ -645,28 +645,32 @@ def _accumulate_scores(
     for (layer, stage), dA in delta_A.items():
         # with IG the rows hold several steps: W and G of each step go together, so the sum over rows comes last
         k = grads[(stage, layer)].shape[0] // dA.shape[0]
-        G_full = grads[(stage, layer)].float()
-        dA_full = dA.repeat(k, 1, 1, 1).float()
+        G_full = at_least_float32(grads[(stage, layer)])
+        dA_full = at_least_float32(dA.repeat(k, 1, 1, 1))
         W = run.weights[(layer, stage)]
         for branch in graph.branches:
             key = (stage, layer, branch)
             if branch == "qp":
                 X = torch.einsum("bnts,bmts->btnm", dA_full, G_full)
-                scores[key] += (X * torch.einsum("btrn,btrm->btnm", W["qw1"], W["qw2"]).float()).sum((0, 1))
+                scores[key] += (X * at_least_float32(torch.einsum("btrn,btrm->btnm", W["qw1"], W["qw2"]))).sum((0, 1))
             elif branch == "kp":
                 Y = torch.einsum("bnts,bmts->bsnm", dA_full, G_full)
-                scores[key] += (Y * torch.einsum("bsrn,bsrm->bsnm", W["kw1"], W["kw2"]).float()).sum((0, 1))
+                scores[key] += (Y * at_least_float32(torch.einsum("bsrn,bsrm->bsnm", W["kw1"], W["kw2"]))).sum((0, 1))
             elif branch == "qg":
-                scores[key] += (dA_full * G_full * W["qg"].float().transpose(1, 2)[:, :, :, None]).sum((0, 2, 3))
+                scores[key] += (dA_full * G_full * at_least_float32(W["qg"]).transpose(1, 2)[:, :, :, None]).sum(
+                    (0, 2, 3)
+                )
             elif branch == "kg":
-                scores[key] += (dA_full * G_full * W["kg"].float().transpose(1, 2)[:, :, None, :]).sum((0, 2, 3))
+                scores[key] += (dA_full * G_full * at_least_float32(W["kg"]).transpose(1, 2)[:, :, None, :]).sum(
+                    (0, 2, 3)
+                )
             else:
                 scores[key] += (dA_full * G_full).sum((0, 2, 3))
 
 
 def _fold(x: Tensor, batch: int) -> Tensor:
     """Rows [steps * batch, ...] summed over the steps: [batch, ...]."""
-    return x.float().reshape(-1, batch, *x.shape[1:]).sum(0)
+    return at_least_float32(x).reshape(-1, batch, *x.shape[1:]).sum(0)
 
 
 def edge_scores(
@@ -701,9 +705,10 @@ def edge_scores(
         with torch.no_grad():
             corrupted = graph_forward(model, graph, corrupt[index])
             clean_run = graph_forward(model, graph, clean[index])
-        delta = (corrupted.outputs - clean_run.outputs).float()
+        delta = at_least_float32(corrupted.outputs - clean_run.outputs)
         delta_A = {
-            key: (corrupted.stage_inputs[key] - clean_run.stage_inputs[key]).float() for key in clean_run.stage_inputs
+            key: at_least_float32(corrupted.stage_inputs[key] - clean_run.stage_inputs[key])
+            for key in clean_run.stage_inputs
         }
         rows_metric = full_metric.rows(index)
         if method == "eap":

@@ -78,8 +78,14 @@ def _wrapped(hook: HookPoint) -> bool:
         return True
 
 
+def at_least_float32(x: Tensor) -> Tensor:
+    """x in float32 if it is in a half dtype, else as it is: the norms, the rotary embedding and the softmaxes
+    compute in at least float32, and a float64 run stays float64 throughout (it judges the others)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class Norm(nn.Module):
-    """LayerNorm (with bias) or RMSNorm, computed in float32, with TransformerLens' hook names."""
+    """LayerNorm (with bias) or RMSNorm, computed in at least float32, with TransformerLens' hook names."""
 
     def __init__(self, d: int, kind: str, eps: float):
         super().__init__()
@@ -91,7 +97,7 @@ class Norm(nn.Module):
 
     def forward(self, x: Float[Tensor, "b p d"]) -> Float[Tensor, "b p d"]:
         dtype = x.dtype
-        x = x.float()
+        x = at_least_float32(x)
         if self.kind == "LN":
             x = x - x.mean(-1, keepdim=True)
         scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
@@ -104,10 +110,10 @@ class Norm(nn.Module):
 class HeadRMSNorm(nn.Module):
     """QK-norm: RMSNorm with a learned scale over the head dim (eps 1e-6).
 
-    `hook_inv_scale` [batch, pos, head, 1] (float32) is rsqrt(mean x² + eps), what multiplies each head's q or k:
-    a hook that returns the clean run's value freezes the QK-norm (dcinterp.qk's causal checks). The inverse is
-    hooked, not the norms' `hook_scale` divisor, so that the arithmetic is the released code's whether or not
-    anything reads it."""
+    `hook_inv_scale` [batch, pos, head, 1] (float32; float64 in a float64 run) is rsqrt(mean x² + eps), what
+    multiplies each head's q or k: a hook that returns the clean run's value freezes the QK-norm (dcinterp.qk's
+    causal checks). The inverse is hooked, not the norms' `hook_scale` divisor, so that the arithmetic is the
+    released code's whether or not anything reads it."""
 
     def __init__(self, d_head: int, eps: float = 1e-6):
         super().__init__()
@@ -116,7 +122,7 @@ class HeadRMSNorm(nn.Module):
         self.hook_inv_scale = HookPoint()
 
     def forward(self, x: Float[Tensor, "b p h e"]) -> Float[Tensor, "b p h e"]:
-        xf = x.float()
+        xf = at_least_float32(x)
         inv_scale = self.hook_inv_scale(torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))
         return (xf * inv_scale).to(x.dtype) * self.w
 
@@ -168,12 +174,12 @@ def model_rotary_tables(
 
 
 def rotate(x: Float[Tensor, "b p h e"], rotary_dim: int, tables: tuple[Tensor, Tensor] | None) -> Tensor:
-    """x rotated by `rotary_tables`' (cos, sin) on its first `rotary_dim` dims, in float32."""
+    """x rotated by `rotary_tables`' (cos, sin) on its first `rotary_dim` dims, in at least float32."""
     if tables is None:
         return x
     cos, sin = tables
     half = rotary_dim // 2
-    xf = x.float()
+    xf = at_least_float32(x)
     x1, x2, rest = xf[..., :half], xf[..., half:rotary_dim], xf[..., rotary_dim:]
     rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
     return rotated.to(x.dtype)
@@ -503,7 +509,7 @@ class Attention(nn.Module):
             scores = self.hook_composed_scores(scores + mask)
         else:
             scores = self.hook_attn_scores(scores + mask)
-        pattern = self.hook_pattern(scores.softmax(-1, dtype=torch.float32).to(scores.dtype))
+        pattern = self.hook_pattern(at_least_float32(scores).softmax(-1).to(scores.dtype))
         if cfg.use_dcmha:
             if self.post_compose is not None:
                 pattern = self.post_compose(pattern, *dyn["post"], past_kv_cache_entry=past_kv_cache_entry)
@@ -537,7 +543,7 @@ class MLP(nn.Module):
         else:
             post = F.silu(self.hook_pre(x @ self.W_gate)) * self.hook_pre_linear(x @ self.W_in)
         if self.cfg.mgate_dim:
-            groups = self.hook_mgate((x @ self.W_mgate).softmax(-1, dtype=torch.float32).to(x.dtype))
+            groups = self.hook_mgate(at_least_float32(x @ self.W_mgate).softmax(-1).to(x.dtype))
             post = (post.unflatten(-1, (self.cfg.mgate_dim, -1)) * groups[..., None]).flatten(-2)
         out = self.hook_post(post) @ self.W_out
         return out + self.b_out if self.b_out is not None else out
@@ -1025,7 +1031,7 @@ def lm_cross_entropy(
     attention_mask: Int[Tensor, "b p"] | None = None,
 ) -> Tensor:
     """Next-token cross-entropy; per token [batch, pos-1] or the mean (over unmasked pairs, as TransformerLens)."""
-    logprobs = logits[:, :-1].float().log_softmax(-1)
+    logprobs = at_least_float32(logits[:, :-1]).log_softmax(-1)
     loss = -logprobs.gather(-1, tokens[:, 1:, None])[..., 0]
     kept = torch.ones_like(loss, dtype=torch.bool)
     if attention_mask is not None:

@@ -40,7 +40,7 @@ from torch import Tensor
 from .attribution import Target, _prepare, answer_logits, final_normed, target_value
 from .checks import check_finite, check_position, check_token_ids, check_tokens, real_lengths
 from .dcmha.materialised import branch_outputs
-from .model import HookedDCFormer, visible_keys
+from .model import HookedDCFormer, at_least_float32, visible_keys
 from .synth.contrast import PairTokens
 
 STAGES = ("pre", "post")
@@ -275,7 +275,7 @@ def mean_activations(
         _, cache = model.run_with_cache(tokens, names_filter=list(hook_names), stop_at_layer=model.cfg.n_layers)
     means = {}
     for name in hook_names:
-        activation = cache[name].float()
+        activation = at_least_float32(cache[name])
         real = _real_entries(model, name, activation, lengths)
         output = name.split("hook_")[-1] in BRANCH_OUTPUTS
         by_group = {}
@@ -539,7 +539,7 @@ def attribution_deltas(
     )
     _, gradients, activations = site_gradients(model, tokens, metric, hook_names)
     products = {
-        name: (gradients[name] * (sources[name] - activations[name])).float()
+        name: at_least_float32(gradients[name] * (sources[name] - activations[name]))
         for name in dict.fromkeys(site.hook_name for site in site_list)
     }
     return torch.stack(
@@ -582,10 +582,13 @@ def _through_softmax(
         patched[site.name][site.index()] = sources[site.hook_name][site.index()]
         scores = activations[f"{attn}.hook_attn_scores"].masked_fill(hidden, 0)
         change = branch_outputs(scores, **patched)[site.branch] - branch_outputs(scores, **weights)[site.branch]
-    composed, change = composed.masked_fill(hidden, 0).float(), change.masked_fill(hidden, 0).float()
+    composed, change = (
+        at_least_float32(composed.masked_fill(hidden, 0)),
+        at_least_float32(change.masked_fill(hidden, 0)),
+    )
     before = composed.masked_fill(hidden, float("-inf")).softmax(-1)
     after = (composed + change).masked_fill(hidden, float("-inf")).softmax(-1)
-    return (gradients[f"{attn}.hook_pattern"].float() * (after - before)).sum()
+    return (at_least_float32(gradients[f"{attn}.hook_pattern"]) * (after - before)).sum()
 
 
 # --------------------------------------------------------------------------------------------------

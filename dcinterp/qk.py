@@ -40,7 +40,7 @@ from torch import Tensor
 
 from .checks import check_head, check_layer, check_tokens, find_word
 from .composition import _position
-from .model import HookedDCFormer, apply_rotary, project_heads, visible_keys
+from .model import HookedDCFormer, apply_rotary, at_least_float32, project_heads, visible_keys
 
 BRANCHES = ("skip", "qp", "kp", "qg", "kg")
 DIAGONAL_BRANCHES = ("skip", "qg", "kg")  # W_b diagonal: head n feeds only head n
@@ -113,7 +113,7 @@ def layer_run(
         normed = run.pop("normed")[None]
         for side, W, b, norm in (("q", block.W_Q, block.b_Q, block.q_norm), ("k", block.W_K, block.b_K, block.k_norm)):
             linear = project_heads(normed, W)
-            linear = (linear + b if b is not None else linear)[0].float()
+            linear = at_least_float32((linear + b if b is not None else linear)[0])
             run[f"{side}_scale"] = (linear.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt()  # [pos, head, 1]
     return run
 
@@ -127,16 +127,16 @@ def residual_components(
     rows = torch.searchsorted(run["positions"], positions.cpu()).to(device)
     H, d = model.cfg.n_heads, model.cfg.d_model
     out = torch.empty(len(rows), 1 + layer * (H + 1) + 1, d, device=device)
-    out[:, 0] = run["embed"].to(device)[rows].float()
+    out[:, 0] = at_least_float32(run["embed"].to(device)[rows])
     bias = torch.zeros(d, device=device)
     for earlier in range(layer):
         attn = model.blocks[earlier].attn
         start = 1 + earlier * (H + 1)
-        z = run[f"z{earlier}"].to(device)[rows].float()
-        out[:, start : start + H] = torch.einsum("phe,hed->phd", z, attn.W_O.to(device).float())
-        out[:, start + H] = run[f"mlp{earlier}"].to(device)[rows].float()
+        z = at_least_float32(run[f"z{earlier}"].to(device)[rows])
+        out[:, start : start + H] = torch.einsum("phe,hed->phd", z, at_least_float32(attn.W_O.to(device)))
+        out[:, start + H] = at_least_float32(run[f"mlp{earlier}"].to(device)[rows])
         if attn.b_O is not None:
-            bias += attn.b_O.to(device).float()
+            bias += at_least_float32(attn.b_O.to(device))
     out[:, -1] = bias
     return out
 
@@ -155,10 +155,10 @@ def normed_components(
     x = components
     if norm.kind == "LN":
         x = x - x.mean(-1, keepdim=True)
-    scale = run["ln_scale"].to(device)[positions.to(device)].float()  # [pos, 1]
-    x = x / scale[:, None] * norm.w.to(device).float()
+    scale = at_least_float32(run["ln_scale"].to(device)[positions.to(device)])  # [pos, 1]
+    x = x / scale[:, None] * at_least_float32(norm.w.to(device))
     if norm.b is not None:
-        x[:, -1] += norm.b.to(device).float()
+        x[:, -1] += at_least_float32(norm.b.to(device))
     return x
 
 
@@ -178,14 +178,14 @@ def side_vectors(
     device = components.device
     positions = positions.to(device)
     x = normed_components(model, run, layer, components, positions)
-    W = (attn.W_Q if side == "q" else attn.W_K).to(device).float()
+    W = at_least_float32((attn.W_Q if side == "q" else attn.W_K).to(device))
     vectors = torch.einsum("pcd,hde->pche", x, W)
     b = attn.b_Q if side == "q" else attn.b_K
     if b is not None:
-        vectors[:, -1] += b.to(device).float()
+        vectors[:, -1] += at_least_float32(b.to(device))
     if cfg.use_qk_norm:
-        qk_scale = run[f"{side}_scale"].to(device)[positions].float()  # [pos, head, 1]
-        weight = (attn.q_norm if side == "q" else attn.k_norm).w.to(device).float()
+        qk_scale = at_least_float32(run[f"{side}_scale"].to(device)[positions])  # [pos, head, 1]
+        weight = at_least_float32((attn.q_norm if side == "q" else attn.k_norm).w.to(device))
         vectors = vectors / qk_scale[:, None] * weight
     table = torch.float16 if cfg.window == "official-inference" else torch.float32
     P, C = vectors.shape[:2]
@@ -201,7 +201,7 @@ def branch_weights(
     H = model.cfg.n_heads
     W = torch.zeros(len(keys), len(branches), H)
     w = {
-        name: run[f"{stage}.{name}"].float().cpu()
+        name: at_least_float32(run[f"{stage}.{name}"]).cpu()
         for name in ("qw1", "qw2", "kw1", "kw2", "qg", "kg")
         if f"{stage}.{name}" in run
     }
@@ -339,7 +339,7 @@ def _decompose(
         rows = pd.concat([rows, rest], ignore_index=True)
     return _Terms(
         pairs.cpu(),
-        head_branch.float().cpu(),
+        at_least_float32(head_branch).cpu(),
         query_marginal.cpu(),
         key_marginal.cpu(),
         totals,
@@ -443,7 +443,7 @@ def _str_tokens(model: HookedDCFormer, prompt: Tensor) -> list[str] | None:
 
 def _score_scale(model: HookedDCFormer, run: dict[str, Tensor], layer: int, head: int, t: int, n: int) -> float:
     """The largest |score| of the head over the keys the query sees (what a gap is measured against)."""
-    scores = run["composed" if model.cfg.use_dcmha else "scores"][head].float().cpu()
+    scores = at_least_float32(run["composed" if model.cfg.use_dcmha else "scores"][head]).cpu()
     visible = visible_keys(n, model.cfg.layer_window(layer), "cpu", model.cfg.window)[t]
     return max(float(scores[visible].abs().max()), 1e-30)
 
@@ -580,7 +580,7 @@ def _loadings(model: HookedDCFormer, run: dict[str, Tensor], t: int, keys: list[
     """Post-compose head loadings: head's pattern at (t, s) as sum_{n, b} W'_b[n, head] P_n[t, s]."""
     branches = compose_branches(model, "post")
     key_index = torch.tensor(keys)
-    pattern = run["pattern"].float().cpu()[:, key_index].T  # [key, head]
+    pattern = at_least_float32(run["pattern"]).cpu()[:, key_index].T  # [key, head]
     W = branch_weights(model, run, "post", t, key_index, head)  # [key, branch, source head]
     present = _present(branches, head, model.cfg.n_heads)
     k, b, n = present[None].expand(len(keys), -1, -1).nonzero().unbind(1)
@@ -639,7 +639,7 @@ def qk_attribution(
         key_pos=keys,
         components=components,
         branches=compose_branches(model, "pre"),
-        composed=target[head].float().cpu()[key_index],
+        composed=at_least_float32(target[head]).cpu()[key_index],
         terms=rows[TERM_COLUMNS],
         pairs=terms.pairs,
         head_branch=terms.head_branch,
@@ -647,7 +647,7 @@ def qk_attribution(
         key_marginal=terms.key_marginal,
         totals=terms.totals,
         loadings=_loadings(model, run, t, keys, head),
-        composed_pattern=final[head].float().cpu()[key_index],
+        composed_pattern=at_least_float32(final[head]).cpu()[key_index],
         complete=terms.complete,
         scale=_score_scale(model, run, layer, head, t, prompt.shape[1]),
         tokens=prompt[0].cpu(),
@@ -768,7 +768,7 @@ def qk_contrast(
     rows = _named(terms.rows, components).drop(columns="group")
     rows.insert(0, "key_pos", s)
     rows["other_key_pos"] = other
-    target = run["composed" if model.cfg.use_dcmha else "scores"][head].float().cpu()
+    target = at_least_float32(run["composed" if model.cfg.use_dcmha else "scores"][head]).cpu()
     return QKContrast(
         layer=layer,
         head=head,

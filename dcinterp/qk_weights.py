@@ -34,7 +34,7 @@ from torch import Tensor
 
 from .checks import check_head, check_layer
 from .composition import _position
-from .model import HookedDCFormer
+from .model import HookedDCFormer, at_least_float32
 from .qk import (
     _key_positions,
     branch_weights,
@@ -94,7 +94,7 @@ def _side_weights(model: HookedDCFormer, layer: int, stage: str, side: str, x: T
     out = {}
     for name in SIDE_WEIGHTS[side]:
         branch = "qp" if name in ("qw1", "qw2") else "kp" if name in ("kw1", "kw2") else name
-        value = weights[WEIGHT_INDEX[name]][:, 0].float()
+        value = at_least_float32(weights[WEIGHT_INDEX[name]][:, 0])
         out[name] = value if branch in active else torch.zeros_like(value)
     return out
 
@@ -129,7 +129,7 @@ def _attribute_side(
     with torch.enable_grad():
         values = _head_value(_side_weights(model, layer, stage, side, path), side, A, head)
         (gradient,) = torch.autograd.grad(values.sum(), path)
-    mean_gradient = (quad.to(device)[:, None] * gradient.float()).sum(0)
+    mean_gradient = (quad.to(device)[:, None] * at_least_float32(gradient)).sum(0)
     out = {"scores": delta @ mean_gradient}
     if with_weights:
 
@@ -138,7 +138,7 @@ def _attribute_side(
             return torch.cat([w[0].flatten() for w in weights.values()])
 
         jacobians = torch.func.vmap(torch.func.jacrev(flat))(path.detach())  # [steps, outputs, d]
-        mean_jacobian = (quad.to(device)[:, None, None] * jacobians.float()).sum(0)
+        mean_jacobian = (quad.to(device)[:, None, None] * at_least_float32(jacobians)).sum(0)
         per_component = delta @ mean_jacobian.T  # [component, outputs], in the order of `flat`
         out["weights"] = {}
         for name, w in _side_weights(model, layer, stage, side, end[None]).items():
@@ -224,7 +224,7 @@ def weight_attribution(
     (s,) = _key_positions(model, prompt, layer, t, _one_key(key_pos), "key_pos")
     run = layer_run(model, prompt, layer, t, [t, s])
     normed = _normed(model, run, layer, [t, s])
-    A = run[STAGE_INPUT[stage]][:, s].float()
+    A = at_least_float32(run[STAGE_INPUT[stage]][:, s])
     sides = {
         side: _attribute_side(
             model, layer, stage, side, x, torch.zeros_like(x), A, head, method, n_steps, with_weights=True
@@ -357,7 +357,7 @@ def compose_change(
         runs.append(run)
         positions.append((t, s))
         normed.append(_normed(model, run, layer, [t, s]))
-        A.append(run[STAGE_INPUT[stage]][:, s].float().cpu())
+        A.append(at_least_float32(run[STAGE_INPUT[stage]][:, s]).cpu())
         W.append(branch_weights(model, run, stage, t, torch.tensor([s]), head)[0])  # [branch, source head]
     (A2, A1), (W2, W1) = A, W
     scores = (A2 - A1)[None] * (W1 + W2) / 2  # [branch, source head]

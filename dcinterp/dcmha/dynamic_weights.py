@@ -53,9 +53,9 @@ def torch_dynamic_weights(x: Float[Tensor, "b p d"], W_in, b_in, W_out, W_gate, 
     hidden = F.gelu(hidden + b_in if b_in is not None else hidden)
     w = torch.einsum("bpck,ckrh->bpcrh", hidden, W_out)
     w1, w2 = w[:, :, :, :R], w[:, :, :, R:]
-    # RMSNorm without scale over heads, in float32: in float16 the backward of rsqrt overflows (the mean
+    # RMSNorm without scale over heads, in at least float32: in float16 the backward of rsqrt overflows (the mean
     # square can be ~4e-4, where d rsqrt/du = -u^-1.5 / 2 is ~6.5e4, past float16's 65504).
-    w1f = w1.float()
+    w1f = w1.to(torch.promote_types(w1.dtype, torch.float32))
     w1 = (w1f * torch.rsqrt(w1f.pow(2).mean(-1, keepdim=True) + 1e-6)).to(w1.dtype)
     gates = (x @ W_gate.flatten(1)).unflatten(-1, W_gate.shape[1:])  # [b, p, c, h]
     gates = torch.tanh(gates + b_gate if b_gate is not None else gates)

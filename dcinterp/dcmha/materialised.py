@@ -118,7 +118,7 @@ def attend(
     mask = mask.to(scores.dtype)
     if pre is not None:
         scores = compose_fused(scores.masked_fill(mask != 0, 0.0), *pre)
-    pattern = (scores + mask).softmax(-1, dtype=torch.float32).to(scores.dtype)
+    pattern = (scores + mask).softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(scores.dtype)
     if post is not None:
         pattern = compose_fused(pattern, *post)
     return torch.einsum("bhts,bshe->bthe", pattern, v)
