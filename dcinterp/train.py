@@ -1071,7 +1071,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--d-model", type=int, default=d.d_model)
     p.add_argument("--n-heads", type=int, default=d.n_heads)
     p.add_argument("--d-head", type=int, default=d.d_head)
-    p.add_argument("--d-mlp", type=int, default=d.d_mlp)
+    p.add_argument(
+        "--d-mlp",
+        type=int,
+        default=d.d_mlp,
+        help="the MLP's hidden units; with --start-from, more than the start's widen it (new units weigh 0 at first):"
+        " a parameter-matched MHA twin",
+    )
     p.add_argument("--window-size", type=int, default=d.window_size)
     p.add_argument(
         "--window-type",
