@@ -509,7 +509,9 @@ class Attention(nn.Module):
             scores = self.hook_composed_scores(scores + mask)
         else:
             scores = self.hook_attn_scores(scores + mask)
-        pattern = self.hook_pattern(at_least_float32(scores).softmax(-1).to(scores.dtype))
+        pattern = self.hook_pattern(
+            scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(scores.dtype)
+        )
         if cfg.use_dcmha:
             if self.post_compose is not None:
                 pattern = self.post_compose(pattern, *dyn["post"], past_kv_cache_entry=past_kv_cache_entry)
@@ -543,7 +545,9 @@ class MLP(nn.Module):
         else:
             post = F.silu(self.hook_pre(x @ self.W_gate)) * self.hook_pre_linear(x @ self.W_in)
         if self.cfg.mgate_dim:
-            groups = self.hook_mgate(at_least_float32(x @ self.W_mgate).softmax(-1).to(x.dtype))
+            groups = self.hook_mgate(
+                (x @ self.W_mgate).softmax(-1, dtype=torch.promote_types(x.dtype, torch.float32)).to(x.dtype)
+            )
             post = (post.unflatten(-1, (self.cfg.mgate_dim, -1)) * groups[..., None]).flatten(-2)
         out = self.hook_post(post) @ self.W_out
         return out + self.b_out if self.b_out is not None else out
