@@ -2,7 +2,7 @@
 MHA and the SDPA twin, in one run (issue 37's table).
 
     python benchmarks/bench_gpu_dcmha.py [--quick] [--tokens 128,512,...] [--shapes 6.9b-wide,d1024]
-                                         [--repeats 10] [--json OUT.jsonl] [--cpu]
+                                         [--repeats 10] [--json OUT.jsonl] [--cpu] [--maps-mib 256]
 
 Random DCPythia-style models (LayerNorm, parallel residual, GELU MLP, QK-norm, rotary on a quarter of each head,
 vocabulary 8192), bfloat16, batch 1, frozen weights as analyses load them:
@@ -38,6 +38,7 @@ import torch
 
 import dcinterp.dcmha as dcmha
 from dcinterp import DCFormerConfig, HookedDCFormer
+from dcinterp.dcmha import triton_kernels
 from dcinterp.kv_cache import DCFormerKeyValueCache
 from dcinterp.model import attention_mask
 
@@ -194,7 +195,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (default 10)")
     parser.add_argument("--json", help="also write the JSON lines to this file")
     parser.add_argument("--cpu", action="store_true", help="the smoke run on this CPU (tiny shapes, float32)")
+    parser.add_argument(
+        "--maps-mib",
+        type=int,
+        help="the forward through the maps holds at most this many MiB of maps at a time (default: "
+        "dcinterp.dcmha.triton_kernels.MAPS_BYTES, 256 MiB); less memory, more launches",
+    )
     args = parser.parse_args()
+    if args.maps_mib is not None:
+        triton_kernels.MAPS_BYTES = args.maps_mib * 2**20
 
     smoke = args.cpu or not torch.cuda.is_available()
     device = torch.device("cpu" if smoke else "cuda")
@@ -213,7 +222,8 @@ def main() -> None:
         reason = dcmha.triton_unavailable(device)
         print(
             f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bfloat16, batch 1, medians of {repeats}; "
-            f"Triton kernels: {'available' if reason is None else 'NOT available: ' + reason}",
+            f"Triton kernels: {'available' if reason is None else 'NOT available: ' + reason}; "
+            f"maps held at most {triton_kernels.MAPS_BYTES / 2**20:g} MiB",
             flush=True,
         )
     if args.tokens:
