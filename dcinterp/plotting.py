@@ -1493,14 +1493,17 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def plot_study_differences(table, eval_set: str, title: str | None = None, caption: str | None = None) -> Figure:
+def plot_study_differences(
+    table, eval_set: str, title: str | None = None, caption: str | None = None, baseline: str = "MHA"
+) -> Figure:
     """The paired study's claim per QK pattern and OV transformation on one evaluation set, from
     `dcinterp.study.summary_table`: for all tasks (top), each QK pattern, each OV transformation and, for runs that
     left combinations out of training, the never-seen combinations (all of them, then each) and, where the table
     has them, what never seeing them cost (`held_out_change`: the accuracy there minus the twin's trained on them),
     the mean paired difference DCMHA - MHA in percentage points (black tick) with its interval (grey bar: the
     table's low/high), each seed's own difference (a dot, one colour per seed), and each architecture's mean
-    written at the right; right of zero, DCMHA is ahead (on the last panel: it lost less)."""
+    written at the right; right of zero, DCMHA is ahead (on the last panel: it lost less). `baseline` names the MHA
+    runs in the title and the axis (e.g. "MHA (d_mlp 304)" in a parameter-matched study)."""
     rows = table[table["eval_set"] == eval_set]
     seeds = _paired_seeds(table)
     never_seen = ((rows["measure"] == "held_out_combos") & (rows["group"] == "held_out_combos")) | (
@@ -1537,12 +1540,12 @@ def plot_study_differences(table, eval_set: str, title: str | None = None, capti
         if label != "all tasks":
             ax.set_title(label, fontsize=10, loc="left")
     _pad_limits(axes[-1], np.concatenate(drawn))  # shared by the panels
-    axes[-1].set_xlabel("DCMHA - MHA accuracy (percentage points)")
+    axes[-1].set_xlabel(f"DCMHA - {baseline} accuracy (percentage points)")
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(
         handles, labels, loc="outside lower center", ncol=min(len(labels), 4), fontsize=SMALLEST_TYPE, frameon=False
     )
-    _title(fig, title or f"{eval_set}: DCMHA - MHA accuracy, paired by seed ({_plural(len(seeds), 'seed')})")
+    _title(fig, title or f"{eval_set}: DCMHA - {baseline} accuracy, paired by seed ({_plural(len(seeds), 'seed')})")
     _caption(fig, caption)
     return fig
 

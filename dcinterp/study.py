@@ -607,9 +607,11 @@ def write_figures(study: Study, figures_dir: Path) -> list[Path]:
 
     figures_dir.mkdir(parents=True, exist_ok=True)
     table = study.table
+    widths = {run.arch: run.config.get("d_mlp") for run in study.runs}
+    baseline = f"MHA (d_mlp {widths['mha']})" if len(set(widths.values())) > 1 else "MHA"  # parameter-matched
     figures = {}
     for eval_set in table.loc[table["measure"].isin(["qk_pattern", "ov_transformation"]), "eval_set"].unique():
-        figures[f"differences_{eval_set}.png"] = plot_study_differences(table, eval_set)
+        figures[f"differences_{eval_set}.png"] = plot_study_differences(table, eval_set, baseline=baseline)
     if (table["measure"] == "held_out_combos").any():
         figures["held_out_combos.png"] = plot_study_held_out(table)
     diversity = diversity_frame(study.runs)

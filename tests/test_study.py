@@ -166,6 +166,15 @@ def test_a_parameter_matched_study_pairs_twins_of_other_widths(tmp_path):
     widths = json.loads((FIXTURE / "seed0" / "dcpythia-synth" / "recipe.json").read_text())["train_config"]["d_mlp"]
     assert f"DCMHA d_mlp {widths}, MHA d_mlp 304." in (tmp_path / "out" / "summary.md").read_text()
     assert "d_mlp" not in (tmp_path / "same" / "summary.md").read_text()
+    from dcinterp import plotting
+    from dcinterp.study import read_study, write_figures
+
+    drawn = []
+    draw = plotting.plot_study_differences
+    with pytest.MonkeyPatch.context() as patch:  # the figures name the wider MHA: their titles, read as drawn
+        patch.setattr(plotting, "plot_study_differences", lambda *a, **k: drawn.append(draw(*a, **k)) or drawn[-1])
+        write_figures(read_study(runs_dir, n_resamples=100), tmp_path / "figures")
+    assert drawn and all("DCMHA - MHA (d_mlp 304) accuracy" in fig._suptitle.get_text() for fig in drawn)
     odd = runs_dir / "seed1" / "pythia-synth" / "recipe.json"
     recipe = json.loads(odd.read_text())
     recipe["train_config"]["d_mlp"] = 300
