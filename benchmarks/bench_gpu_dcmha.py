@@ -3,6 +3,7 @@ MHA and the SDPA twin, in one run (issue 37's table).
 
     python benchmarks/bench_gpu_dcmha.py [--quick] [--tokens 128,512,...] [--shapes 6.9b-wide,d1024]
                                          [--repeats 10] [--json OUT.jsonl] [--cpu] [--maps-mib 256]
+                                         [--backward tiles|maps]
 
 Random DCPythia-style models (LayerNorm, parallel residual, GELU MLP, QK-norm, rotary on a quarter of each head,
 vocabulary 8192), bfloat16, batch 1, frozen weights as analyses load them:
@@ -201,9 +202,16 @@ def main() -> None:
         help="the forward through the maps holds at most this many MiB of maps at a time (default: "
         "dcinterp.dcmha.triton_kernels.MAPS_BYTES, 256 MiB); less memory, more launches",
     )
+    parser.add_argument(
+        "--backward",
+        choices=("tiles", "maps"),
+        help="the fused kernels that take the gradients (default: dcinterp.dcmha.triton_kernels.BACKWARD)",
+    )
     args = parser.parse_args()
     if args.maps_mib is not None:
         triton_kernels.MAPS_BYTES = args.maps_mib * 2**20
+    if args.backward is not None:
+        triton_kernels.BACKWARD = args.backward
 
     smoke = args.cpu or not torch.cuda.is_available()
     device = torch.device("cpu" if smoke else "cuda")
@@ -223,7 +231,8 @@ def main() -> None:
         print(
             f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bfloat16, batch 1, medians of {repeats}; "
             f"Triton kernels: {'available' if reason is None else 'NOT available: ' + reason}; "
-            f"maps held at most {triton_kernels.MAPS_BYTES / 2**20:g} MiB",
+            f"maps held at most {triton_kernels.MAPS_BYTES / 2**20:g} MiB; gradients through the "
+            f"{triton_kernels.BACKWARD}",
             flush=True,
         )
     if args.tokens:

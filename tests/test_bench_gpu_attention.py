@@ -32,9 +32,12 @@ def off_by_a_rounding(fused):
     return lambda q, k, v, pre, post, past=0: fused(q, k, v, pre, post, past) * (1 + 1e-5)
 
 
-def test_the_cards_check_is_the_float64_rule_and_fails_a_wrong_kernel(kernels):
+@pytest.mark.parametrize("backward", ["tiles", "maps"])
+def test_the_cards_check_is_the_float64_rule_and_fails_a_wrong_kernel(kernels, backward):
     def fused(q, k, v, pre, post, past=0):
-        return kernels.fused_dcmha(q, k, v, pre, post, window=None, official=False, past=past, blocks=(16, 16, 16))
+        blocks = dict(blocks=(16, 16, 16), map_blocks=(16, 16))
+        return kernels.fused_dcmha(q, k, v, pre, post, window=None, official=False, past=past, backward=backward,
+                                   **blocks)  # fmt: skip
 
     assert bench.check(fused, torch.float32, 2, 21, 3, 16, 2) <= 1
     assert bench.check(fused, torch.float32, 1, 3, 3, 16, 1, past=20) <= 1

@@ -328,10 +328,16 @@ def real_kernels(monkeypatch):
     return triton_kernels
 
 
-@pytest.mark.parametrize("case", ["prompt, left padding", "cache"])
-def test_the_real_kernels_through_the_model_equal_the_materialised_path(model, model64, real_kernels, on_cuda, case):
-    """The model on the Triton path with the real kernels (not the stand-in): logits and every gradient. With CUDA the
-    model runs on the GPU (natively compiled kernels), else on this CPU under the interpreter."""
+@pytest.mark.parametrize(
+    "case, backward", [("prompt, left padding", "tiles"), ("cache", "tiles"), ("prompt, left padding", "maps")]
+)
+def test_the_real_kernels_through_the_model_equal_the_materialised_path(
+    model, model64, real_kernels, on_cuda, case, backward, monkeypatch
+):
+    """The model on the Triton path with the real kernels (not the stand-in): logits and every gradient, by each
+    fused backward. With CUDA the model runs on the GPU (natively compiled kernels), else on this CPU under the
+    interpreter."""
+    monkeypatch.setattr(real_kernels, "BACKWARD", backward)
     device = CUDA if torch.cuda.is_available() else CPU
     on_device = copy.deepcopy(model).to(device)
     tokens = tokens_for(model, length=20)

@@ -128,27 +128,30 @@ def check(
     inputs, *, window=None, official=False, past=0, real=None, gradients=True, blocks=BLOCKS, dtype=torch.float32
 ):
     """The fused forward and the gradients of every input (for a random dz) against the float64 reference and the
-    reference in `dtype` (float32 unless told); and the forward through the maps (which runs without gradients)."""
+    reference in `dtype` (float32 unless told): by the tiles kernels, and by the kernels through the maps (forward
+    and backward; and their forward without gradients)."""
     q, k, v, pre, post = inputs
     options = dict(window=window, official=official, past=past, real=real)
     with torch.no_grad():
         maps = fused_dcmha(*[to(x, dtype) for x in (q, k, v, pre, post)], **options, map_blocks=MAP_BLOCKS)
+    fused = {"tiles": dict(blocks=blocks, backward="tiles"), "maps": dict(map_blocks=MAP_BLOCKS, backward="maps")}
     runs = {}
-    for name, run_dtype in (("exact", torch.float64), ("single", dtype), ("fused", dtype)):
+    for name, run_dtype in (("exact", torch.float64), ("single", dtype), ("tiles", dtype), ("maps", dtype)):
         args = [to(x, run_dtype, gradients) for x in (q, k, v, pre, post)]
-        z = fused_dcmha(*args, **options, blocks=blocks) if name == "fused" else reference(*args, **options)
+        z = fused_dcmha(*args, **options, **fused[name]) if name in fused else reference(*args, **options)
         leaves = [x for x in args[:3] + flat(*args[3:]) if x is not None]
         grads = []
         if gradients:
             dz = torch.randn(z.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEVICE)
             grads = torch.autograd.grad(z, leaves, dz.to(run_dtype))
         runs[name] = (z, grads)
-    assert_as_exact(runs["fused"][0], runs["single"][0], runs["exact"][0], "z")
-    assert_as_exact(maps, runs["single"][0], runs["exact"][0], "z through the maps")
+    assert_as_exact(maps, runs["single"][0], runs["exact"][0], "z through the maps, without gradients")
     names = [n for n, x in zip(["q", "k", "v"] + [f"{s} {b}" for s in ("pre", "post") for b in BRANCHES],
                                [q, k, v, *flat(pre, post)], strict=True) if x is not None]  # fmt: skip
-    for i, name in enumerate(names if gradients else []):
-        assert_as_exact(runs["fused"][1][i], runs["single"][1][i], runs["exact"][1][i], f"d {name}")
+    for path in fused:
+        assert_as_exact(runs[path][0], runs["single"][0], runs["exact"][0], f"z ({path})")
+        for i, name in enumerate(names if gradients else []):
+            assert_as_exact(runs[path][1][i], runs["single"][1][i], runs["exact"][1][i], f"d {name} ({path})")
 
 
 @pytest.mark.parametrize(
@@ -261,9 +264,13 @@ def test_any_combination(data):
     check(inputs, window=window, official=official, past=past, real=real.to(DEVICE))
 
 
-def test_keys_before_the_window_are_never_read():
-    """Decoding 5 queries after 40 cached keys with a window of 6: the keys before the first query's window are never
-    read (forward or backward): NaN in them and in their weights changes no bit, and their gradients stay 0."""
+BACKWARDS = {"tiles": dict(blocks=BLOCKS, backward="tiles"), "maps": dict(map_blocks=MAP_BLOCKS, backward="maps")}
+
+
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_keys_before_the_window_are_never_read(backward):
+    """Decoding 5 queries after 40 cached keys with a window of 6: NaN in the keys before the first query's window and
+    in their weights changes no bit of z or of any gradient, and their gradients stay 0."""
     past, window = 40, 6
     clean = [to(x, torch.float32) for x in make_inputs(1, 5, 3, 16, 2, past=past)]
     poisoned = [to(x, torch.float32) for x in clean]
@@ -273,7 +280,7 @@ def test_keys_before_the_window_are_never_read():
     runs = []
     for q, k, v, pre, post in (clean, poisoned):
         inputs = [to(x, torch.float32, True) for x in (q, k, v, pre, post)]
-        z = fused_dcmha(*inputs, window=window, official=False, past=past, blocks=BLOCKS)
+        z = fused_dcmha(*inputs, window=window, official=False, past=past, **BACKWARDS[backward])
         leaves = [x for x in inputs[:3] + flat(*inputs[3:]) if x is not None]
         runs.append([z, *torch.autograd.grad(z, leaves, torch.ones_like(z))])
     for first, second in zip(*runs, strict=True):
@@ -281,24 +288,54 @@ def test_keys_before_the_window_are_never_read():
     assert not runs[1][2][:, hidden].any()  # dk
 
 
-def test_same_inputs_give_the_same_bits():
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_same_inputs_give_the_same_bits(backward):
     q, k, v, pre, post = [to(x, torch.float32, True) for x in make_inputs(1, 35, 3, 16, 2)]
     leaves = [x for x in (q, k, v, *flat(pre, post)) if x is not None]
     runs = []
     for _ in range(2):
-        z = fused_dcmha(q, k, v, pre, post, window=7, official=False, blocks=BLOCKS)
+        z = fused_dcmha(q, k, v, pre, post, window=7, official=False, **BACKWARDS[backward])
         runs.append([z, *torch.autograd.grad(z, leaves, torch.ones_like(z))])
     for first, second in zip(*runs, strict=True):
         assert torch.equal(first, second)
 
 
-def test_without_gradients_the_same_forward():
-    """Under no_grad the kernels run without the autograd.Function: with the tiles forward (the one gradients take),
-    the same z, bit for bit."""
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_without_gradients_the_same_forward(backward):
+    """Under no_grad the kernels run without the autograd.Function: with the forward of the same name as the
+    backward (the one gradients take), the same z, bit for bit."""
     inputs = [to(x, torch.float32, True) for x in make_inputs(1, 20, 3, 16, 1)]
-    z = fused_dcmha(*inputs, window=None, official=False, blocks=BLOCKS)
+    options = BACKWARDS[backward]
+    z = fused_dcmha(*inputs, window=None, official=False, **options)
     with torch.no_grad():
-        assert torch.equal(z, fused_dcmha(*inputs, window=None, official=False, blocks=BLOCKS, forward="tiles"))
+        assert torch.equal(z, fused_dcmha(*inputs, window=None, official=False, **options, forward=backward))
+
+
+def test_the_backward_of_a_long_prompt_goes_a_chunk_of_queries_at_a_time(monkeypatch):
+    """With room for the maps and their gradients of 16 queries only, the backward through the maps goes 16 queries
+    at a time (3 chunks, the last one short, in a window), each chunk's key side added to the last's: the gradients
+    of the whole prompt at once, bit for bit (the tiles, and the order of every sum, do not depend on the chunk)."""
+    b, t, h, e, rank = 1, 45, 3, 16, 2
+    inputs = make_inputs(b, t, h, e, rank)
+    runs = []
+    for room in (None, 2 * b * 4 * rank * t * 4 * 16):
+        if room is not None:
+            monkeypatch.setattr(triton_kernels, "MAPS_BYTES", room)
+        calls = []
+        launches = triton_kernels._maps_backward_launches
+        monkeypatch.setattr(
+            triton_kernels,
+            "_maps_backward_launches",
+            lambda *args, calls=calls, launches=launches: calls.append(args[1].shape[1]) or launches(*args),
+        )
+        args = [to(x, torch.float32, True) for x in inputs]
+        z = fused_dcmha(*args, window=20, official=True, map_blocks=MAP_BLOCKS, backward="maps")
+        leaves = [x for x in args[:3] + flat(*args[3:]) if x is not None]
+        runs.append((calls, torch.autograd.grad(z, leaves, torch.ones_like(z))))
+        monkeypatch.setattr(triton_kernels, "_maps_backward_launches", launches)
+    assert runs[0][0] == [45] and runs[1][0] == [16, 16, 13]
+    for whole, chunked in zip(runs[0][1], runs[1][1], strict=True):
+        assert torch.equal(whole, chunked)
 
 
 def test_the_maps_of_a_long_prompt_go_a_chunk_of_queries_at_a_time(monkeypatch):
@@ -347,7 +384,8 @@ def test_views_give_what_contiguous_tensors_give():
     assert torch.equal(z, fused_dcmha(*views, pre, post, window=None, official=False, blocks=BLOCKS))
 
 
-def test_the_forward_saves_the_inputs_and_row_statistics_only():
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_the_forward_saves_the_inputs_and_row_statistics_only(backward):
     """What autograd keeps for the backward: the inputs themselves and [b, h, t] statistics, nothing [t, s]-sized."""
     inputs = [to(x, torch.float32, True) for x in make_inputs(2, 20, 3, 16, 2)]
     saved = []
@@ -357,7 +395,7 @@ def test_the_forward_saves_the_inputs_and_row_statistics_only():
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        fused_dcmha(*inputs, window=None, official=False, blocks=BLOCKS)
+        fused_dcmha(*inputs, window=None, official=False, **BACKWARDS[backward])
     leaves = [x for x in inputs[:3] + flat(*inputs[3:]) if x is not None]
     statistics = [x for x in saved if not any(x is leaf for leaf in leaves)]
     assert len(saved) == len(leaves) + len(statistics)
@@ -442,24 +480,30 @@ from triton.compiler import ASTSource
 from dcinterp.dcmha import triton_kernels
 
 triton_kernels._decorate()
-every = dict(HP=4, BQ=16, BK=16, BE=32, PADDING=True, HALF=True, R=2, RP=2, EP=128, QP=True, KP=True, QG=True,
-             KG=True)
+every = dict(HP=4, BQ=16, BK=16, BE=32, PADDING=True, HALF=True, R=2, RP=2, EP=128, FIRST=0, QP=True, KP=True,
+             QG=True, KG=True)
 every.update({f"{stage}_{branch}": True for stage in ("PRE", "POST") for branch in ("QP", "KP", "QG", "KG")})
 scalars = dict(T="i32", S="i32", H="i32", E="i32", R="i32", past="i32", span="i32", scale="fp32")
 tiles = ("_forward_kernel", "_backward_query_kernel", "_backward_key_kernel")
-maps = ("_pre_maps_kernel", "_row_statistics_kernel", "_post_maps_kernel", "_head_output_kernel")
+maps = ("_product_maps_kernel", "_row_statistics_kernel", "_post_maps_kernel", "_head_output_kernel",
+        "_row_gradient_kernel", "_pre_gradient_maps_kernel", "_head_query_gradient_kernel", "_head_key_gradient_kernel")
 for name in tiles + maps:
     kernel = getattr(triton_kernels, name)
     constants = {arg: value for arg, value in every.items() if arg in kernel.arg_names}
     if name in maps:  # the default launch
-        launch = triton_kernels.MAPS_KERNELS if "maps" in name else triton_kernels.HEAD_KERNELS
+        launch = (
+            triton_kernels.KEY_GRADIENT_KERNELS if name == "_head_key_gradient_kernel" else
+            triton_kernels.GRADIENT_KERNELS if "gradient" in name else
+            triton_kernels.MAPS_KERNELS if "maps" in name else triton_kernels.HEAD_KERNELS
+        )
         constants.update({key: value for key, value in launch.items() if key in kernel.arg_names})
         options = {key: value for key, value in launch.items() if key.startswith("num_")}
     else:
         options = dict(num_warps=triton_kernels._num_warps(constants["HP"]), num_stages=1)
     signature = {
         arg: "constexpr" if arg in constants else scalars.get(arg) or
-        ("*bf16" if arg in ("q", "k", "v", "dz", "z", "maps") else "*i8" if arg == "real" else "*fp32")
+        ("*bf16" if arg in ("q", "k", "v", "dz", "z", "maps", "grads", "a", "b") else
+         "*i8" if arg == "real" else "*fp32")
         for arg in kernel.arg_names
     }
     paths = {(kernel.arg_names.index(arg),): value for arg, value in constants.items()}

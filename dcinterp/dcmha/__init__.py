@@ -7,7 +7,8 @@ Paths, and when `choose_path` takes each (first rule that applies):
   transform (`vmap`, `grad`, ...) is active; on any device.
 - `sdpa`: plain MHA (`use_dcmha=False`) otherwise, by `torch.nn.functional.scaled_dot_product_attention`.
 - `triton` (`dcinterp.dcmha.triton_kernels.fused_dcmha`: without gradients its forward through the cross-head
-  maps, with them its tiles forward and fused backward): DCMHA on CUDA where the kernels run, for every prompt when
+  maps, with them the forward and fused backward that `triton_kernels.BACKWARD` names: through the tiles, the
+  one timed on a card, or through the maps): DCMHA on CUDA where the kernels run, for every prompt when
   no gradient is needed (`FUSED_MIN_KEYS_WITHOUT_GRADIENTS`), and for prompts of at least `FUSED_MIN_KEYS` keys
   when one is. Shorter prompts with gradients take the materialised path and cached decoding steps the few-queries
   one, where the kernels measured slower (the numbers are beside the thresholds; `FUSED_DECODING = True` sends

@@ -1,9 +1,13 @@
 """DCMHA fused in Triton kernels: the attention's forward and backward without any [b, h, t, s] tensor.
 
-Two forwards: without gradients, the forward through the cross-head maps (four kernels, each head alone, its output
-in registers; the faster); with them, the tiles forward (one kernel, every head of a tile together), whose row
-statistics the backward's recomputation reproduces bit for bit (the forward through the maps sums in another order:
-its statistics would leave the softmax's gradient a few float32 units off, more than the tests allow).
+Two ways, each a forward and its backward (`BACKWARD` says which gradients take; without gradients the forward
+through the maps, the faster, is taken):
+- through the cross-head maps: each head alone, FlashAttention's way, but for a few [queries, keys] maps shared by
+  every head (four kernels forward, six backward);
+- through tiles: every head of a tile of queries x keys together (one kernel forward, two backward).
+A backward recomputes what its own forward computed, in the same order, so that the row statistics the forward saved
+fit its recomputed scores bit for bit (the other forward's sums in another order would leave the softmax's gradient a
+few float32 units off, more than the tests allow).
 
 One DCMHA layer, per batch row (t queries, s keys, n/m heads, e head dim, r rank, scale = 1 / sqrt(e)):
     S[n, t, s] = scale q[t, n] . k[s, n]
@@ -18,7 +22,8 @@ only its own queries' and keys' dynamic weights, in their low-rank form.
 Forward through the maps (`_forward_through_maps`). The compose mixes heads only through rank-R maps of [queries,
 keys] that every head shares: hq[r] = sum_n qw1[t, r, n] S[n] and hk[r] = sum_n kw1[s, r, n] S[n] before the softmax,
 gq[r] = sum_n qw1'[t, r, n] P[n] and gk[r] after it. Four kernels:
-- `_pre_maps_kernel`, per (query block, key block) tile that any query sees: hq and hk, summing each head's scores;
+- `_product_maps_kernel`, per (query block, key block) tile that any query sees: hq and hk, summing each head's
+  scores;
 - `_row_statistics_kernel`, per (head, query block): the head's pre-composed scores from its own q k^T, its gates and
   the maps, and its softmax max and sum, online over the keys;
 - `_post_maps_kernel`, per tile: gq and gk, summing each head's probabilities;
@@ -36,8 +41,8 @@ the dynamic weights and the per-(head, query) max and sum are kept for the backw
 not with its square. A decoding step (`past` cached positions, 1 to 16 new queries) is the same kernel: one launch
 per layer, its one block of queries against every key it sees.
 
-Backward (FlashAttention's recomputation; the post-compose makes the softmax's `D = sum_s P dP` a pass of its own,
-where FlashAttention takes rowsum(dz z)):
+Backward through the tiles (FlashAttention's recomputation; the post-compose makes the softmax's `D = sum_s P dP` a
+pass of its own, where FlashAttention takes rowsum(dz z)):
 
 - `_backward_query_kernel`, per block of queries: pass 1 recomputes P, dP' = dz v, dP through the transposed
   post-compose and D; pass 2 gives dA = P (dP - D), dS through the transposed pre-compose, and every sum over keys:
@@ -45,15 +50,29 @@ where FlashAttention takes rowsum(dz z)):
 - `_backward_key_kernel`, per block of keys, over the queries that see it: every sum over queries, dk, dv and the
   gradients of both stages' kw1, kw2, kg.
 
-Registers: a program holds [heads, queries, keys] tiles (32 x 16 x 16 at 32 heads, the default `BLOCKS`). Every
-head's q rows or output rows at e = 128 would be 64K floats more, so the head dim is walked in chunks of 32 (QK^T and
-P' V are `tl.dot`s batched over the heads, one chunk at a time), and the sums over key or query blocks (z, dq, dk,
-dv, the weights' gradients) are added into float32 buffers in global memory, each row owned by exactly one program.
-Nothing is summed by atomics and every loop runs in a fixed order, so the same inputs give the same bits. Compiled
-by Triton 3.9 for an H100 (sm_90, bfloat16, eight warps; no GPU is needed to compile, as tests/test_triton_dcmha.py
-does), 32 heads of 128 take 64 KiB of shared memory and spill 0.6-0.9 KiB a thread; 16 heads of 64 spill 40 bytes
-in the key-side backward, none elsewhere. Timed and profiled on an H100 (docs/hooked-model.md, "GPU"): one program
-of 8 warps an SM (246-255 registers a thread), latency-bound, 7% of the SM's compute throughput.
+Backward through the maps (`_backward_through_maps`). With dP' = dz v^T, the transposed post-compose mixes heads only
+through the gradients of its maps, dgq[r] = sum_m qw2'[t, r, m] dP'[m] and dgk[r]; the transposed pre-compose, through
+dhq[r] = sum_m qw2[t, r, m] dA[m] and dhk[r]. Each chunk of queries: the forward's two maps kernels again (hq, hk, gq,
+gk, bit for bit), then
+- `_product_maps_kernel` on dz, v: dgq and dgk, per tile;
+- `_row_gradient_kernel`, per (head, query block): D = sum_s P dP over the keys;
+- `_pre_gradient_maps_kernel`, per tile: dhq and dhk, summing each head's dA = P (dP - D);
+- `_head_query_gradient_kernel`, per (head, query block), over its keys: dq and both stages' query-side weights'
+  gradients, in registers;
+- `_head_key_gradient_kernel`, per (head, key block), over the queries that see it: dk, dv and the key side's, added
+  to the earlier chunks'.
+The gradient maps take a second buffer of the maps' size: both together in at most `MAPS_BYTES`.
+
+Registers, in the tiles kernels: a program holds [heads, queries, keys] tiles (32 x 16 x 16 at 32 heads, the default
+`BLOCKS`). Every head's q rows or output rows at e = 128 would be 64K floats more, so the head dim is walked in
+chunks of 32 (QK^T and P' V are `tl.dot`s batched over the heads, one chunk at a time), and the sums over key or
+query blocks (z, dq, dk, dv, the weights' gradients) are added into float32 buffers in global memory, each row owned
+by exactly one program. Nothing is summed by atomics and every loop runs in a fixed order, so the same inputs give
+the same bits. Compiled by Triton 3.9 for an H100 (sm_90, bfloat16, eight warps; no GPU is needed to compile, as
+tests/test_triton_dcmha.py does), 32 heads of 128 take 64 KiB of shared memory and spill 0.6-0.9 KiB a thread; 16
+heads of 64 spill 40 bytes in the key-side backward, none elsewhere. Timed and profiled on an H100
+(docs/hooked-model.md, "GPU"): one program of 8 warps an SM (246-255 registers a thread), latency-bound, 7% of the
+SM's compute throughput.
 
 float32 inputs use IEEE float32 products (not TF32); float16 / bfloat16 inputs multiply in their own dtype, like
 FlashAttention, and everything accumulates in float32. Not supported: second derivatives (`create_graph=True`: the
@@ -90,7 +109,15 @@ BLOCKS = (16, 16, 32)  # a tile's queries and keys, and a chunk of the head dim 
 # (tiles [heads, queries, keys], products batched over the heads) the output kernel took 2.8 to 66 times as long.
 MAPS_KERNELS = dict(BQ=64, BK=32, num_warps=4, num_stages=3)
 HEAD_KERNELS = dict(BQ=64, BK=32, num_warps=4, num_stages=2)
-MAPS_BYTES = 256 * 2**20  # the forward through the maps holds at most this much of them at a time
+# The backward through the maps' kernels of its own: not timed on a card yet. Of a few launches compiled for an H100
+# (sm_90, 32 heads of 128), these spilled least: 0-300 bytes a thread (the key side's kernel: 8 bytes, against 1.8 KB
+# with blocks of 64 queries)
+GRADIENT_KERNELS = dict(BQ=64, BK=32, num_warps=8, num_stages=2)
+KEY_GRADIENT_KERNELS = dict(BQ=16, BK=32, num_warps=8, num_stages=2)
+MAPS_BYTES = 256 * 2**20  # the kernels through the maps hold at most this much of them at a time
+# Which kernels take the gradients: "tiles" (the tiles forward and backward: timed on an H100, docs/hooked-model.md)
+# or "maps" (the forward and backward through the maps: not yet timed on a card)
+BACKWARD = "tiles"
 BRANCHES = ("qw1", "qw2", "kw1", "kw2", "qg", "kg")  # a stage's dynamic weights, in this order
 QUERY_SIDE, KEY_SIDE = (0, 1, 4, 6, 7, 10), (2, 3, 5, 8, 9, 11)  # both stages' weights of [b, t, ...] and [b, s, ...]
 
@@ -562,12 +589,14 @@ def _tile_is_seen(t0, s0, past, span, BQ: tl.constexpr, BK: tl.constexpr):
     return (s0 <= past + t0 + BQ - 1) & (s0 + BK - 1 > past + t0 - span)
 
 
-def _pre_maps_kernel(
-    q, k, maps, qw1, kw1, T, S, H, E, R: tl.constexpr, past, span, scale, RP: tl.constexpr, EP: tl.constexpr,
-    BQ: tl.constexpr, BK: tl.constexpr, QP: tl.constexpr, KP: tl.constexpr, HALF: tl.constexpr
+def _product_maps_kernel(
+    a, b, maps, wq, wk, T, S, H, E, R: tl.constexpr, past, span, scale, FIRST: tl.constexpr, RP: tl.constexpr,
+    EP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, QP: tl.constexpr, KP: tl.constexpr, HALF: tl.constexpr
 ):
-    """The pre-compose's maps hq (j < R) and hk (R <= j < 2R) of one (key block, query block) tile (program axes 0,
-    1) of one batch row (axis 2), summed over the heads one at a time; tiles no query sees are skipped."""
+    """maps[FIRST + r] = sum_n wq[t, r, n] X[n] and maps[FIRST + R + r] = sum_n wk[s, r, n] X[n], X[n] = scale a_n
+    b_n^T, of one (key block, query block) tile (program axes 0, 1) of one batch row (axis 2), the heads summed one
+    at a time; tiles no query sees are skipped. The pre-compose's maps hq, hk (a, b = q, k; its w1) and, in the
+    backward, the gradients of the post-compose's (a, b = dz, v; its w2)."""
     s0 = tl.program_id(0) * BK
     t0 = tl.program_id(1) * BQ
     row = tl.program_id(2)
@@ -580,16 +609,16 @@ def _pre_maps_kernel(
         k_maps = tl.zeros((RP, BQ, BK), dtype=tl.float32)
         for n in range(H):
             head = n + tl.arange(0, 1)
-            q_rows = _head_rows(q, row, t_idx, t_ok, head, head < H, T, H, E, EP)
-            scores = _head_scores(q_rows, k, row, s_idx, s_ok, head, head < H, S, H, E, scale, EP, HALF)
+            a_rows = _head_rows(a, row, t_idx, t_ok, head, head < H, T, H, E, EP)
+            product = _head_scores(a_rows, b, row, s_idx, s_ok, head, head < H, S, H, E, scale, EP, HALF)
             if QP:
-                q_maps += scores * _head_weights(qw1, row, t_idx, t_ok, n, T, H, R, RP)[:, :, None]
+                q_maps += product * _head_weights(wq, row, t_idx, t_ok, n, T, H, R, RP)[:, :, None]
             if KP:
-                k_maps += scores * _head_weights(kw1, row, s_idx, s_ok, n, S, H, R, RP)[:, None, :]
+                k_maps += product * _head_weights(wk, row, s_idx, s_ok, n, S, H, R, RP)[:, None, :]
         if QP:
-            _store_maps(maps, row, 0, t_idx, t_ok, s_idx, s_ok, T, S, R, RP, q_maps)
+            _store_maps(maps, row, FIRST, t_idx, t_ok, s_idx, s_ok, T, S, R, RP, q_maps)
         if KP:
-            _store_maps(maps, row, R, t_idx, t_ok, s_idx, s_ok, T, S, R, RP, k_maps)
+            _store_maps(maps, row, FIRST + R, t_idx, t_ok, s_idx, s_ok, T, S, R, RP, k_maps)
 
 
 def _row_statistics_kernel(
@@ -704,6 +733,308 @@ def _head_output_kernel(
     mask = h_ok[:, None, None] & t_ok[None, :, None] & (e[None, None, :] < E)
     tl.store(z + offsets, out.to(z.dtype.element_ty), mask=mask)
 
+
+# --- the backward through the maps: each head alone but for the maps and their gradients --------------------------
+# The backward of the forward through the maps, by the same decomposition. With dP' = dz v^T, the post-compose's
+# transpose mixes heads only through the gradients of its maps, dgq[r] = sum_m qw2'[t, r, m] dP'[m] and dgk[r]
+# alike: dP[n] = dP'[n] (1 + qg' + kg') + sum_r dgq[r] qw1'[t, r, n] + sum_r dgk[r] kw1'[s, r, n], a compose with
+# the w1 in the w2's place. Then dA = P (dP - D), D = sum_s P dP, and the pre-compose's transpose alike through
+# dhq[r] = sum_m qw2[t, r, m] dA[m] and dhk[r]. The gradient maps are kept in a second [b, 4R, t, s] buffer
+# (`grads`, j = r, R + r, 2R + r, 3R + r: dhq, dhk, dgq, dgk), beside the maps the forward's kernels recompute.
+
+
+def _load_maps(maps, row, first, t_idx, t_ok, s_idx, s_ok, seen, T, S, R: tl.constexpr, RP: tl.constexpr):
+    """maps[row, first + r] for every r where the pair is seen (0 elsewhere, and for r >= R): [RP, queries, keys],
+    float32."""
+    r_idx = tl.arange(0, RP)
+    planes = maps + (row.to(tl.int64) * 4 * R + first) * T * S
+    offsets = r_idx[:, None, None] * T * S + t_idx[None, :, None] * S + s_idx[None, None, :]
+    mask = (r_idx < R)[:, None, None] & t_ok[None, :, None] & s_ok[None, None, :]
+    tile = tl.load(planes + offsets, mask=mask, other=0.0)
+    return tl.where(seen[None, :, :], tile.to(tl.float32), 0.0)
+
+
+def _add_head_weights(buffer, row, idx, ok, n, N, H, R: tl.constexpr, RP: tl.constexpr, value):
+    """buffer[row, idx, r, n] += value[r, positions] for every r < R, in a float32 [b, N, R, H] buffer."""
+    r_idx = tl.arange(0, RP)
+    offsets = ((row * N + idx[None, :]) * R + r_idx[:, None]) * H + n
+    mask = (r_idx[:, None] < R) & ok[None, :]
+    tl.store(buffer + offsets, tl.load(buffer + offsets, mask=mask, other=0.0) + value, mask=mask)
+
+
+def _add_head_rows(buffer, row, idx, ok, h_idx, h_ok, N, H, E, EP: tl.constexpr, value):
+    """buffer[row, idx, h, :] += value ([1, positions, EP]), in a float32 [b, N, H, E] buffer."""
+    e = tl.arange(0, EP)
+    offsets = ((row * N + idx[None, :, None]) * H + h_idx[:, None, None]) * E + e[None, None, :]
+    mask = h_ok[:, None, None] & ok[None, :, None] & (e[None, None, :] < E)
+    tl.store(buffer + offsets, tl.load(buffer + offsets, mask=mask, other=0.0) + value, mask=mask)
+
+
+def _head_gradients(
+    q_rows, k_rows, dz_rows, v_rows, maps, grads, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, maxima, sums,
+    d_row, T, S, H, R: tl.constexpr, scale, pre_qw1, pre_qw2, pre_kw1, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1,
+    post_qg, post_kg, PRE_QP: tl.constexpr, PRE_KP: tl.constexpr, PRE_QG: tl.constexpr, PRE_KG: tl.constexpr,
+    POST_QP: tl.constexpr, POST_KP: tl.constexpr, POST_QG: tl.constexpr, POST_KG: tl.constexpr, DOWN_TO: tl.constexpr,
+    HALF: tl.constexpr
+):
+    """One head's [1, queries, keys] tiles of the backward, 0 where a pair is hidden: S, P, dP' and dP; with DOWN_TO
+    2 also dA (from the rows' D, d_row), with 3 also dS (from the pre-compose's gradient maps). What is not computed
+    is returned as dP, and the weights it needs are not read (pre_qw1, pre_kw1 below 3)."""
+    scores = tl.where(seen[None, :, :], _head_dot(q_rows, tl.permute(k_rows, (0, 2, 1)), HALF) * scale, 0.0)
+    composed = _head_compose(
+        scores, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, R, maps, 0, pre_qw2, pre_kw2, pre_qg,
+        pre_kg, PRE_QP, PRE_KP, PRE_QG, PRE_KG
+    )
+    pattern = tl.where(seen[None, :, :], tl.exp(composed - maxima[:, :, None]) / sums[:, :, None], 0.0)
+    d_composed_pattern = tl.where(seen[None, :, :], _head_dot(dz_rows, tl.permute(v_rows, (0, 2, 1)), HALF), 0.0)
+    d_pattern = _head_compose(
+        d_composed_pattern, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, R, grads, 2 * R, post_qw1,
+        post_kw1, post_qg, post_kg, POST_QP, POST_KP, POST_QG, POST_KG
+    )
+    d_pattern = tl.where(seen[None, :, :], d_pattern, 0.0)
+    d_composed = d_pattern
+    d_scores = d_pattern
+    if DOWN_TO >= 2:
+        d_composed = tl.where(seen[None, :, :], pattern * (d_pattern - d_row[:, :, None]), 0.0)
+        d_scores = d_composed
+    if DOWN_TO == 3:
+        d_scores = _head_compose(
+            d_composed, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, R, grads, 0, pre_qw1, pre_kw1,
+            pre_qg, pre_kg, PRE_QP, PRE_KP, PRE_QG, PRE_KG
+        )
+        d_scores = tl.where(seen[None, :, :], d_scores, 0.0) * scale
+    return scores, pattern, d_composed_pattern, d_pattern, d_composed, d_scores
+
+
+def _row_gradient_kernel(
+    q, k, v, dz, maps, grads, row_max, row_sum, row_d, real, pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1,
+    post_qg, post_kg, T, S, H, E, R: tl.constexpr, past, span, scale, EP: tl.constexpr, BQ: tl.constexpr,
+    BK: tl.constexpr, PRE_QP: tl.constexpr, PRE_KP: tl.constexpr, PRE_QG: tl.constexpr, PRE_KG: tl.constexpr,
+    POST_QP: tl.constexpr, POST_KP: tl.constexpr, POST_QG: tl.constexpr, POST_KG: tl.constexpr,
+    PADDING: tl.constexpr, HALF: tl.constexpr
+):
+    """The softmax's D = sum_s P dP of one head (program axis 0) over one block of queries (axis 1) of one batch row
+    (axis 2), into row_d ([b, H, T])."""
+    h_idx = tl.program_id(0) + tl.arange(0, 1)
+    h_ok = h_idx < H
+    t0 = tl.program_id(1) * BQ
+    row = tl.program_id(2)
+    t_idx = t0 + tl.arange(0, BQ)
+    t_ok = t_idx < T
+    first_key = tl.maximum(past + t0 - span + 1, 0)
+    end_key = tl.minimum(past + t0 + BQ, S)
+    stats = (row * H + h_idx[:, None]) * T + t_idx[None, :]
+    maxima = tl.load(row_max + stats, mask=h_ok[:, None] & t_ok[None, :], other=0.0)
+    sums = tl.load(row_sum + stats, mask=h_ok[:, None] & t_ok[None, :], other=1.0)
+    q_rows = _head_rows(q, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP)
+    dz_rows = _head_rows(dz, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP)
+    d_row = tl.zeros((1, BQ), dtype=tl.float32)
+    for s0 in range(first_key // BK * BK, end_key, BK):  # aligned, so that whole vectors load
+        s_idx = s0 + tl.arange(0, BK)
+        s_ok = (s_idx < end_key) & (s_idx >= first_key)  # keys before the window are not read
+        seen = _visible(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING)
+        k_rows = _head_rows(k, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP)
+        v_rows = _head_rows(v, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP)
+        _, pattern, _, d_pattern, _, _ = _head_gradients(
+            q_rows, k_rows, dz_rows, v_rows, maps, grads, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, maxima,
+            sums, d_row, T, S, H, R, scale, pre_qw2, pre_qw2, pre_kw2, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1,
+            post_qg, post_kg, PRE_QP, PRE_KP, PRE_QG, PRE_KG, POST_QP, POST_KP, POST_QG, POST_KG,
+            1, HALF
+        )
+        d_row += tl.sum(pattern * d_pattern, axis=2)
+    tl.store(row_d + stats, d_row, mask=h_ok[:, None] & t_ok[None, :])
+
+
+def _pre_gradient_maps_kernel(
+    q, k, v, dz, maps, grads, row_max, row_sum, row_d, real, pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1,
+    post_qg, post_kg, T, S, H, E, R: tl.constexpr, past, span, scale, RP: tl.constexpr, EP: tl.constexpr,
+    BQ: tl.constexpr, BK: tl.constexpr, PRE_QP: tl.constexpr, PRE_KP: tl.constexpr, PRE_QG: tl.constexpr,
+    PRE_KG: tl.constexpr, POST_QP: tl.constexpr, POST_KP: tl.constexpr, POST_QG: tl.constexpr, POST_KG: tl.constexpr,
+    PADDING: tl.constexpr, HALF: tl.constexpr
+):
+    """The gradients of the pre-compose's maps, dhq (grads[j], j < R) and dhk (R <= j < 2R), of one (key block,
+    query block) tile (program axes 0, 1) of one batch row (axis 2): every head's dA, one head at a time, summed."""
+    s0 = tl.program_id(0) * BK
+    t0 = tl.program_id(1) * BQ
+    row = tl.program_id(2)
+    if _tile_is_seen(t0, s0, past, span, BQ, BK):
+        t_idx = t0 + tl.arange(0, BQ)
+        t_ok = t_idx < T
+        s_idx = s0 + tl.arange(0, BK)
+        s_ok = s_idx < S
+        seen = _visible(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING)
+        q_maps = tl.zeros((RP, BQ, BK), dtype=tl.float32)
+        k_maps = tl.zeros((RP, BQ, BK), dtype=tl.float32)
+        for n in range(H):
+            head = n + tl.arange(0, 1)
+            stats = (row * H + head[:, None]) * T + t_idx[None, :]
+            maxima = tl.load(row_max + stats, mask=t_ok[None, :], other=0.0)
+            sums = tl.load(row_sum + stats, mask=t_ok[None, :], other=1.0)
+            d_row = tl.load(row_d + stats, mask=t_ok[None, :], other=0.0)
+            _, _, _, _, d_composed, _ = _head_gradients(
+                _head_rows(q, row, t_idx, t_ok, head, head < H, T, H, E, EP),
+                _head_rows(k, row, s_idx, s_ok, head, head < H, S, H, E, EP),
+                _head_rows(dz, row, t_idx, t_ok, head, head < H, T, H, E, EP),
+                _head_rows(v, row, s_idx, s_ok, head, head < H, S, H, E, EP), maps, grads, row, t_idx, t_ok, s_idx,
+                s_ok, head, head < H, seen, maxima, sums, d_row, T, S, H, R, scale, pre_qw2, pre_qw2, pre_kw2,
+                pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1, post_qg, post_kg, PRE_QP, PRE_KP,
+                PRE_QG, PRE_KG, POST_QP, POST_KP, POST_QG, POST_KG, 2, HALF
+            )
+            if PRE_QP:
+                q_maps += d_composed * _head_weights(pre_qw2, row, t_idx, t_ok, n, T, H, R, RP)[:, :, None]
+            if PRE_KP:
+                k_maps += d_composed * _head_weights(pre_kw2, row, s_idx, s_ok, n, S, H, R, RP)[:, None, :]
+        if PRE_QP:
+            _store_maps(grads, row, 0, t_idx, t_ok, s_idx, s_ok, T, S, R, RP, q_maps)
+        if PRE_KP:
+            _store_maps(grads, row, R, t_idx, t_ok, s_idx, s_ok, T, S, R, RP, k_maps)
+
+
+def _head_query_gradient_kernel(
+    q, k, v, dz, maps, grads, row_max, row_sum, row_d, real, pre_qw1, pre_qw2, pre_kw1, pre_kw2, pre_qg, pre_kg,
+    post_qw1, post_qw2, post_kw1, post_kw2, post_qg, post_kg, dq, d_pre_qw1, d_pre_qw2, d_pre_qg, d_post_qw1,
+    d_post_qw2, d_post_qg, T, S, H, E, R: tl.constexpr, past, span, scale, RP: tl.constexpr, EP: tl.constexpr,
+    BQ: tl.constexpr, BK: tl.constexpr, PRE_QP: tl.constexpr, PRE_KP: tl.constexpr, PRE_QG: tl.constexpr,
+    PRE_KG: tl.constexpr, POST_QP: tl.constexpr, POST_KP: tl.constexpr, POST_QG: tl.constexpr, POST_KG: tl.constexpr,
+    PADDING: tl.constexpr, HALF: tl.constexpr
+):
+    """The query side of the backward of one head (program axis 0) for one block of queries (axis 1) of one batch
+    row (axis 2), summed over the keys in registers: dq and the gradients of both stages' qw1, qw2, qg (added into
+    zeroed float32 buffers)."""
+    n = tl.program_id(0)
+    h_idx = n + tl.arange(0, 1)
+    h_ok = h_idx < H
+    t0 = tl.program_id(1) * BQ
+    row = tl.program_id(2)
+    t_idx = t0 + tl.arange(0, BQ)
+    t_ok = t_idx < T
+    first_key = tl.maximum(past + t0 - span + 1, 0)
+    end_key = tl.minimum(past + t0 + BQ, S)
+    stats = (row * H + h_idx[:, None]) * T + t_idx[None, :]
+    maxima = tl.load(row_max + stats, mask=h_ok[:, None] & t_ok[None, :], other=0.0)
+    sums = tl.load(row_sum + stats, mask=h_ok[:, None] & t_ok[None, :], other=1.0)
+    d_row = tl.load(row_d + stats, mask=h_ok[:, None] & t_ok[None, :], other=0.0)
+    q_rows = _head_rows(q, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP)
+    dz_rows = _head_rows(dz, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP)
+    d_queries = tl.zeros((1, BQ, EP), dtype=tl.float32)
+    d_pre_gate = tl.zeros((1, BQ), dtype=tl.float32)
+    d_post_gate = tl.zeros((1, BQ), dtype=tl.float32)
+    d_pre_w1 = tl.zeros((RP, BQ), dtype=tl.float32)
+    d_pre_w2 = tl.zeros((RP, BQ), dtype=tl.float32)
+    d_post_w1 = tl.zeros((RP, BQ), dtype=tl.float32)
+    d_post_w2 = tl.zeros((RP, BQ), dtype=tl.float32)
+    for s0 in range(first_key // BK * BK, end_key, BK):  # aligned, so that whole vectors load
+        s_idx = s0 + tl.arange(0, BK)
+        s_ok = (s_idx < end_key) & (s_idx >= first_key)  # keys before the window are not read
+        seen = _visible(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING)
+        k_rows = _head_rows(k, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP)
+        scores, pattern, d_composed_pattern, _, d_composed, d_scores = _head_gradients(
+            q_rows, k_rows, dz_rows, _head_rows(v, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP), maps, grads, row,
+            t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, maxima, sums, d_row, T, S, H, R, scale, pre_qw1, pre_qw2,
+            pre_kw1, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1, post_qg, post_kg, PRE_QP,
+            PRE_KP, PRE_QG, PRE_KG, POST_QP, POST_KP, POST_QG, POST_KG, 3, HALF
+        )
+        d_queries += _head_dot(d_scores, k_rows, HALF)
+        if PRE_QG:
+            d_pre_gate += tl.sum(d_composed * scores, axis=2)
+        if PRE_QP:
+            d_pre_w2 += tl.sum(d_composed * _load_maps(maps, row, 0, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP), 2)
+            d_pre_w1 += tl.sum(_load_maps(grads, row, 0, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP) * scores, 2)
+        if POST_QG:
+            d_post_gate += tl.sum(d_composed_pattern * pattern, axis=2)
+        if POST_QP:
+            maps_q = _load_maps(maps, row, 2 * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP)
+            d_post_w2 += tl.sum(d_composed_pattern * maps_q, axis=2)
+            d_post_w1 += tl.sum(_load_maps(grads, row, 2 * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP) * pattern, 2)
+    _add_head_rows(dq, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP, d_queries)
+    if PRE_QG:
+        _accumulate(d_pre_qg, row, t_idx, t_ok, 0, h_idx, h_ok, T, 1, H, d_pre_gate)
+    if PRE_QP:
+        _add_head_weights(d_pre_qw1, row, t_idx, t_ok, n, T, H, R, RP, d_pre_w1)
+        _add_head_weights(d_pre_qw2, row, t_idx, t_ok, n, T, H, R, RP, d_pre_w2)
+    if POST_QG:
+        _accumulate(d_post_qg, row, t_idx, t_ok, 0, h_idx, h_ok, T, 1, H, d_post_gate)
+    if POST_QP:
+        _add_head_weights(d_post_qw1, row, t_idx, t_ok, n, T, H, R, RP, d_post_w1)
+        _add_head_weights(d_post_qw2, row, t_idx, t_ok, n, T, H, R, RP, d_post_w2)
+
+
+def _head_key_gradient_kernel(
+    q, k, v, dz, maps, grads, row_max, row_sum, row_d, real, pre_qw1, pre_qw2, pre_kw1, pre_kw2, pre_qg, pre_kg,
+    post_qw1, post_qw2, post_kw1, post_kw2, post_qg, post_kg, dk, dv, d_pre_kw1, d_pre_kw2, d_pre_kg, d_post_kw1,
+    d_post_kw2, d_post_kg, T, S, H, E, R: tl.constexpr, past, span, scale, RP: tl.constexpr, EP: tl.constexpr,
+    BQ: tl.constexpr, BK: tl.constexpr, PRE_QP: tl.constexpr, PRE_KP: tl.constexpr, PRE_QG: tl.constexpr,
+    PRE_KG: tl.constexpr, POST_QP: tl.constexpr, POST_KP: tl.constexpr, POST_QG: tl.constexpr, POST_KG: tl.constexpr,
+    PADDING: tl.constexpr, HALF: tl.constexpr
+):
+    """The key side of the backward of one head (program axis 0) for one block of keys (axis 1) of one batch row
+    (axis 2), summed over the queries that see it in registers: dk, dv and the gradients of both stages' kw1, kw2,
+    kg (added into float32 buffers: a long prompt's chunks of queries add up)."""
+    n = tl.program_id(0)
+    h_idx = n + tl.arange(0, 1)
+    h_ok = h_idx < H
+    s0 = tl.program_id(1) * BK
+    row = tl.program_id(2)
+    s_idx = s0 + tl.arange(0, BK)
+    s_ok = (s_idx < S) & (s_idx > past - span)  # keys before the first query's window are not even read
+    first_query = tl.maximum(s0 - past, 0)
+    end_query = tl.minimum(s0 + BK - 1 + span - past, T)
+    k_rows = _head_rows(k, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP)
+    v_rows = _head_rows(v, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP)
+    d_keys = tl.zeros((1, BK, EP), dtype=tl.float32)
+    d_values = tl.zeros((1, BK, EP), dtype=tl.float32)
+    d_pre_gate = tl.zeros((1, BK), dtype=tl.float32)
+    d_post_gate = tl.zeros((1, BK), dtype=tl.float32)
+    d_pre_w1 = tl.zeros((RP, BK), dtype=tl.float32)
+    d_pre_w2 = tl.zeros((RP, BK), dtype=tl.float32)
+    d_post_w1 = tl.zeros((RP, BK), dtype=tl.float32)
+    d_post_w2 = tl.zeros((RP, BK), dtype=tl.float32)
+    for t0 in range(first_query, end_query, BQ):
+        t_idx = t0 + tl.arange(0, BQ)
+        t_ok = t_idx < end_query  # nor queries past the last that sees the block
+        stats = (row * H + h_idx[:, None]) * T + t_idx[None, :]
+        maxima = tl.load(row_max + stats, mask=h_ok[:, None] & t_ok[None, :], other=0.0)
+        sums = tl.load(row_sum + stats, mask=h_ok[:, None] & t_ok[None, :], other=1.0)
+        d_row = tl.load(row_d + stats, mask=h_ok[:, None] & t_ok[None, :], other=0.0)
+        q_rows = _head_rows(q, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP)
+        dz_rows = _head_rows(dz, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP)
+        seen = _visible(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING)
+        scores, pattern, d_composed_pattern, _, d_composed, d_scores = _head_gradients(
+            q_rows, k_rows, dz_rows, v_rows, maps, grads, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, maxima,
+            sums, d_row, T, S, H, R, scale, pre_qw1, pre_qw2, pre_kw1, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1,
+            post_qg, post_kg, PRE_QP, PRE_KP, PRE_QG, PRE_KG, POST_QP, POST_KP, POST_QG, POST_KG, 3, HALF
+        )
+        composed_pattern = _head_compose(
+            pattern, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, R, maps, 2 * R, post_qw2, post_kw2,
+            post_qg, post_kg, POST_QP, POST_KP, POST_QG, POST_KG
+        )
+        composed_pattern = tl.where(seen[None, :, :], composed_pattern, 0.0)
+        d_values += _head_dot(tl.permute(composed_pattern, (0, 2, 1)), dz_rows, HALF)
+        d_keys += _head_dot(tl.permute(d_scores, (0, 2, 1)), q_rows, HALF)
+        if PRE_KG:
+            d_pre_gate += tl.sum(d_composed * scores, axis=1)
+        if PRE_KP:
+            d_pre_w2 += tl.sum(d_composed * _load_maps(maps, row, R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP), 1)
+            d_pre_w1 += tl.sum(_load_maps(grads, row, R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP) * scores, 1)
+        if POST_KG:
+            d_post_gate += tl.sum(d_composed_pattern * pattern, axis=1)
+        if POST_KP:
+            maps_k = _load_maps(maps, row, 3 * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP)
+            d_post_w2 += tl.sum(d_composed_pattern * maps_k, axis=1)
+            d_post_w1 += tl.sum(_load_maps(grads, row, 3 * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP) * pattern, 1)
+    _add_head_rows(dk, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP, d_keys)
+    _add_head_rows(dv, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP, d_values)
+    if PRE_KG:
+        _accumulate(d_pre_kg, row, s_idx, s_ok, 0, h_idx, h_ok, S, 1, H, d_pre_gate)
+    if PRE_KP:
+        _add_head_weights(d_pre_kw1, row, s_idx, s_ok, n, S, H, R, RP, d_pre_w1)
+        _add_head_weights(d_pre_kw2, row, s_idx, s_ok, n, S, H, R, RP, d_pre_w2)
+    if POST_KG:
+        _accumulate(d_post_kg, row, s_idx, s_ok, 0, h_idx, h_ok, S, 1, H, d_post_gate)
+    if POST_KP:
+        _add_head_weights(d_post_kw1, row, s_idx, s_ok, n, S, H, R, RP, d_post_w1)
+        _add_head_weights(d_post_kw2, row, s_idx, s_ok, n, S, H, R, RP, d_post_w2)
+
 # fmt: on
 
 _KERNELS = (
@@ -732,10 +1063,18 @@ _KERNELS = (
     "_head_pattern",
     "_head_rows",
     "_tile_is_seen",
-    "_pre_maps_kernel",
+    "_product_maps_kernel",
     "_row_statistics_kernel",
     "_post_maps_kernel",
     "_head_output_kernel",
+    "_load_maps",
+    "_add_head_weights",
+    "_add_head_rows",
+    "_head_gradients",
+    "_row_gradient_kernel",
+    "_pre_gradient_maps_kernel",
+    "_head_query_gradient_kernel",
+    "_head_key_gradient_kernel",
 )
 _decorated = False
 _decorated_interpreted = False
@@ -775,6 +1114,8 @@ class _Launch:
         self.block_queries, self.block_keys, self.block_dim = blocks
         blocks_given = {} if map_blocks is None else dict(BQ=map_blocks[0], BK=map_blocks[1])
         self.maps_kernels, self.head_kernels = dict(MAPS_KERNELS, **blocks_given), dict(HEAD_KERNELS, **blocks_given)
+        self.gradient_kernels = dict(GRADIENT_KERNELS, **blocks_given)
+        self.key_gradient_kernels = dict(KEY_GRADIENT_KERNELS, **blocks_given)
         self.flags = {
             f"{stage}_{branch}": weights[offset + index] is not None
             for stage, offset in (("PRE", 0), ("POST", 6))
@@ -820,20 +1161,35 @@ def _forward(launch: _Launch, q, k, v, real, weights) -> tuple[Tensor, Tensor, T
     return z.to(q.dtype), stats[0], stats[1]
 
 
+def _chunk_of_queries(launch: _Launch, q: Tensor, buffers: int) -> int:
+    """How many queries the kernels through the maps take at a time: `buffers` [b, 4R, chunk, s] buffers of maps in
+    at most MAPS_BYTES, a multiple of the blocks of queries (so that every tile, and every sum in it, is the same
+    whatever the chunk)."""
+    block_queries = max(launch.maps_kernels["BQ"], launch.head_kernels["BQ"], launch.gradient_kernels["BQ"])
+    bytes_a_query = buffers * launch.batch * 4 * launch.rank * launch.n_keys * _maps_dtype(launch, q).itemsize
+    return max(block_queries, MAPS_BYTES // bytes_a_query // block_queries * block_queries)
+
+
+def _maps_dtype(launch: _Launch, q: Tensor) -> torch.dtype:
+    return q.dtype if launch.flags["HALF"] else torch.float32
+
+
+def _any_map(launch: _Launch, stages=("PRE", "POST")) -> bool:
+    return any(launch.flags[f"{stage}_{branch}"] for stage in stages for branch in ("QP", "KP"))
+
+
 def _forward_through_maps(launch: _Launch, q, k, v, real, weights) -> tuple[Tensor, Tensor, Tensor]:
     """z (in q's dtype) and the softmax's row max and sum ([b, h, t], float32), by the four kernels of the forward
     through the cross-head maps: the pre-compose's maps, each head's row statistics, the post-compose's maps, each
     head's output. The maps of at most MAPS_BYTES are held at a time: longer prompts go a chunk of queries at a time
     (each against every key it sees, the chunks' own cache-like `past`)."""
-    batch, n_queries, n_keys = launch.batch, launch.n_queries, launch.n_keys
-    any_map = any(launch.flags[f"{stage}_{branch}"] for stage in ("PRE", "POST") for branch in ("QP", "KP"))
-    maps_dtype = q.dtype if launch.flags["HALF"] else torch.float32
-    block_queries = max(launch.maps_kernels["BQ"], launch.head_kernels["BQ"])
-    bytes_a_query = batch * 4 * launch.rank * n_keys * maps_dtype.itemsize
-    chunk = max(block_queries, MAPS_BYTES // bytes_a_query // block_queries * block_queries)
+    n_queries, chunk = launch.n_queries, _chunk_of_queries(launch, q, buffers=1)
     maps = None
-    if any_map:
-        maps = torch.empty(batch, 4 * launch.rank, min(chunk, n_queries), n_keys, dtype=maps_dtype, device=q.device)
+    if _any_map(launch):
+        maps = torch.empty(
+            launch.batch, 4 * launch.rank, min(chunk, n_queries), launch.n_keys, dtype=_maps_dtype(launch, q),
+            device=q.device,
+        )  # fmt: skip
     outputs = []
     for first in range(0, n_queries, chunk):
         last = min(first + chunk, n_queries)
@@ -868,8 +1224,8 @@ def _maps_launches(launch: _Launch, q, k, v, real, weights, maps, past) -> tuple
     tiles = (triton.cdiv(launch.n_keys, summed["BK"]), triton.cdiv(n_queries, summed["BQ"]), batch)
     heads = (n_heads, triton.cdiv(n_queries, one_head["BQ"]), batch)
     if pre["QP"] or pre["KP"]:
-        _pre_maps_kernel[tiles](
-            q, k, maps, pre_qw1, pre_kw1, *scalars, QP=pre["QP"], KP=pre["KP"], HALF=flags["HALF"], **summed
+        _product_maps_kernel[tiles](
+            q, k, maps, pre_qw1, pre_kw1, *scalars, FIRST=0, QP=pre["QP"], KP=pre["KP"], HALF=flags["HALF"], **summed
         )
     _row_statistics_kernel[heads](
         q, k, maps, *stats, real, pre_qw2, pre_kw2, pre_qg, pre_kg, *scalars, **pre, **masks, **one_head
@@ -887,8 +1243,8 @@ def _maps_launches(launch: _Launch, q, k, v, real, weights, maps, past) -> tuple
     return z, stats[0], stats[1]
 
 
-def _backward(launch: _Launch, q, k, v, real, weights, row_max, row_sum, dz) -> tuple:
-    """The gradients of q, k, v and of each dynamic weight (None for a weight that is None)."""
+def _backward_through_tiles(launch: _Launch, q, k, v, real, weights, row_max, row_sum, dz) -> tuple:
+    """The gradients of q, k, v and of each dynamic weight (None for a weight that is None), by the tiles kernels."""
     float32 = dict(dtype=torch.float32, device=q.device)
     dq, dk, dv = (torch.zeros(x.shape, **float32) for x in (q, k, v))
     d_weights = [None if w is None else torch.zeros(w.shape, **float32) for w in weights]
@@ -909,15 +1265,120 @@ def _backward(launch: _Launch, q, k, v, real, weights, row_max, row_sum, dz) -> 
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *d_weights
 
 
+def _backward_through_maps(launch: _Launch, q, k, v, real, weights, row_max, row_sum, dz) -> tuple:
+    """The gradients of q, k, v and of each dynamic weight (None for a weight that is None), by the kernels through
+    the maps, a chunk of queries at a time as the forward through the maps goes (its maps recomputed, bit for bit,
+    beside their gradients: twice the forward's buffer in at most MAPS_BYTES)."""
+    float32 = dict(dtype=torch.float32, device=q.device)
+    n_queries, chunk = launch.n_queries, _chunk_of_queries(launch, q, buffers=2)
+    maps = grads = q  # stand-ins, never read, where no branch has maps
+    if _any_map(launch):
+        shape = (launch.batch, 4 * launch.rank, min(chunk, n_queries), launch.n_keys)
+        maps, grads = (torch.empty(shape, dtype=_maps_dtype(launch, q), device=q.device) for _ in range(2))
+    dk, dv = torch.zeros(k.shape, **float32), torch.zeros(v.shape, **float32)
+    d_key_side = [None if weights[i] is None else torch.zeros(weights[i].shape, **float32) for i in KEY_SIDE]
+    dz = dz.contiguous()
+    parts = []
+    for first in range(0, n_queries, chunk):
+        last = min(first + chunk, n_queries)
+        part = [w if w is None or i not in QUERY_SIDE else w[:, first:last].contiguous() for i, w in enumerate(weights)]
+        rows = (q[:, first:last].contiguous(), dz[:, first:last].contiguous())
+        statistics = (row_max[..., first:last].contiguous(), row_sum[..., first:last].contiguous())
+        parts.append(
+            _maps_backward_launches(
+                launch, *rows, k, v, real, part, *statistics, maps, grads, dk, dv, d_key_side, launch.past + first
+            )
+        )
+    dq = torch.cat([dq for dq, _ in parts], dim=1)
+    d_weights = [None] * len(weights)
+    for index, i in enumerate(QUERY_SIDE):
+        if weights[i] is not None:
+            d_weights[i] = torch.cat([d_query_side[index] for _, d_query_side in parts], dim=1)
+    for index, i in enumerate(KEY_SIDE):
+        d_weights[i] = d_key_side[index]
+    d_weights = [None if d is None else d.to(w.dtype) for d, w in zip(d_weights, weights, strict=True)]
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *d_weights
+
+
+def _maps_backward_launches(
+    launch: _Launch, q, dz, k, v, real, weights, row_max, row_sum, maps, grads, dk, dv, d_key_side, past
+) -> tuple[Tensor, list]:
+    """The backward's kernels on the queries q (at positions past, past + 1, ...) against every key: dq and the
+    query-side weights' gradients returned (float32), dk, dv and the key side's added into their buffers."""
+    flags, batch, n_queries, n_heads = launch.flags, q.shape[0], q.shape[1], launch.n_heads
+    float32 = dict(dtype=torch.float32, device=q.device)
+    scalars = (n_queries, launch.n_keys, n_heads, launch.d_head, launch.rank, past, launch.span, launch.scale)
+    head_dim = dict(EP=max(16, triton.next_power_of_2(launch.d_head)))
+    ranks = dict(RP=triton.next_power_of_2(launch.rank))
+    summed = dict(**ranks, **head_dim, **launch.maps_kernels)  # the maps as the forward computed them
+    gradient = dict(**ranks, **head_dim, **launch.gradient_kernels)
+    key_gradient = dict(**ranks, **head_dim, **launch.key_gradient_kernels)
+    pointers = _pointers(weights, q)
+    pre_qw1, pre_qw2, pre_kw1, pre_kw2, pre_qg, pre_kg, post_qw1, post_qw2, post_kw1, post_kw2, post_qg, post_kg = (
+        pointers
+    )
+    both = {
+        f"{stage}_{branch}": flags[f"{stage}_{branch}"]
+        for stage in ("PRE", "POST")
+        for branch in ("QP", "KP", "QG", "KG")
+    }
+    masks = dict(PADDING=flags["PADDING"], HALF=flags["HALF"])
+    real = q if real is None else real
+    row_d = torch.empty(batch, n_heads, n_queries, **float32)
+    dq = torch.zeros(q.shape, **float32)
+    d_query_side = [None if weights[i] is None else torch.zeros(weights[i].shape, **float32) for i in QUERY_SIDE]
+    tiles = (triton.cdiv(launch.n_keys, summed["BK"]), triton.cdiv(n_queries, summed["BQ"]), batch)
+    gradient_tiles = (triton.cdiv(launch.n_keys, gradient["BK"]), triton.cdiv(n_queries, gradient["BQ"]), batch)
+    heads = (n_heads, triton.cdiv(n_queries, gradient["BQ"]), batch)
+    key_heads = (n_heads, triton.cdiv(launch.n_keys, key_gradient["BK"]), batch)
+    statistics = (row_max, row_sum, row_d, real)
+    if _any_map(launch, ("PRE",)):
+        _product_maps_kernel[tiles](
+            q, k, maps, pre_qw1, pre_kw1, *scalars, FIRST=0, QP=flags["PRE_QP"], KP=flags["PRE_KP"],
+            HALF=flags["HALF"], **summed,
+        )  # fmt: skip
+    if _any_map(launch, ("POST",)):
+        post_maps = {name: on for name, on in both.items() if name not in ("POST_QG", "POST_KG")}
+        _post_maps_kernel[tiles](
+            q, k, maps, row_max, row_sum, real, pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1, *scalars,
+            **post_maps, **masks, **summed,
+        )  # fmt: skip
+        _product_maps_kernel[tiles](
+            dz, v, grads, post_qw2, post_kw2, *scalars[:-1], 1.0, FIRST=2 * launch.rank, QP=flags["POST_QP"],
+            KP=flags["POST_KP"], HALF=flags["HALF"], **summed,
+        )  # fmt: skip
+    gradients = (pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1, post_qg, post_kg)
+    _row_gradient_kernel[heads](
+        q, k, v, dz, maps, grads, *statistics, *gradients, *scalars, **both, **masks,
+        **{key: value for key, value in gradient.items() if key != "RP"},
+    )  # fmt: skip
+    if _any_map(launch, ("PRE",)):
+        _pre_gradient_maps_kernel[gradient_tiles](
+            q, k, v, dz, maps, grads, *statistics, *gradients, *scalars, **both, **masks, **gradient
+        )
+    _head_query_gradient_kernel[heads](
+        q, k, v, dz, maps, grads, *statistics, *pointers, dq, *_pointers(d_query_side, dq), *scalars, **both,
+        **masks, **gradient,
+    )  # fmt: skip
+    _head_key_gradient_kernel[key_heads](
+        q, k, v, dz, maps, grads, *statistics, *pointers, dk, dv, *_pointers(d_key_side, dk), *scalars, **both,
+        **masks, **key_gradient,
+    )  # fmt: skip
+    return dq, d_query_side
+
+
 _FORWARDS = {"maps": _forward_through_maps, "tiles": _forward}
+# with gradients: each backward and the forward whose row statistics it recomputes with, bit for bit
+_BACKWARDS = {"maps": (_forward_through_maps, _backward_through_maps), "tiles": (_forward, _backward_through_tiles)}
 
 
 class FusedDCMHA(torch.autograd.Function):
     """z of DCMHA whose backward is the fused kernels': the forward saves the inputs and the row statistics only."""
 
     @staticmethod
-    def forward(ctx, launch: _Launch, q, k, v, real, *weights):
-        z, row_max, row_sum = _forward(launch, q, k, v, real, weights)  # the statistics the backward recomputes
+    def forward(ctx, launch: _Launch, backward: str, q, k, v, real, *weights):
+        forward, ctx.backward = _BACKWARDS[backward]
+        z, row_max, row_sum = forward(launch, q, k, v, real, weights)
         ctx.launch = launch
         ctx.save_for_backward(q, k, v, real, row_max, row_sum, *weights)
         return z
@@ -929,8 +1390,8 @@ class FusedDCMHA(torch.autograd.Function):
                 "the fused Triton DCMHA has no second derivatives (create_graph=True): use the materialised path"
             )
         q, k, v, real, row_max, row_sum, *weights = ctx.saved_tensors
-        dq, dk, dv, *d_weights = _backward(ctx.launch, q, k, v, real, weights, row_max, row_sum, dz)
-        return None, dq, dk, dv, None, *d_weights
+        dq, dk, dv, *d_weights = ctx.backward(ctx.launch, q, k, v, real, weights, row_max, row_sum, dz)
+        return None, None, dq, dk, dv, None, *d_weights
 
 
 def fused_dcmha(
@@ -946,6 +1407,7 @@ def fused_dcmha(
     real: Bool[Tensor, "b s"] | None = None,
     blocks: tuple[int, int, int] = BLOCKS,
     forward: Literal["maps", "tiles"] = "maps",
+    backward: Literal["maps", "tiles"] | None = None,
     map_blocks: tuple[int, int] | None = None,
 ) -> Float[Tensor, "b t h e"]:
     """z of DCMHA, differentiable in q, k, v and every dynamic weight (fused backward). s = past + t.
@@ -955,9 +1417,10 @@ def fused_dcmha(
     window: a local layer's window (None: global), `official` for the "official-inference" semantics (window + 1
     keys). real: False at padded keys (a query always sees itself). blocks: queries and keys of a tile and the chunk
     of the head dim for the tiles kernels, powers of two of at least 16. forward: which forward computes z when no
-    gradient is needed ("maps", the faster, or "tiles"); with gradients, always "tiles" (this module's docstring).
-    map_blocks: queries and keys of a tile of the four kernels of the forward through the maps (None: MAPS_KERNELS'
-    and HEAD_KERNELS'). Second derivatives (create_graph=True) raise: take the materialised path for them."""
+    gradient is needed ("maps", the faster, or "tiles"). backward: which kernels compute the gradients ("maps" or
+    "tiles"; None: `BACKWARD`), each with the forward of the same name (this module's docstring). map_blocks: queries
+    and keys of a tile of the kernels through the maps (None: MAPS_KERNELS' and HEAD_KERNELS'). Second derivatives
+    (create_graph=True) raise: take the materialised path for them."""
     reason = available(q.device)
     if reason is not None:
         raise RuntimeError(f"fused_dcmha: {reason}")
@@ -968,17 +1431,18 @@ def fused_dcmha(
                 f"fused_dcmha: {name} must be (qw1, qw2, kw1, kw2, qg, kg) or None (got {len(stage)} items)"
             )
     weights = tuple(None if w is None else w.contiguous() for w in (*(pre or (None,) * 6), *(post or (None,) * 6)))
-    _check(q, k, v, weights, past, real, window, blocks, forward, map_blocks)
+    backward = BACKWARD if backward is None else backward
+    _check(q, k, v, weights, past, real, window, blocks, forward, backward, map_blocks)
     if real is not None:
         real = real.to(device=q.device, dtype=torch.int8).contiguous()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     launch = _Launch(q, k, weights, window, official, past, real, blocks, map_blocks)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, *weights)):
-        return FusedDCMHA.apply(launch, q, k, v, real, *weights)
+        return FusedDCMHA.apply(launch, backward, q, k, v, real, *weights)
     return _FORWARDS[forward](launch, q, k, v, real, weights)[0]
 
 
-def _check(q, k, v, weights, past, real, window, blocks, forward, map_blocks) -> None:
+def _check(q, k, v, weights, past, real, window, blocks, forward, backward, map_blocks) -> None:
     """One clear line naming the argument at fault."""
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
         raise ValueError(f"fused_dcmha: q, k, v must be [b, t, h, e], [b, s, h, e] (got {tuple(q.shape)}, "
@@ -1025,3 +1489,5 @@ def _check(q, k, v, weights, past, real, window, blocks, forward, map_blocks) ->
         raise ValueError(f"fused_dcmha: map_blocks must be two powers of two of at least 16 (got {map_blocks})")
     if forward not in _FORWARDS:
         raise ValueError(f"fused_dcmha: forward must be one of {sorted(_FORWARDS)} (got {forward!r})")
+    if backward not in _BACKWARDS:
+        raise ValueError(f"fused_dcmha: backward must be one of {sorted(_BACKWARDS)} (got {backward!r})")
