@@ -835,6 +835,7 @@ def _row_gradient_kernel(
         seen = _visible(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING)
         k_rows = _head_rows(k, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP)
         v_rows = _head_rows(v, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP)
+        # (the pre-compose's w1 are not read down to dP: its w2 stand in)
         _, pattern, _, d_pattern, _, _ = _head_gradients(
             q_rows, k_rows, dz_rows, v_rows, maps, grads, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, maxima,
             sums, d_row, T, S, H, R, scale, pre_qw2, pre_qw2, pre_kw2, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1,
@@ -871,6 +872,7 @@ def _pre_gradient_maps_kernel(
             maxima = tl.load(row_max + stats, mask=t_ok[None, :], other=0.0)
             sums = tl.load(row_sum + stats, mask=t_ok[None, :], other=1.0)
             d_row = tl.load(row_d + stats, mask=t_ok[None, :], other=0.0)
+            # (the pre-compose's w1 are not read down to dA: its w2 stand in)
             _, _, _, _, d_composed, _ = _head_gradients(
                 _head_rows(q, row, t_idx, t_ok, head, head < H, T, H, E, EP),
                 _head_rows(k, row, s_idx, s_ok, head, head < H, S, H, E, EP),
