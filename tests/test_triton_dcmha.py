@@ -125,18 +125,27 @@ def assert_as_exact(fused, single, exact, what):
 
 
 def check(
-    inputs, *, window=None, official=False, past=0, real=None, gradients=True, blocks=BLOCKS, dtype=torch.float32
+    inputs,
+    *,
+    window=None,
+    official=False,
+    past=0,
+    real=None,
+    gradients=True,
+    blocks=BLOCKS,
+    dtype=torch.float32,
+    backwards=("tiles", "maps"),
+    map_blocks=MAP_BLOCKS,
 ):
     """The fused forward and the gradients of every input (for a random dz) against the float64 reference and the
-    reference in `dtype` (float32 unless told): by the tiles kernels, and by the kernels through the maps (forward
-    and backward; and their forward without gradients)."""
+    reference in `dtype` (float32 unless told): by the tiles kernels and by the kernels through the maps (each of
+    `backwards`: its forward and backward); and the forward through the maps without gradients, the one taken then."""
     q, k, v, pre, post = inputs
     options = dict(window=window, official=official, past=past, real=real)
-    with torch.no_grad():
-        maps = fused_dcmha(*[to(x, dtype) for x in (q, k, v, pre, post)], **options, map_blocks=MAP_BLOCKS)
-    fused = {"tiles": dict(blocks=blocks, backward="tiles"), "maps": dict(map_blocks=MAP_BLOCKS, backward="maps")}
+    fused = {"tiles": dict(blocks=blocks, backward="tiles"), "maps": dict(map_blocks=map_blocks, backward="maps")}
+    fused = {name: fused[name] for name in backwards}
     runs = {}
-    for name, run_dtype in (("exact", torch.float64), ("single", dtype), ("tiles", dtype), ("maps", dtype)):
+    for name, run_dtype in (("exact", torch.float64), ("single", dtype), *((name, dtype) for name in fused)):
         args = [to(x, run_dtype, gradients) for x in (q, k, v, pre, post)]
         z = fused_dcmha(*args, **options, **fused[name]) if name in fused else reference(*args, **options)
         leaves = [x for x in args[:3] + flat(*args[3:]) if x is not None]
@@ -145,7 +154,10 @@ def check(
             dz = torch.randn(z.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEVICE)
             grads = torch.autograd.grad(z, leaves, dz.to(run_dtype))
         runs[name] = (z, grads)
-    assert_as_exact(maps, runs["single"][0], runs["exact"][0], "z through the maps, without gradients")
+    if not gradients or "maps" not in fused:  # else the maps run's z is this forward's, bit for bit (tested below)
+        with torch.no_grad():
+            maps = fused_dcmha(*[to(x, dtype) for x in (q, k, v, pre, post)], **options, map_blocks=map_blocks)
+        assert_as_exact(maps, runs["single"][0], runs["exact"][0], "z through the maps, without gradients")
     names = [n for n, x in zip(["q", "k", "v"] + [f"{s} {b}" for s in ("pre", "post") for b in BRANCHES],
                                [q, k, v, *flat(pre, post)], strict=True) if x is not None]  # fmt: skip
     for path in fused:
@@ -164,14 +176,17 @@ def test_global_layer(b, t, h, e, rank):
 
 
 def test_default_blocks_at_a_large_models_width():
-    """32 heads of 128 (DCPythia-6.9B's), the default tiles, 3 new queries against 50 cached keys."""
-    check(make_inputs(1, 3, 32, 128, 2, past=50), past=50, blocks=triton_kernels.BLOCKS)
+    """32 heads of 128 (DCPythia-6.9B's), the default tiles and launches, 3 new queries against 50 cached keys."""
+    check(make_inputs(1, 3, 32, 128, 2, past=50), past=50, blocks=triton_kernels.BLOCKS, map_blocks=None)
 
 
 @pytest.mark.parametrize("official", [False, True], ids=["training", "official-inference"])
 @pytest.mark.parametrize("window", [1, 5, 20])
 def test_local_window(window, official):
-    check(make_inputs(2, 35, 3, 16, 2), window=window, official=official)
+    """Both semantics of each window by the tiles' backward; by the maps', one semantics a window (alternating): the
+    maps' kernels see a window only as its span, and the two semantics differ by one key of it."""
+    maps = (window == 5) == official
+    check(make_inputs(2, 35, 3, 16, 2), window=window, official=official, backwards=("tiles", "maps")[: 1 + maps])
 
 
 def test_padding():
@@ -260,8 +275,9 @@ def test_any_combination(data):
     branches = data.draw(st.sets(st.sampled_from(["qp", "kp", "qg", "kg"])))
     stages = data.draw(st.sets(st.sampled_from(["pre", "post"])))
     real = torch.rand(1, past + t, generator=torch.Generator().manual_seed(t)) > data.draw(st.sampled_from([0.0, 0.3]))
+    backward = data.draw(st.sampled_from(["tiles", "maps"]))
     inputs = make_inputs(1, t, heads, dim, rank, past=past, branches=branches, stages=stages, seed=t + past)
-    check(inputs, window=window, official=official, past=past, real=real.to(DEVICE))
+    check(inputs, window=window, official=official, past=past, real=real.to(DEVICE), backwards=(backward,))
 
 
 BACKWARDS = {"tiles": dict(blocks=BLOCKS, backward="tiles"), "maps": dict(map_blocks=MAP_BLOCKS, backward="maps")}
