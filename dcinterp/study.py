@@ -185,10 +185,16 @@ def check_one_recipe(runs: list[RunResult]) -> None:
         check_same_recipe(run, first_of_arch.setdefault(run.arch, run), f"one {run.arch} recipe a study")
 
 
+def mlp_widths(runs: list[RunResult]) -> dict[str, int] | None:
+    """Each architecture's d_mlp where they differ (a parameter-matched study), else None."""
+    widths = {run.arch: run.config.get("d_mlp") for run in runs}
+    return widths if len(set(widths.values())) > 1 else None
+
+
 def width_lines(runs: list[RunResult]) -> list[str]:
     """A sentence for summary.md's header where the architectures' MLPs differ (a parameter-matched study)."""
-    widths = {run.arch: run.config.get("d_mlp") for run in runs}
-    if len(set(widths.values())) < 2:
+    widths = mlp_widths(runs)
+    if widths is None:
         return []
     return [
         "The architectures' MLPs differ (a parameter-matched study): "
@@ -607,8 +613,8 @@ def write_figures(study: Study, figures_dir: Path) -> list[Path]:
 
     figures_dir.mkdir(parents=True, exist_ok=True)
     table = study.table
-    widths = {run.arch: run.config.get("d_mlp") for run in study.runs}
-    baseline = f"MHA (d_mlp {widths['mha']})" if len(set(widths.values())) > 1 else "MHA"  # parameter-matched
+    widths = mlp_widths(study.runs)
+    baseline = "MHA" if widths is None else f"MHA (d_mlp {widths['mha']})"
     figures = {}
     for eval_set in table.loc[table["measure"].isin(["qk_pattern", "ov_transformation"]), "eval_set"].unique():
         figures[f"differences_{eval_set}.png"] = plot_study_differences(table, eval_set, baseline=baseline)
