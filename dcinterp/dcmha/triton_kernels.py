@@ -762,14 +762,6 @@ def _add_head_weights(buffer, row, idx, ok, n, N, H, R: tl.constexpr, RP: tl.con
     tl.store(buffer + offsets, tl.load(buffer + offsets, mask=mask, other=0.0) + value, mask=mask)
 
 
-def _add_head_rows(buffer, row, idx, ok, h_idx, h_ok, N, H, E, EP: tl.constexpr, value):
-    """buffer[row, idx, h, :] += value ([1, positions, EP]), in a float32 [b, N, H, E] buffer."""
-    e = tl.arange(0, EP)
-    offsets = ((row * N + idx[None, :, None]) * H + h_idx[:, None, None]) * E + e[None, None, :]
-    mask = h_ok[:, None, None] & ok[None, :, None] & (e[None, None, :] < E)
-    tl.store(buffer + offsets, tl.load(buffer + offsets, mask=mask, other=0.0) + value, mask=mask)
-
-
 def _head_gradients(
     q_rows, k_rows, dz_rows, v_rows, maps, grads, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, maxima, sums,
     d_row, T, S, H, R: tl.constexpr, scale, pre_qw1, pre_qw2, pre_kw1, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1,
@@ -948,7 +940,8 @@ def _head_query_gradient_kernel(
             maps_q = _load_maps(maps, row, 2 * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP)
             d_post_w2 += tl.sum(d_composed_pattern * maps_q, axis=2)
             d_post_w1 += tl.sum(_load_maps(grads, row, 2 * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP) * pattern, 2)
-    _add_head_rows(dq, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP, d_queries)
+    e = tl.arange(0, EP)
+    _accumulate_rows(dq, row, t_idx, t_ok, h_idx, h_ok, e, e < E, T, H, E, d_queries)
     if PRE_QG:
         _accumulate(d_pre_qg, row, t_idx, t_ok, 0, h_idx, h_ok, T, 1, H, d_pre_gate)
     if PRE_QP:
@@ -1024,8 +1017,9 @@ def _head_key_gradient_kernel(
             maps_k = _load_maps(maps, row, 3 * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP)
             d_post_w2 += tl.sum(d_composed_pattern * maps_k, axis=1)
             d_post_w1 += tl.sum(_load_maps(grads, row, 3 * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP) * pattern, 1)
-    _add_head_rows(dk, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP, d_keys)
-    _add_head_rows(dv, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP, d_values)
+    e = tl.arange(0, EP)
+    _accumulate_rows(dk, row, s_idx, s_ok, h_idx, h_ok, e, e < E, S, H, E, d_keys)
+    _accumulate_rows(dv, row, s_idx, s_ok, h_idx, h_ok, e, e < E, S, H, E, d_values)
     if PRE_KG:
         _accumulate(d_pre_kg, row, s_idx, s_ok, 0, h_idx, h_ok, S, 1, H, d_pre_gate)
     if PRE_KP:
@@ -1071,7 +1065,6 @@ _KERNELS = (
     "_head_output_kernel",
     "_load_maps",
     "_add_head_weights",
-    "_add_head_rows",
     "_head_gradients",
     "_row_gradient_kernel",
     "_pre_gradient_maps_kernel",
@@ -1180,6 +1173,11 @@ def _any_map(launch: _Launch, stages=("PRE", "POST")) -> bool:
     return any(launch.flags[f"{stage}_{branch}"] for stage in stages for branch in ("QP", "KP"))
 
 
+def _query_rows(weights: tuple, first: int, last: int) -> list:
+    """The weights with the query-side ones cut to queries first..last (a chunk of the kernels through the maps)."""
+    return [w if w is None or i not in QUERY_SIDE else w[:, first:last].contiguous() for i, w in enumerate(weights)]
+
+
 def _forward_through_maps(launch: _Launch, q, k, v, real, weights) -> tuple[Tensor, Tensor, Tensor]:
     """z (in q's dtype) and the softmax's row max and sum ([b, h, t], float32), by the four kernels of the forward
     through the cross-head maps: the pre-compose's maps, each head's row statistics, the post-compose's maps, each
@@ -1195,7 +1193,7 @@ def _forward_through_maps(launch: _Launch, q, k, v, real, weights) -> tuple[Tens
     outputs = []
     for first in range(0, n_queries, chunk):
         last = min(first + chunk, n_queries)
-        part = [w if w is None or i not in QUERY_SIDE else w[:, first:last].contiguous() for i, w in enumerate(weights)]
+        part = _query_rows(weights, first, last)
         outputs.append(
             _maps_launches(launch, q[:, first:last].contiguous(), k, v, real, part, maps, launch.past + first)
         )
@@ -1283,7 +1281,7 @@ def _backward_through_maps(launch: _Launch, q, k, v, real, weights, row_max, row
     parts = []
     for first in range(0, n_queries, chunk):
         last = min(first + chunk, n_queries)
-        part = [w if w is None or i not in QUERY_SIDE else w[:, first:last].contiguous() for i, w in enumerate(weights)]
+        part = _query_rows(weights, first, last)
         rows = (q[:, first:last].contiguous(), dz[:, first:last].contiguous())
         statistics = (row_max[..., first:last].contiguous(), row_sum[..., first:last].contiguous())
         parts.append(
