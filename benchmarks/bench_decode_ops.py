@@ -5,8 +5,10 @@ from (issue #37, point 3); and the CPU wall time of a step.
                                           [--dtype bfloat16] [--verbose]
 
 At one new token a GPU step costs the operations launched (each ~5-20 us of Python and launch), not arithmetic.
-This counts them on the CPU, where the same torch ops run (on CUDA the dynamic weights take one fused Triton kernel
-instead of torch's dozen, `dcinterp.dcmha.dynamic_weights_path`; everything else is the same path).
+This counts them on the CPU, where the same torch ops run, except two that CUDA replaces with Triton kernels: the
+dynamic weights (one launch instead of torch's dozen, `dcinterp.dcmha.dynamic_weights_path`) and the step's pattern
+between the two matmuls, its compose, mask and softmax (two launches instead of about twenty,
+`dcinterp.dcmha.decoding_pattern_path`); the table's "as on CUDA" row counts those as CUDA takes them.
 
 Counting rule (the same for both models): every ATen op that reaches the backend (a `TorchDispatchMode` sees each
 op after autograd and after composite ops such as `einsum` or `matmul` decomposed into what runs: `bmm`, `view`,
@@ -19,10 +21,11 @@ In-place ops (`copy_`, `fill_`, `add_`) count: they write memory, so they launch
 
 Each op is attributed to the innermost function of the model's code it was called from:
 - `dynamic weights`: the FFN from the layer's input to qw1, ..., kg (`dynamic_weights`, `torch_dynamic_weights`);
-- `compose`: the compose of the few queries (`compose_decoding`, `Compose.forward`, `compose_few_queries`, ...);
+- `compose, mask, softmax`: the pattern between the two matmuls (`torch_decoding_pattern`: the compose of the few
+  queries, `compose_decoding`, the mask and the softmax; `Compose.forward`, `compose_few_queries`, ... when hooked);
 - `cache appends`: the key-value cache (`dcinterp/kv_cache.py`);
 - `rotary`: the tables and the rotation (`rotary_tables`, `rotate`, `apply_rotary`);
-- `attention`: scores, mask, softmax, P V (`few_queries_z`, `materialised_z`, `sdpa_z`);
+- `attention`: the scores and P V (`few_queries_z`), or all of plain MHA's attention (`sdpa_z`);
 - `rest of block`: projections, norms, QK-norm, MLP, residual adds;
 - `model`: outside the blocks (embedding, the step's masks and rotary positions, final norm, unembedding).
 Per layer, since global and local layers may differ. Then the CPU time of a step: the median over `--steps` cached
@@ -54,7 +57,8 @@ SHAPES = {
     ),
 }
 VOCAB = 512
-CATEGORIES = ("dynamic weights", "compose", "cache appends", "rotary", "attention", "rest of block", "model")
+PATTERN = "compose, mask, softmax"
+CATEGORIES = ("dynamic weights", PATTERN, "cache appends", "rotary", "attention", "rest of block", "model")
 VIEWS = "views (no kernel)"  # not in the totals: each costs a dispatch on the host, no kernel
 # innermost function name -> category; a frame of kv_cache.py is a cache append whatever its function
 FUNCTION_CATEGORY = {
@@ -62,10 +66,11 @@ FUNCTION_CATEGORY = {
     "fused_dynamic_weights": "dynamic weights",
     "compute_dynamic_weights": "dynamic weights",
     "dynamic_weights": "dynamic weights",
-    "compose_few_queries": "compose",
-    "compose_decoding": "compose",
-    "compose_fused": "compose",
-    "branch_outputs": "compose",
+    "torch_decoding_pattern": PATTERN,
+    "compose_few_queries": PATTERN,
+    "compose_decoding": PATTERN,
+    "compose_fused": PATTERN,
+    "branch_outputs": PATTERN,
     "apply_rotary": "rotary",
     "rotary_tables": "rotary",
     "rotate": "rotary",
@@ -106,7 +111,7 @@ class OpCounter(TorchDispatchMode):
                     category = "cache appends"
                 elif code.co_filename.endswith("model.py") and code.co_name == "forward":
                     owner = type(frame.f_locals.get("self")).__name__
-                    category = {"Compose": "compose", "Attention": "rest of block"}.get(owner)
+                    category = {"Compose": PATTERN, "Attention": "rest of block"}.get(owner)
                 category = category or FUNCTION_CATEGORY.get(code.co_name)
             if code.co_name == "forward" and isinstance(frame.f_locals.get("self"), TransformerBlock):
                 layer = self.layer_of[id(frame.f_locals["self"])]
@@ -185,17 +190,19 @@ def print_table(shape_name: str, shape: dict, counts: dict[str, Counter]) -> Non
     totals = [f"**{by(dc, i)} / {by(mha, i)}** ({by(dc, i) / max(by(mha, i), 1):.2f}x)" for i in layers]
     totals.append(f"**{by(dc, None)} / {by(mha, None)}**")
     print("| total | " + " | ".join(totals) + " |")
-    # On CUDA the dynamic weights are one fused Triton launch (dcinterp.dcmha.dynamic_weights_path), the rest the same.
-    on_cuda = [by(dc, i) - by(dc, i, "dynamic weights") + 1 for i in layers]
+    # On CUDA the dynamic weights are one Triton launch and the pattern two (the module docstring), the rest the same.
+    on_cuda = [by(dc, i) - by(dc, i, "dynamic weights") - by(dc, i, PATTERN) + 1 + 2 for i in layers]
     cells = [f"{n} / {by(mha, i)} ({n / max(by(mha, i), 1):.2f}x)" for i, n in zip(layers, on_cuda, strict=True)]
-    print("| total, dynamic weights as on CUDA (1 launch) | " + " | ".join(cells) + " | |")
+    print("| total as on CUDA (dynamic weights 1 launch, pattern 2) | " + " | ".join(cells) + " | |")
     cells = [f"{by(dc, i, VIEWS)} / {by(mha, i, VIEWS)}" for i in layers] + [
         f"{by(dc, None, VIEWS)} / {by(mha, None, VIEWS)}"
     ]
     print(f"| {VIEWS}, not counted | " + " | ".join(cells) + " |")
     step_dc = sum(by(dc, layer) for layer in [*layers, None])
     step_mha = sum(by(mha, layer) for layer in [*layers, None])
-    print(f"\nwhole step: DCMHA {step_dc} ops, MHA {step_mha} ({step_dc / step_mha:.2f}x)")
+    print(f"\nwhole step: DCMHA {step_dc} ops, MHA {step_mha} ({step_dc / step_mha:.2f}x)", end="; ")
+    step_dc_cuda = sum(on_cuda) + by(dc, None)
+    print(f"as on CUDA: DCMHA {step_dc_cuda}, MHA {step_mha} ({step_dc_cuda / step_mha:.2f}x)")
 
 
 def print_ops(counts: Counter, layer: int) -> None:

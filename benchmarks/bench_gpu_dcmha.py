@@ -16,7 +16,9 @@ Four models, the same weights, taking turns at every measurement:
 - `SDPA twin`: the twin with no hook (`scaled_dot_product_attention`).
 Measured: the forward (logits), the forward + backward to the input embeddings (as integrated gradients steps), the
 peak memory above the weights of each (`torch.cuda.max_memory_allocated`), at each prompt length; decoding, per new
-token after a 1,024-token prompt with the key-value cache; and one layer's attention call alone (`Attention`, the
+token after a 1,024-token prompt with the key-value cache, each step synchronised and 20 steps back to back (as a
+generation loop that never waits on the GPU runs them), the DCMHA model also with its step's pattern by torch's ops
+in place of the decoding kernels (`dcinterp.dcmha.decoding`); and one layer's attention call alone (`Attention`, the
 fused path against SDPA's). Medians of `--repeats` timed runs after a warm-up, CUDA-synchronised. Each measurement
 is a JSON line (with the path every layer took: a "fused" model without the kernels says "materialised"); a
 markdown table of the medians and the ratios to the SDPA twin ends the run. A measurement that runs out of GPU
@@ -33,7 +35,7 @@ import json
 import statistics
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -52,6 +54,8 @@ VOCAB = 8192
 TOKENS = [128, 512, 1024, 2048, 4096, 8192]
 QUICK_TOKENS = [128, 2048]
 DECODE_PROMPT, SMOKE_DECODE_PROMPT = 1024, 24
+DECODE_STEPS = 20  # tokens decoded back to back in one measurement (and one, synchronised, in the other)
+TORCH_PATTERN = "DCMHA fused, torch's pattern"  # decoding only: the step's pattern by torch's ops
 MODELS = ("DCMHA fused", "DCMHA materialised", "MHA einsum", "SDPA twin")
 MiB = 2**20
 
@@ -160,18 +164,31 @@ def measure(models: dict, fn, clock: Clock, repeats: int) -> dict[str, dict]:
     return out
 
 
-def decode_step(model, prompt: torch.Tensor):
-    """A function that decodes one token a call, after `prompt` went into a fresh cache."""
+def decode_steps(model, prompt: torch.Tensor, steps: int):
+    """A function that decodes `steps` tokens a call, one after another with no synchronisation between them, after
+    `prompt` went into a fresh cache."""
     cache = DCFormerKeyValueCache.init_cache(model.cfg, prompt.device, batch_size=1)
     with torch.no_grad():
         model(prompt, past_kv_cache=cache)
     next_token = prompt[:, -1:]
 
-    def step(_model):
+    def run(_model):
         with torch.no_grad():
-            _model(next_token, past_kv_cache=cache)
+            for _ in range(steps):
+                _model(next_token, past_kv_cache=cache)
 
-    return step
+    return run
+
+
+@contextmanager
+def torch_pattern():
+    """A decoding step's pattern by torch's ops (`dcinterp.dcmha.decoding`), as before its kernels."""
+    choose = dcmha.decoding_pattern_path
+    dcmha.decoding_pattern_path = lambda **facts: "torch"
+    try:
+        yield
+    finally:
+        dcmha.decoding_pattern_path = choose
 
 
 def attention_call(model, x, mask, backward: bool) -> None:
@@ -267,13 +284,18 @@ def main() -> None:
                 result = measure(attention, lambda m: attention_call(m, x, mask, backward), clock, repeats)  # noqa: B023
                 emit(row(shape_name, what, n, {"models": result}))
         prompt = torch.randint(0, VOCAB, (1, prompt_length), generator=generator).to(device)
-        result = {}
-        for name, (model, context) in models.items():  # each with its own cache: one model at a time
-            with context():
-                step = decode_step(model, prompt)
-            result.update(measure({name: (model, context)}, step, clock, repeats))
-        decode = f"decode, per token after {prompt_length} prompt tokens"
-        emit(row(shape_name, decode, prompt_length, {"models": result}))
+        decoders = {**models, TORCH_PATTERN: (models["DCMHA fused"][0], torch_pattern)}
+        for steps, how in ((1, "each step synchronised"), (DECODE_STEPS, f"{DECODE_STEPS} steps back to back")):
+            result = {}
+            for name, (model, context) in decoders.items():  # each with its own cache: one model at a time
+                with context():
+                    run = decode_steps(model, prompt, steps)
+                result.update(measure({name: (model, context)}, run, clock, repeats))
+            for measured in result.values():
+                if "ms" in measured:
+                    measured["ms"] /= steps
+            decode = f"decode, per token after {prompt_length} prompt tokens ({how})"
+            emit(row(shape_name, decode, prompt_length, {"models": result}))
         del models
         if clock.cuda:
             torch.cuda.empty_cache()
@@ -320,6 +342,13 @@ def print_table(rows: list[dict], smoke: bool) -> None:
             + " | ".join(cell(m, name) for name in MODELS)
             + f" | {ratio(m, 'DCMHA fused')} | {peaks} | {paths} |"
         )
+    for r in rows:
+        if TORCH_PATTERN in r["models"]:
+            m = r["models"]
+            print(
+                f"{r['shape']}, {r['measurement']}: DCMHA with the pattern by torch's ops {cell(m, TORCH_PATTERN)} ms "
+                f"({ratio(m, TORCH_PATTERN)} the SDPA twin), against {cell(m, 'DCMHA fused')} ms with the kernels"
+            )
 
 
 if __name__ == "__main__":

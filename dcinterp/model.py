@@ -479,21 +479,18 @@ class Attention(nn.Module):
 
     def few_queries_z(self, q, k, v, mask, stages: list[tuple | None]) -> Float[Tensor, "b t h e"]:
         """z of a cached step of a few queries when nothing reads a [b, h, t, s] tensor: `materialised_z`'s arithmetic
-        in fewer operations (on a GPU each launches a kernel, and launches are what a decoding step costs). `stages`:
-        `composed_weights` with the key side key-last. The compose is linear in the scores, so 1/sqrt(d_head) scales
-        the composed scores, with the mask added in the same operation; the compose sees the hidden keys' scores,
-        which the mask then hides (as `hook_scores_for_compose` passes them with no hook attached). In a half dtype
-        the softmax is one operation (the kernels compute in float32 and round once), not three."""
+        in fewer operations (on a GPU each launches a kernel, and launches are what a decoding step costs): the
+        scores, the pattern between them (`dcinterp.dcmha.decoding`: by torch's ops, or on CUDA without gradients by
+        two Triton launches, as `dcinterp.dcmha.decoding_pattern_path` says) and P' V. `stages`: `composed_weights`
+        with the key side key-last."""
         scores = q.transpose(1, 2) @ k.permute(0, 2, 3, 1)  # [b, h, t, s]
-        pre, post = stages
-        if pre is not None:
-            qw1, qw2, kw1, kw2, qg, kg = pre
-            scores = materialised.compose_decoding(scores, qw1, qw2, qg, kw1, kw2, kg)
-        scores = torch.add(mask.to(scores.dtype), scores, alpha=1 / math.sqrt(self.cfg.d_head))
-        pattern = scores.softmax(-1)  # torch's kernels sum a half dtype's exponentials in float32
-        if post is not None:
-            qw1, qw2, kw1, kw2, qg, kg = post
-            pattern = materialised.compose_decoding(pattern, qw1, qw2, qg, kw1, kw2, kg)
+        weights = [w for stage in stages if stage is not None for w in stage if w is not None]
+        path = dcmha.decoding_pattern_path(
+            device=q.device,
+            dtypes={scores.dtype, mask.dtype, *(w.dtype for w in weights)},
+            gradient_needed=_gradient_needed(scores, *weights),
+        )
+        pattern = dcmha.compute_decoding_pattern(path, scores, mask, *stages, scale=1 / math.sqrt(self.cfg.d_head))
         return (pattern @ v.transpose(1, 2)).transpose(1, 2)
 
     def materialised_z(self, x, q, k, v, mask, past_kv_cache_entry=None) -> Float[Tensor, "b t h e"]:

@@ -28,14 +28,17 @@ def test_the_cpu_smoke_run_measures_every_model_and_claims_no_gpu_number(tmp_pat
         "forward + backward",
         "attention alone, forward",
         "attention alone, forward + backward",
-        "decode, per token after 24 prompt tokens",
+        "decode, per token after 24 prompt tokens (each step synchronised)",
+        "decode, per token after 24 prompt tokens (20 steps back to back)",
     ]
     for r in rows:
         assert r["device"] == "cpu smoke run: not GPU numbers"
         for name, model in r["models"].items():
             assert "ms" not in model and model["cpu_smoke_ms"] > 0 and model["peak_mib"] is None, name
     paths = {r["measurement"]: r["models"]["DCMHA fused"]["paths"] for r in rows}
-    assert paths["forward"] == ["blocked"] and paths["decode, per token after 24 prompt tokens"] == ["few_queries"]
+    assert paths["forward"] == ["blocked"]
+    assert paths["decode, per token after 24 prompt tokens (each step synchronised)"] == ["few_queries"]
+    assert "DCMHA fused, torch's pattern" in rows[-1]["models"]
     assert {p for r in rows for p in r["models"]["SDPA twin"]["paths"]} == {"sdpa"}
     assert {p for r in rows for p in r["models"]["DCMHA materialised"]["paths"]} == {"materialised"}
     table = result.stdout[result.stdout.index("GPU numbers not measured (CPU smoke run") :]

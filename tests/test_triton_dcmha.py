@@ -538,13 +538,30 @@ paths = {(kernel.arg_names.index(arg),): value for arg, value in constants.items
 source = ASTSource(fn=kernel, signature=signature, constexprs=paths)
 compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 assert compiled.metadata.shared <= 227 * 1024, ("_dynamic_weights_kernel", compiled.metadata.shared)
+
+from dcinterp.dcmha import decoding
+
+decoding._decorate()
+constants = dict(HP=32, BK=decoding.TILE // 32, R=2, QP=True, KP=True, QG=True, KG=True)
+for kernel in (decoding._decoding_logits_kernel, decoding._decoding_pattern_kernel):
+    signature = {
+        arg: "constexpr" if arg in constants else "fp32" if arg == "scale" else
+        "*fp32" if arg in ("mask", "logits", "block_max", "block_sum") else
+        "*bf16" if arg in ("scores", "pattern", "qw1", "qw2", "qg", "kw1", "kw2", "kg") else "i32"
+        for arg in kernel.arg_names
+    }
+    paths = {(kernel.arg_names.index(arg),): value for arg, value in constants.items()}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=paths)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    assert compiled.metadata.shared <= 227 * 1024, (kernel.fn.__name__, compiled.metadata.shared)
 """
 
 
 def test_the_kernels_compile_for_a_hopper_gpu():
     """Triton's compiler, without a GPU, takes each kernel down to an sm_90 binary (bfloat16, every branch on,
-    padding; the dynamic weights' kernel with both biases): what the interpreter never checks (layouts, 3D dots,
-    shared memory) is checked here, in a process of its own, where the kernels are decorated natively."""
+    padding; the dynamic weights' kernel with both biases; the decoding kernels): what the interpreter never checks
+    (layouts, 3D dots, shared memory) is checked here, in a process of its own, where the kernels are decorated
+    natively."""
     environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     environment["TRITON_DEFAULT_FP_FUSION"] = environment.get("TRITON_DEFAULT_FP_FUSION", "1")
     run = subprocess.run(

@@ -16,9 +16,11 @@ Paths, and when `choose_path` takes each (first rule that applies):
   cannot run (no Triton, an old one, or Triton refusing to build them for the card at their first launch, e.g. past
   its shared memory: that call is then computed by `materialised.attend`), one warning per reason names why, and
   the next rules apply.
-- `few_queries` (`Attention.few_queries_z`: `materialised_z`'s arithmetic in the fewest operations, its compose
-  `materialised.compose_decoding`, the key side in its low-rank form, as the cache holds it): a cached step of at
-  most `FEW_QUERIES` new queries.
+- `few_queries` (`Attention.few_queries_z`: `materialised_z`'s arithmetic in the fewest operations, the key side in
+  its low-rank form, as the cache holds it): a cached step of at most `FEW_QUERIES` new queries. Its pattern
+  between the two matmuls (both stages' compose, the mask, the softmax: `dcinterp.dcmha.decoding`) takes two Triton
+  launches on CUDA where the kernels run and no gradient is needed, torch's ops (about twenty) otherwise, as
+  `decoding_pattern_path` says.
 - `blocked` (`dcinterp.dcmha.blocked`: a block of queries at a time, never a `[b, h, t, s]` tensor): on the CPU.
 - `materialised` on any other device.
 
@@ -49,7 +51,7 @@ from torch import Tensor
 from . import materialised
 
 Path = Literal["materialised", "few_queries", "blocked", "triton", "sdpa"]
-DynamicWeightsPath = Literal["triton", "torch"]
+DynamicWeightsPath = Literal["triton", "torch"]  # also a decoding step's pattern's
 
 FEW_QUERIES = 16  # with a key-value cache, up to this many new queries take a decoding path
 # Where the fused kernels pay on a GPU, from one layer's attention on an NVIDIA H100 (bfloat16, 32 heads of 128,
@@ -72,6 +74,7 @@ FUSED_DYNAMIC_WEIGHTS_POSITIONS = 1024
 _warned: set[str] = set()  # the warnings already given, so that each is said once per process
 _refused: dict[str, str] = {}  # per device, why Triton refused to compile the kernels for it (its first launch)
 _refused_dynamic_weights: dict[str, str] = {}  # the same, for the dynamic weights' kernel
+_refused_decoding: dict[str, str] = {}  # the same, for the decoding step's kernels
 
 
 def triton_unavailable(device: torch.device) -> str | None:
@@ -176,6 +179,36 @@ def compute_dynamic_weights(path: DynamicWeightsPath, x: Tensor, W_in, b_in, W_o
         _refused_dynamic_weights[str(x.device)] = reason
         _warn_once(reason, x.device, fallback="DCMHA's dynamic weights on {device} take torch's ops")
         return dynamic_weights.torch_dynamic_weights(*weights)
+
+
+def decoding_pattern_path(
+    *, device: torch.device, dtypes: set[torch.dtype], gradient_needed: bool
+) -> DynamicWeightsPath:
+    """How a decoding step's pattern (the few-queries path's compose, mask and softmax, `dcinterp.dcmha.decoding`) is
+    computed: "triton" (two launches) on CUDA where the Triton kernels run, in float32, float16 or bfloat16, when
+    no gradient is needed; "torch" (about twenty launches) otherwise. `dtypes`: those of the scores, the mask and
+    the dynamic weights."""
+    if device.type != "cuda" or gradient_needed or str(device) in _refused_decoding:
+        return "torch"
+    if not dtypes <= {torch.float32, torch.float16, torch.bfloat16} or triton_unavailable(device) is not None:
+        return "torch"
+    return "triton"
+
+
+def compute_decoding_pattern(path: DynamicWeightsPath, scores: Tensor, mask: Tensor, pre, post, scale: float):
+    """A decoding step's pattern P' [b, h, t, s] by `path` (`decoding_pattern_path`). Triton refusing to build the
+    kernels for the card is said once; that call and the device's later ones take torch's ops."""
+    from . import decoding
+
+    if path == "torch":
+        return decoding.torch_decoding_pattern(scores, mask, pre, post, scale)
+    try:
+        return decoding.fused_decoding_pattern(scores, mask, pre, post, scale)
+    except _compile_refusals() as refusal:
+        reason = f"Triton cannot build the decoding kernels for it ({str(refusal).splitlines()[0]})"
+        _refused_decoding[str(scores.device)] = reason
+        _warn_once(reason, scores.device, fallback="DCMHA's decoding steps on {device} take torch's ops")
+        return decoding.torch_decoding_pattern(scores, mask, pre, post, scale)
 
 
 def triton_z(q, k, v, mask, pre, post, *, window: int | None, official: bool, past: int, real: Tensor | None):
