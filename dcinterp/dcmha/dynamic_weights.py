@@ -80,9 +80,9 @@ def _dynamic_weights_kernel(
     BP: tl.constexpr, BD: tl.constexpr, KP: tl.constexpr, HP: tl.constexpr,
     IN_BIAS: tl.constexpr, GATE_BIAS: tl.constexpr, HALF: tl.constexpr,
 ):
-    """Branch c's w1, w2 [P, 4, R, H] and gates [P, 4, H] of a block of BP positions; x [P, D]. KP, HP: K and H padded
-    to powers of two (the padding loads as 0, which gelu and the products keep 0). HALF: x, W_in and W_gate share a
-    half dtype."""
+    """Branch c's w1, w2 [4, P, R, H] and gates [4, P, H] (branch-major) of a block of BP positions; x [P, D]. KP, HP:
+    K and H padded to powers of two (the padding loads as 0, which gelu and the products keep 0). HALF: x, W_in and
+    W_gate share a half dtype."""
     c = tl.program_id(1)
     p = tl.program_id(0) * BP + tl.arange(0, BP)
     p_ok = p < P
@@ -108,10 +108,9 @@ def _dynamic_weights_kernel(
     # tanh(g) = sign(g) (1 - e) / (1 + e), e = exp(-2 |g|) <= 1: no overflow at any g
     e = tl.exp(-2.0 * tl.abs(gate))
     gate = tl.where(gate < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)
-    out = gates + (p[:, None] * 4 + c) * H + h[None, :]
-    tl.store(out, gate.to(gates.dtype.element_ty), mask=p_ok[:, None] & h_ok[None, :])
+    rows = c * P + p[:, None]
+    tl.store(gates + rows * H + h[None, :], gate.to(gates.dtype.element_ty), mask=p_ok[:, None] & h_ok[None, :])
     for r in range(R):
-        rows = p[:, None] * 4 + c
         ok = p_ok[:, None] & h_ok[None, :]
         W = tl.load(W_out + ((c * K + k[:, None]) * 2 * R + r) * H + h[None, :], mask=k_ok[:, None] & h_ok[None, :],
                     other=0.0)
@@ -142,17 +141,19 @@ def _decorate() -> None:
 def fused_dynamic_weights(x: Float[Tensor, "b p d"], W_in, b_in, W_out, W_gate, b_gate) -> DynamicWeights:
     """(w1, w2, gates) of `torch_dynamic_weights` in one Triton launch, without a backward (the result is detached).
 
-    Each result in the dtype torch's ops give it (x's and the weights' promoted dtype), contiguous; float32,
-    float16 or bfloat16 inputs, summed in float32."""
+    Each result in the dtype torch's ops give it (x's and the weights' promoted dtype), stored branch-major (each
+    branch's `w1[:, :, c]` contiguous: what the compose kernels read without a copy); float32, float16 or bfloat16
+    inputs, summed in float32."""
     _check(x, W_in, b_in, W_out, W_gate, b_gate)
     _decorate()
     batch, positions, D = x.shape
     K, H, R = W_in.shape[2], W_gate.shape[2], W_out.shape[2] // 2
     P = batch * positions
     w_dtype = _promoted(x, W_in, b_in, W_out)
-    w1 = torch.empty(batch, positions, 4, R, H, dtype=w_dtype, device=x.device)
+    # branch-major, so that each branch's weights (what the compose kernels take) are contiguous without a copy
+    w1 = torch.empty(4, batch, positions, R, H, dtype=w_dtype, device=x.device)
     w2 = torch.empty_like(w1)
-    gates = torch.empty(batch, positions, 4, H, dtype=_promoted(x, W_gate, b_gate), device=x.device)
+    gates = torch.empty(4, batch, positions, H, dtype=_promoted(x, W_gate, b_gate), device=x.device)
     W_in, W_out, W_gate = W_in.contiguous(), W_out.contiguous(), W_gate.contiguous()
     b_in = W_in if b_in is None else b_in.contiguous()  # never read without IN_BIAS
     b_gate = W_gate if b_gate is None else b_gate.contiguous()
@@ -163,7 +164,7 @@ def fused_dynamic_weights(x: Float[Tensor, "b p d"], W_in, b_in, W_out, W_gate, 
         BP=BLOCK_POSITIONS, BD=BLOCK_DIM, KP=max(16, triton.next_power_of_2(K)), HP=max(16, triton.next_power_of_2(H)),
         IN_BIAS=b_in is not W_in, GATE_BIAS=b_gate is not W_gate, HALF=half, num_warps=4,
     )  # fmt: skip
-    return w1, w2, gates
+    return w1.permute(1, 2, 0, 3, 4), w2.permute(1, 2, 0, 3, 4), gates.permute(1, 2, 0, 3)
 
 
 def _promoted(*tensors) -> torch.dtype:
