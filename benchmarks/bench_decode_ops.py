@@ -16,7 +16,8 @@ op after autograd and after composite ops such as `einsum` or `matmul` decompose
 - ops whose output aliases an input without writing it (views and metadata: `view`, `permute`, `expand`, `narrow`,
   `select`, `slice`, `unsqueeze`, `detach`, ..., read from the op's schema), and `_unsafe_view`/`_reshape_alias`
   (views whose schema does not say so);
-- allocations that launch nothing (`empty`, `empty_strided`, `empty_like`, `new_empty`).
+- allocations that launch nothing (`empty`, `empty_strided`, `empty_like`, `new_empty`);
+- ops that return no tensor (`promote_types`: a dtype).
 In-place ops (`copy_`, `fill_`, `add_`) count: they write memory, so they launch a kernel.
 
 Each op is attributed to the innermost function of the model's code it was called from:
@@ -90,6 +91,8 @@ def launches_kernel(func) -> bool:
     if name in UNSEEN_VIEWS or name in ALLOCATIONS:
         return False
     returns = func._schema.returns
+    if not any("Tensor" in str(r.type) for r in returns):
+        return False  # a dtype, a scalar, nothing: no kernel (promote_types, ...)
     aliases = [r.alias_info for r in returns if r.alias_info is not None]
     return not (aliases and all(not a.is_write for a in aliases))
 
@@ -122,6 +125,8 @@ class OpCounter(TorchDispatchMode):
         return layer, category or "rest of block"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not any("Tensor" in str(r.type) for r in func._schema.returns):
+            return func(*args, **(kwargs or {}))  # a dtype query (promote_types): neither a kernel nor a view
         layer, category = self.where()
         if not launches_kernel(func):
             category = "views (no kernel)"

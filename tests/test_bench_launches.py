@@ -1,0 +1,48 @@
+"""The launch-counting benchmarks run, and what they count holds: on CUDA's paths a no-hook DCMHA forward launches no
+torch op its SDPA twin does not (no copy of the dynamic weights before the kernels) and five Triton kernels a layer;
+a decoding step's pattern is counted as its two kernels."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def run(script: str, *args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+def test_a_forward_on_the_kernels_path_launches_what_its_twin_does_and_five_kernels_a_layer():
+    out = run("bench_forward_launches.py", "--layers", "2", "--tokens", "20")
+    rows = dict(re.findall(r"^\| (DCMHA|SDPA twin) \| (\d+ \| \d+) \|", out, re.MULTILINE))
+    (dcmha_ops, dcmha_kernels), (twin_ops, twin_kernels) = (map(int, rows[m].split(" | ")) for m in rows)
+    assert dcmha_kernels == 5 * 2 and twin_kernels == 0
+    assert dcmha_ops <= twin_ops, out
+
+
+def test_bad_arguments_give_one_line():
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_forward_launches.py"), "--layers", "0"], capture_output=True, text=True
+    )
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].endswith("must be at least 1")
+
+
+def test_a_decoding_steps_count_takes_the_pattern_as_two_kernels_on_cuda():
+    out = run("bench_decode_ops.py", "--no-time", "--shapes", "global")
+    cpu = re.search(r"^\| compose, mask, softmax \| (\d+) / 0 \|", out, re.MULTILINE)
+    dynamic = re.search(r"^\| dynamic weights \| (\d+) / 0 \|", out, re.MULTILINE)
+    total = re.search(r"^\| total \| \*\*(\d+) / (\d+)\*\*", out, re.MULTILINE)
+    on_cuda = re.search(r"^\| total as on CUDA [^|]* \| (\d+) / (\d+) ", out, re.MULTILINE)
+    assert cpu and dynamic and total and on_cuda, out
+    assert int(on_cuda[1]) == int(total[1]) - int(cpu[1]) - int(dynamic[1]) + 2 + 1
+    assert on_cuda[2] == total[2]
