@@ -798,6 +798,54 @@ def _head_gradients(
     return scores, pattern, d_composed_pattern, d_pattern, d_composed, d_scores
 
 
+def _add_weight_gradients(
+    d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2, scores, pattern, d_composed_pattern,
+    d_composed, maps, grads, row, t_idx, t_ok, s_idx, s_ok, seen, T, S, R: tl.constexpr, RP: tl.constexpr,
+    PRE_GATE: tl.constexpr, PRE_PROJECTION: tl.constexpr, POST_GATE: tl.constexpr, POST_PROJECTION: tl.constexpr,
+    SIDE: tl.constexpr
+):
+    """One head's gradients of one side's dynamic weights of both stages (SIDE 0: the query side's qg, qw1, qw2,
+    summed over a tile's keys; 1: the key side's, over its queries) with one [1, queries, keys] tile's sums added:
+    a gate's is the sum of dX' X, w2's of dX' times the stage's map, w1's of the map's gradient times X (X: the
+    scores before the pre-compose, the pattern before the post-compose)."""
+    if PRE_GATE:  # (axis 2 - SIDE: the other side's positions are summed over)
+        d_pre_gate += tl.sum(d_composed * scores, axis=2 - SIDE)
+    if PRE_PROJECTION:  # the pre-compose's maps are planes SIDE R .. SIDE R + R - 1
+        d_pre_w2 += tl.sum(d_composed * _load_maps(maps, row, SIDE * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP),
+                           2 - SIDE)
+        d_pre_w1 += tl.sum(_load_maps(grads, row, SIDE * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP) * scores,
+                           2 - SIDE)
+    if POST_GATE:
+        d_post_gate += tl.sum(d_composed_pattern * pattern, axis=2 - SIDE)
+    if POST_PROJECTION:  # the post-compose's, (2 + SIDE) R ..
+        first = (2 + SIDE) * R
+        d_post_w2 += tl.sum(d_composed_pattern * _load_maps(maps, row, first, t_idx, t_ok, s_idx, s_ok, seen, T, S,
+                                                            R, RP), 2 - SIDE)
+        d_post_w1 += tl.sum(_load_maps(grads, row, first, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP) * pattern,
+                            2 - SIDE)
+    return d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2
+
+
+def _store_weight_gradients(
+    d_pre_g, d_pre_w1, d_pre_w2, d_post_g, d_post_w1, d_post_w2, d_pre_gate, d_pre_weights1, d_pre_weights2,
+    d_post_gate, d_post_weights1, d_post_weights2, row, idx, ok, n, N, H, R: tl.constexpr, RP: tl.constexpr,
+    PRE_GATE: tl.constexpr, PRE_PROJECTION: tl.constexpr, POST_GATE: tl.constexpr, POST_PROJECTION: tl.constexpr
+):
+    """Head n's sums of `_add_weight_gradients` added into the float32 [b, N, R, H] (a gate's [b, N, H]) buffers of
+    one side's weights' gradients (d_pre_g, ...), for positions idx of that side."""
+    h_idx = n + tl.arange(0, 1)
+    if PRE_GATE:
+        _accumulate(d_pre_g, row, idx, ok, 0, h_idx, h_idx < H, N, 1, H, d_pre_gate)
+    if PRE_PROJECTION:
+        _add_head_weights(d_pre_w1, row, idx, ok, n, N, H, R, RP, d_pre_weights1)
+        _add_head_weights(d_pre_w2, row, idx, ok, n, N, H, R, RP, d_pre_weights2)
+    if POST_GATE:
+        _accumulate(d_post_g, row, idx, ok, 0, h_idx, h_idx < H, N, 1, H, d_post_gate)
+    if POST_PROJECTION:
+        _add_head_weights(d_post_w1, row, idx, ok, n, N, H, R, RP, d_post_weights1)
+        _add_head_weights(d_post_w2, row, idx, ok, n, N, H, R, RP, d_post_weights2)
+
+
 def _row_gradient_kernel(
     q, k, v, dz, maps, grads, row_max, row_sum, row_d, real, pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1,
     post_qg, post_kg, T, S, H, E, R: tl.constexpr, past, span, scale, EP: tl.constexpr, BQ: tl.constexpr,
@@ -929,29 +977,17 @@ def _head_query_gradient_kernel(
             PRE_KP, PRE_QG, PRE_KG, POST_QP, POST_KP, POST_QG, POST_KG, 3, HALF
         )
         d_queries += _head_dot(d_scores, k_rows, HALF)
-        if PRE_QG:
-            d_pre_gate += tl.sum(d_composed * scores, axis=2)
-        if PRE_QP:
-            d_pre_w2 += tl.sum(d_composed * _load_maps(maps, row, 0, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP), 2)
-            d_pre_w1 += tl.sum(_load_maps(grads, row, 0, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP) * scores, 2)
-        if POST_QG:
-            d_post_gate += tl.sum(d_composed_pattern * pattern, axis=2)
-        if POST_QP:
-            maps_q = _load_maps(maps, row, 2 * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP)
-            d_post_w2 += tl.sum(d_composed_pattern * maps_q, axis=2)
-            d_post_w1 += tl.sum(_load_maps(grads, row, 2 * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP) * pattern, 2)
+        d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2 = _add_weight_gradients(
+            d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2, scores, pattern, d_composed_pattern,
+            d_composed, maps, grads, row, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP, PRE_QG, PRE_QP, POST_QG,
+            POST_QP, 0
+        )
     e = tl.arange(0, EP)
     _accumulate_rows(dq, row, t_idx, t_ok, h_idx, h_ok, e, e < E, T, H, E, d_queries)
-    if PRE_QG:
-        _accumulate(d_pre_qg, row, t_idx, t_ok, 0, h_idx, h_ok, T, 1, H, d_pre_gate)
-    if PRE_QP:
-        _add_head_weights(d_pre_qw1, row, t_idx, t_ok, n, T, H, R, RP, d_pre_w1)
-        _add_head_weights(d_pre_qw2, row, t_idx, t_ok, n, T, H, R, RP, d_pre_w2)
-    if POST_QG:
-        _accumulate(d_post_qg, row, t_idx, t_ok, 0, h_idx, h_ok, T, 1, H, d_post_gate)
-    if POST_QP:
-        _add_head_weights(d_post_qw1, row, t_idx, t_ok, n, T, H, R, RP, d_post_w1)
-        _add_head_weights(d_post_qw2, row, t_idx, t_ok, n, T, H, R, RP, d_post_w2)
+    _store_weight_gradients(
+        d_pre_qg, d_pre_qw1, d_pre_qw2, d_post_qg, d_post_qw1, d_post_qw2, d_pre_gate, d_pre_w1, d_pre_w2,
+        d_post_gate, d_post_w1, d_post_w2, row, t_idx, t_ok, n, T, H, R, RP, PRE_QG, PRE_QP, POST_QG, POST_QP
+    )
 
 
 def _head_key_gradient_kernel(
@@ -1006,30 +1042,18 @@ def _head_key_gradient_kernel(
         composed_pattern = tl.where(seen[None, :, :], composed_pattern, 0.0)
         d_values += _head_dot(tl.permute(composed_pattern, (0, 2, 1)), dz_rows, HALF)
         d_keys += _head_dot(tl.permute(d_scores, (0, 2, 1)), q_rows, HALF)
-        if PRE_KG:
-            d_pre_gate += tl.sum(d_composed * scores, axis=1)
-        if PRE_KP:
-            d_pre_w2 += tl.sum(d_composed * _load_maps(maps, row, R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP), 1)
-            d_pre_w1 += tl.sum(_load_maps(grads, row, R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP) * scores, 1)
-        if POST_KG:
-            d_post_gate += tl.sum(d_composed_pattern * pattern, axis=1)
-        if POST_KP:
-            maps_k = _load_maps(maps, row, 3 * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP)
-            d_post_w2 += tl.sum(d_composed_pattern * maps_k, axis=1)
-            d_post_w1 += tl.sum(_load_maps(grads, row, 3 * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP) * pattern, 1)
+        d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2 = _add_weight_gradients(
+            d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2, scores, pattern, d_composed_pattern,
+            d_composed, maps, grads, row, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP, PRE_KG, PRE_KP, POST_KG,
+            POST_KP, 1
+        )
     e = tl.arange(0, EP)
     _accumulate_rows(dk, row, s_idx, s_ok, h_idx, h_ok, e, e < E, S, H, E, d_keys)
     _accumulate_rows(dv, row, s_idx, s_ok, h_idx, h_ok, e, e < E, S, H, E, d_values)
-    if PRE_KG:
-        _accumulate(d_pre_kg, row, s_idx, s_ok, 0, h_idx, h_ok, S, 1, H, d_pre_gate)
-    if PRE_KP:
-        _add_head_weights(d_pre_kw1, row, s_idx, s_ok, n, S, H, R, RP, d_pre_w1)
-        _add_head_weights(d_pre_kw2, row, s_idx, s_ok, n, S, H, R, RP, d_pre_w2)
-    if POST_KG:
-        _accumulate(d_post_kg, row, s_idx, s_ok, 0, h_idx, h_ok, S, 1, H, d_post_gate)
-    if POST_KP:
-        _add_head_weights(d_post_kw1, row, s_idx, s_ok, n, S, H, R, RP, d_post_w1)
-        _add_head_weights(d_post_kw2, row, s_idx, s_ok, n, S, H, R, RP, d_post_w2)
+    _store_weight_gradients(
+        d_pre_kg, d_pre_kw1, d_pre_kw2, d_post_kg, d_post_kw1, d_post_kw2, d_pre_gate, d_pre_w1, d_pre_w2,
+        d_post_gate, d_post_w1, d_post_w2, row, s_idx, s_ok, n, S, H, R, RP, PRE_KG, PRE_KP, POST_KG, POST_KP
+    )
 
 # fmt: on
 
@@ -1066,6 +1090,8 @@ _KERNELS = (
     "_load_maps",
     "_add_head_weights",
     "_head_gradients",
+    "_add_weight_gradients",
+    "_store_weight_gradients",
     "_row_gradient_kernel",
     "_pre_gradient_maps_kernel",
     "_head_query_gradient_kernel",
