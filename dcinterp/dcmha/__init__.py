@@ -51,7 +51,8 @@ from torch import Tensor
 from . import materialised
 
 Path = Literal["materialised", "few_queries", "blocked", "triton", "sdpa"]
-DynamicWeightsPath = Literal["triton", "torch"]  # also a decoding step's pattern's
+DynamicWeightsPath = Literal["triton", "torch"]
+DecodingPatternPath = Literal["triton", "torch"]
 
 FEW_QUERIES = 16  # with a key-value cache, up to this many new queries take a decoding path
 # Where the fused kernels pay on a GPU, from one layer's attention on an NVIDIA H100 (bfloat16, 32 heads of 128,
@@ -183,7 +184,7 @@ def compute_dynamic_weights(path: DynamicWeightsPath, x: Tensor, W_in, b_in, W_o
 
 def decoding_pattern_path(
     *, device: torch.device, dtypes: set[torch.dtype], gradient_needed: bool
-) -> DynamicWeightsPath:
+) -> DecodingPatternPath:
     """How a decoding step's pattern (the few-queries path's compose, mask and softmax, `dcinterp.dcmha.decoding`) is
     computed: "triton" (two launches) on CUDA where the Triton kernels run, in float32, float16 or bfloat16, when
     no gradient is needed; "torch" (about twenty launches) otherwise. `dtypes`: those of the scores, the mask and
@@ -195,7 +196,7 @@ def decoding_pattern_path(
     return "triton"
 
 
-def compute_decoding_pattern(path: DynamicWeightsPath, scores: Tensor, mask: Tensor, pre, post, scale: float):
+def compute_decoding_pattern(path: DecodingPatternPath, scores: Tensor, mask: Tensor, pre, post, scale: float):
     """A decoding step's pattern P' [b, h, t, s] by `path` (`decoding_pattern_path`). Triton refusing to build the
     kernels for the card is said once; that call and the device's later ones take torch's ops."""
     from . import decoding

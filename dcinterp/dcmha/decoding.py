@@ -17,7 +17,8 @@ For one query t and key s (n/m heads, r rank; the key side as the cache holds it
     compose(X)[m, s] = X[m, s] (1 + qg[t, m] + kg[m, s]) + sum_r (sum_n X[n, s] qw1[t, r, n]) qw2[t, r, m]
                                                          + sum_r (sum_n X[n, s] kw1[r, n, s]) kw2[r, m, s]
     P = softmax over s of (compose(S, pre) / sqrt(d_head) + mask),   P' = compose(P, post)
-As in `few_queries_z`, the compose sees the hidden keys' scores, which the mask then hides.
+The compose sees the hidden keys' scores, which the mask then hides (as `Attention.hook_scores_for_compose` passes
+them with no hook attached).
 
 The kernels have no backward: `dcinterp.dcmha.decoding_pattern_path` takes them only where no gradient is needed.
 Not yet timed on a card.
