@@ -84,22 +84,28 @@ def four_models(dc: HookedDCFormer, mha: HookedDCFormer) -> dict[str, tuple]:
 
 
 class Paths:
-    """The paths the attention calls took (dcinterp.dcmha.choose_path), while recording."""
+    """The paths the attention calls took (dcinterp.dcmha.choose_path) and, for a decoding step's pattern, which way
+    it was computed ("pattern by triton" or "by torch", dcinterp.dcmha.decoding_pattern_path), while recording."""
 
     def __init__(self):
         self.seen: list[str] = []
-        self.choose = dcmha.choose_path
+        self.choose, self.choose_pattern = dcmha.choose_path, dcmha.decoding_pattern_path
 
     def __enter__(self):
         def spy(**facts):
             self.seen.append(self.choose(**facts))
             return self.seen[-1]
 
-        dcmha.choose_path = spy
+        def pattern_spy(**facts):
+            path = self.choose_pattern(**facts)
+            self.seen.append(f"pattern by {path}")
+            return path
+
+        dcmha.choose_path, dcmha.decoding_pattern_path = spy, pattern_spy
         return self
 
     def __exit__(self, *exc):
-        dcmha.choose_path = self.choose
+        dcmha.choose_path, dcmha.decoding_pattern_path = self.choose, self.choose_pattern
 
 
 class Clock:

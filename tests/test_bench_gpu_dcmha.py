@@ -37,8 +37,11 @@ def test_the_cpu_smoke_run_measures_every_model_and_claims_no_gpu_number(tmp_pat
             assert "ms" not in model and model["cpu_smoke_ms"] > 0 and model["peak_mib"] is None, name
     paths = {r["measurement"]: r["models"]["DCMHA fused"]["paths"] for r in rows}
     assert paths["forward"] == ["blocked"]
-    assert paths["decode, per token after 24 prompt tokens (each step synchronised)"] == ["few_queries"]
-    assert "DCMHA fused, torch's pattern" in rows[-1]["models"]
+    assert paths["decode, per token after 24 prompt tokens (each step synchronised)"] == [
+        "few_queries",
+        "pattern by torch",
+    ]
+    assert rows[-1]["models"]["DCMHA fused, torch's pattern"]["paths"] == ["few_queries", "pattern by torch"]
     assert {p for r in rows for p in r["models"]["SDPA twin"]["paths"]} == {"sdpa"}
     assert {p for r in rows for p in r["models"]["DCMHA materialised"]["paths"]} == {"materialised"}
     table = result.stdout[result.stdout.index("GPU numbers not measured (CPU smoke run") :]
