@@ -188,6 +188,11 @@ def test_the_rules(monkeypatch, facts, path):
     assert dcmha.decoding_pattern_path(**facts) == path
 
 
+# The model-level tests run the model on this CPU, its kernels interpreted (tests/test_decode_step.py's helpers keep
+# the cache there); where CUDA is present the kernel-level tests above run natively instead.
+on_the_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the model-level checks run on a CPU")
+
+
 @pytest.fixture
 def on_cuda(monkeypatch):
     """decoding_pattern_path told the tensors are on CUDA (they stay on this CPU, where the kernels run interpreted);
@@ -234,6 +239,7 @@ MODEL_CASES = [
 assert set(MODEL_CASES) <= set(CASES)
 
 
+@on_the_cpu_only
 @pytest.mark.parametrize("name, semantics, dtype", MODEL_CASES, ids=[" ".join(map(str, c)) for c in MODEL_CASES])
 def test_the_model_decodes_with_the_kernels(name, semantics, dtype, on_cuda, monkeypatch):
     """Every cached step of one to FEW_QUERIES tokens takes the kernels in every layer, and its logits equal the
@@ -252,6 +258,7 @@ def test_the_model_decodes_with_the_kernels(name, semantics, dtype, on_cuda, mon
         assert_as_exact_as(new, reference, exact_logits, f"{name}, {semantics}, tokens {a}:{b}", floor_eps=floor)
 
 
+@on_the_cpu_only
 def test_with_gradients_a_step_takes_torchs_ops(on_cuda, monkeypatch):
     model, tokens, mask = decoding_run("dcpythia-tiny", "training", torch.float32, monkeypatch)
     model.requires_grad_(True)
@@ -265,6 +272,7 @@ def test_with_gradients_a_step_takes_torchs_ops(on_cuda, monkeypatch):
     assert model.W_E.grad is not None and model.W_E.grad.abs().sum() > 0
 
 
+@on_the_cpu_only
 def test_a_card_the_kernels_do_not_fit_gives_one_warning_and_torchs_result(on_cuda, monkeypatch):
     """Triton refusing to build the kernels at their first launch: one warning, that step by torch's ops, and the
     device told (`decoding_pattern_path` then answers "torch" for it: test_the_rules)."""
