@@ -1,14 +1,16 @@
-"""How many device kernels a no-hook forward launches on CUDA's paths, DCMHA (the Triton kernels' path, without
-gradients) against its SDPA twin, counted on this CPU (issue #37: at the short prompts most analyses use, a GPU waits
-on launches, not arithmetic).
+"""How many device kernels a no-hook forward (or, with --decode, a cached decoding step) launches on CUDA's paths, DCMHA
+(the Triton kernels' paths, without gradients) against its SDPA twin, counted on this CPU (issue #37: at the short
+prompts most analyses use, and in decoding, a GPU waits on launches, not arithmetic).
 
-    python benchmarks/bench_forward_launches.py [--tokens 40] [--layers 1] [--verbose]
+    python benchmarks/bench_forward_launches.py [--tokens 40] [--layers 1] [--decode] [--verbose]
 
-The model is told it is on CUDA (`choose_path` and `dynamic_weights_path` see a CUDA device) and the Triton kernels
-run under Triton's interpreter (TRITON_INTERPRET=1, set here), so each call takes the path it takes on a card. Counted:
-every ATen op that launches a kernel, by `bench_decode_ops.py`'s rule (views and allocations left out), except
-those the interpreter itself runs; and every Triton kernel launch. Each op is attributed to the innermost dcinterp
-function it was called from. Small shapes: the counts do not depend on the width.
+The model is told it is on CUDA (`choose_path`, `dynamic_weights_path` and `decoding_pattern_path` see a CUDA device)
+and the Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1, set here), so each call takes the path it
+takes on a card. Counted: every ATen op that launches a kernel, by `bench_decode_ops.py`'s rule, except those the
+interpreter itself runs; every Triton kernel launch; and, apart, the views and allocations, which launch nothing but
+cost the host a dispatch each. Each op is attributed to the innermost dcinterp function it was called from. Small
+shapes: the counts do not depend on the width. With --decode: the second cached step of one token after a
+`--tokens` prompt (the first may grow the cache's buffers).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import dcinterp.dcmha as dcmha  # noqa: E402
 from dcinterp import DCFormerConfig, HookedDCFormer  # noqa: E402
+from dcinterp.kv_cache import DCFormerKeyValueCache  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_decode_ops import launches_kernel  # noqa: E402
@@ -40,6 +43,7 @@ class LaunchCounter(TorchDispatchMode):
         super().__init__()
         self.ops: Counter = Counter()
         self.triton: Counter = Counter()
+        self.host_only = 0  # views and allocations
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         frame, caller = sys._getframe(1), None
@@ -53,6 +57,8 @@ class LaunchCounter(TorchDispatchMode):
         else:
             if launches_kernel(func):
                 self.ops[caller, func._schema.name.removeprefix("aten::")] += 1
+            elif any("Tensor" in str(r.type) for r in func._schema.returns):
+                self.host_only += 1
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
@@ -77,13 +83,15 @@ class LaunchCounter(TorchDispatchMode):
 
 def as_on_cuda() -> None:
     """The dispatch's device checks see CUDA; where the kernels can run is judged on this CPU (the interpreter)."""
-    choose, weights_path, unavailable = dcmha.choose_path, dcmha.dynamic_weights_path, dcmha.triton_unavailable
+    choose, weights_path, pattern_path = dcmha.choose_path, dcmha.dynamic_weights_path, dcmha.decoding_pattern_path
+    unavailable = dcmha.triton_unavailable
     dcmha.choose_path = lambda **facts: choose(**{**facts, "device": CUDA})
     dcmha.dynamic_weights_path = lambda **facts: weights_path(**{**facts, "device": CUDA})
+    dcmha.decoding_pattern_path = lambda **facts: pattern_path(**{**facts, "device": CUDA})
     dcmha.triton_unavailable = lambda device: unavailable(torch.device("cpu"))
 
 
-def count(use_dcmha: bool, layers: int, tokens: int) -> LaunchCounter:
+def count(use_dcmha: bool, layers: int, tokens: int, decode: bool) -> LaunchCounter:
     torch.manual_seed(0)
     cfg = DCFormerConfig(
         n_layers=layers, d_model=64, n_heads=4, d_head=16, d_mlp=256, d_vocab=100, n_ctx=4096, rotary_pct=0.25,
@@ -92,9 +100,16 @@ def count(use_dcmha: bool, layers: int, tokens: int) -> LaunchCounter:
     model = HookedDCFormer(cfg).eval().requires_grad_(False)
     prompt = torch.randint(100, (1, tokens), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        model(prompt)  # the first call decorates the kernels
+        if not decode:
+            model(prompt)  # the first call decorates the kernels
+            with LaunchCounter() as counter:
+                model(prompt)
+            return counter
+        cache = DCFormerKeyValueCache.init_cache(cfg, "cpu", batch_size=1)
+        model(prompt, past_kv_cache=cache)
+        model(prompt[:, -1:], past_kv_cache=cache)
         with LaunchCounter() as counter:
-            model(prompt)
+            model(prompt[:, -1:], past_kv_cache=cache)
     return counter
 
 
@@ -102,18 +117,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=40)
     parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--decode", action="store_true", help="a cached step of one token after the prompt")
     parser.add_argument("--verbose", action="store_true", help="every op and kernel by where it comes from")
     args = parser.parse_args()
     if args.tokens < 1 or args.layers < 1:
         parser.error("--tokens and --layers must be at least 1")
     as_on_cuda()
-    counts = {"DCMHA": count(True, args.layers, args.tokens), "SDPA twin": count(False, args.layers, args.tokens)}
-    print(f"A no-hook forward, {args.layers} layer(s), {args.tokens} tokens, as CUDA takes it (d_model 64, 4 heads):")
-    print("| model | torch ops launching kernels | Triton launches | total |")
-    print("|---|---|---|---|")
+    counts = {
+        name: count(use, args.layers, args.tokens, args.decode) for name, use in (("DCMHA", True), ("SDPA twin", False))
+    }
+    what = f"a cached step of one token after {args.tokens}" if args.decode else f"a forward of {args.tokens}"
+    print(f"No hook, {what} tokens, {args.layers} layer(s), as CUDA takes it (d_model 64, 4 heads):")
+    print("| model | torch ops launching kernels | Triton launches | total | views and allocations (no kernel) |")
+    print("|---|---|---|---|---|")
     for name, counter in counts.items():
         ops, kernels = sum(counter.ops.values()), sum(counter.triton.values())
-        print(f"| {name} | {ops} | {kernels} | {ops + kernels} |")
+        print(f"| {name} | {ops} | {kernels} | {ops + kernels} | {counter.host_only} |")
     if args.verbose:
         for name, counter in counts.items():
             print(f"\n{name}: Triton " + ", ".join(f"{k} {n}" for k, n in counter.triton.most_common()))

@@ -1,6 +1,7 @@
 """The launch-counting benchmarks run, and what they count holds: on CUDA's paths a no-hook DCMHA forward launches no
 torch op its SDPA twin does not (no copy of the dynamic weights before the kernels) and five Triton kernels a layer;
-a decoding step's pattern is counted as its two kernels."""
+a decoding step takes the dynamic weights' kernel and the pattern's two, and none of torch's compose ops; the
+arithmetic count of bench_decode_ops.py takes the pattern as its two kernels."""
 
 import re
 import subprocess
@@ -28,6 +29,15 @@ def test_a_forward_on_the_kernels_path_launches_what_its_twin_does_and_five_kern
     (dcmha_ops, dcmha_kernels), (twin_ops, twin_kernels) = (map(int, rows[m].split(" | ")) for m in rows)
     assert dcmha_kernels == 5 * 2 and twin_kernels == 0
     assert dcmha_ops <= twin_ops, out
+
+
+def test_a_decoding_step_on_the_kernels_path_launches_three_kernels_a_layer_and_no_torch_compose():
+    out = run("bench_forward_launches.py", "--layers", "2", "--tokens", "20", "--decode", "--verbose")
+    rows = dict(re.findall(r"^\| (DCMHA|SDPA twin) \| (\d+ \| \d+) \|", out, re.MULTILINE))
+    dcmha_kernels = int(rows["DCMHA"].split(" | ")[1])
+    assert dcmha_kernels == 3 * 2  # the dynamic weights and the pattern's two, a layer
+    assert "_decoding_logits_kernel 2" in out and "_decoding_pattern_kernel 2" in out
+    assert "compose_decoding" not in out and "torch_decoding_pattern" not in out
 
 
 def test_bad_arguments_give_one_line():
