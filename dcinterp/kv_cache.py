@@ -79,10 +79,14 @@ class GrowingTensor:
 
 @dataclass
 class DCFormerKeyValueCacheEntry:
-    """One layer's cache: keys and values [batch, pos_so_far, head, d_head], and per compose stage its key side."""
+    """One layer's cache: keys and values [batch, pos_so_far, head, d_head], and per compose stage its key side.
 
-    keys: GrowingTensor = field(default_factory=lambda: GrowingTensor(1))
-    values: GrowingTensor = field(default_factory=lambda: GrowingTensor(1))
+    Keys and values are stored head-major, [batch, head, pos, d_head] (given and returned as views in the first
+    layout): a new query's scores and P V are then one batched matmul over (batch, head) whatever the batch, where
+    position-major storage made torch copy the whole cache for them at every step once the batch was above one."""
+
+    keys: GrowingTensor = field(default_factory=lambda: GrowingTensor(2))  # [batch, head, pos, d_head]
+    values: GrowingTensor = field(default_factory=lambda: GrowingTensor(2))
     # stage -> its key side, key-last: kw1, kw2 [b, rank, head, s] and kg [b, head, s] (the branches that are on) one
     # above the other in one buffer [b, features, s]; key_compose_layout[stage]: (name, [rank, head] or [head]) each
     key_compose: dict[str, GrowingTensor] = field(default_factory=dict)
@@ -91,15 +95,18 @@ class DCFormerKeyValueCacheEntry:
 
     @property
     def past_keys(self) -> Float[Tensor, "batch pos_so_far head d_head"] | None:
-        return self.keys.value
+        return None if self.keys.value is None else self.keys.value.transpose(1, 2)
 
     @property
     def past_values(self) -> Float[Tensor, "batch pos_so_far head d_head"] | None:
-        return self.values.value
+        return None if self.values.value is None else self.values.value.transpose(1, 2)
 
     def append(self, new_keys: Tensor, new_values: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys and values of every position so far, the new ones last (stored unless frozen)."""
-        return self.keys.append(new_keys, self.frozen), self.values.append(new_values, self.frozen)
+        """Keys and values [batch, pos, head, d_head] of every position so far, the new ones last (stored unless
+        frozen)."""
+        keys = self.keys.append(new_keys.transpose(1, 2), self.frozen)
+        values = self.values.append(new_values.transpose(1, 2), self.frozen)
+        return keys.transpose(1, 2), values.transpose(1, 2)
 
     def append_key_compose(
         self, stage: str, kw1: Tensor | None, kw2: Tensor | None, kg: Tensor | None

@@ -101,3 +101,41 @@ def test_compose_decoding_is_compose_few_queries(branches, queries):
     exact = materialised.compose_few_queries(A, **weights)
     reference = materialised.compose_few_queries(A.float(), **as32)
     assert_as_exact_as(materialised.compose_decoding(A.float(), **as32), reference, exact, branches)
+
+
+def test_a_batched_step_copies_nothing_of_the_cache(monkeypatch):
+    """The cache holds keys and values head-major, so that a step's scores and P V are one batched matmul over (batch,
+    head): with position-major storage torch copied every cached key and value for them at each step of a batch of
+    more than one (a clone a matmul, found by counting a step's operations)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dcinterp.model import Attention
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    seen, few_queries_z = [], Attention.few_queries_z
+
+    def recorded(self, *args, **kwargs):
+        with Ops() as ops:
+            z = few_queries_z(self, *args, **kwargs)
+        seen.append(ops.names)
+        return z
+
+    monkeypatch.setattr(Attention, "few_queries_z", recorded)
+    model = load("dcpythia-tiny")
+    tokens = torch.randint(3, model.cfg.d_vocab, (3, 24), generator=torch.Generator().manual_seed(0))
+    cache = DCFormerKeyValueCache.init_cache(model.cfg, "cpu", batch_size=3)
+    with torch.no_grad():
+        model(tokens[:, :20], past_kv_cache=cache)
+        for position in range(20, 24):  # one token a step
+            model(tokens[:, position : position + 1], past_kv_cache=cache)
+    assert len(seen) == model.cfg.n_layers * 4
+    copies = {name for names in seen for name in names if name in ("aten::clone", "aten::copy_", "aten::contiguous")}
+    assert not copies, copies
