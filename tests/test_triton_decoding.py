@@ -27,9 +27,9 @@ from dcinterp.dcmha.decoding import fused_decoding_pattern, torch_decoding_patte
 from dcinterp.dcmha.triton_kernels import available  # noqa: E402
 from tests.numerics import EPS32, assert_as_exact_as, float64_copy  # noqa: E402
 from tests.test_decode_step import CASES, CHUNKS, cached_steps, every_square_tensor_hooked, load  # noqa: E402
+from tests.told_cuda import CUDA, told_cuda  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-CUDA = torch.device("cuda")
 BRANCHES = ("qp", "kp", "qg", "kg")
 HIDDEN = torch.finfo(torch.float32).min  # what the model's masks hold at a hidden key
 
@@ -197,24 +197,9 @@ on_the_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the mode
 def on_cuda(monkeypatch):
     """decoding_pattern_path told the tensors are on CUDA (they stay on this CPU, where the kernels run interpreted);
     returns the paths taken, in order, and counts the kernels' calls."""
-    record = {"paths": [], "calls": 0}
-    choose, fused = dcmha.decoding_pattern_path, decoding.fused_decoding_pattern
-
-    def spy(**facts):
-        record["paths"].append(choose(**{**facts, "device": CUDA}))
-        return record["paths"][-1]
-
-    def counted(*args, **kwargs):
-        record["calls"] += 1
-        return fused(*args, **kwargs)
-
-    real_unavailable = dcmha.triton_unavailable
-    monkeypatch.setattr(dcmha, "triton_unavailable", lambda device: real_unavailable(DEVICE))
-    monkeypatch.setattr(dcmha, "decoding_pattern_path", spy)
-    monkeypatch.setattr(decoding, "fused_decoding_pattern", counted)
-    monkeypatch.setattr(dcmha, "_warned", set())
-    monkeypatch.setattr(dcmha, "_refused_decoding", {})
-    return record
+    return told_cuda(
+        monkeypatch, "decoding_pattern_path", decoding, "fused_decoding_pattern", "_refused_decoding", DEVICE
+    )
 
 
 def decoding_run(name, semantics, dtype, monkeypatch):

@@ -24,10 +24,10 @@ from dcinterp.dcmha import dynamic_weights  # noqa: E402
 from dcinterp.dcmha.dynamic_weights import fused_dynamic_weights, torch_dynamic_weights  # noqa: E402
 from dcinterp.dcmha.triton_kernels import available  # noqa: E402
 from tests.numerics import float64_copy  # noqa: E402
+from tests.told_cuda import CUDA, told_cuda  # noqa: E402
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-CUDA = torch.device("cuda")
 TIMES_REFERENCE_ERROR = 4
 OUTPUTS = ("w1", "w2", "gates")
 
@@ -130,25 +130,15 @@ def test_the_rules(monkeypatch, facts, path):
 @pytest.fixture
 def on_cuda(monkeypatch):
     """dynamic_weights_path told the tensors are on CUDA (they stay on this CPU, where the kernel runs interpreted);
-    returns the paths taken, in order, and counts the kernel's launches."""
-    record = {"paths": [], "launches": 0}
-    choose, fused = dcmha.dynamic_weights_path, dynamic_weights.fused_dynamic_weights
-
-    def spy(**facts):
-        record["paths"].append(choose(**{**facts, "device": CUDA}))
-        return record["paths"][-1]
-
-    def counted(*args):
-        record["launches"] += 1
-        return fused(*args)
-
-    real_unavailable = dcmha.triton_unavailable
-    monkeypatch.setattr(dcmha, "triton_unavailable", lambda device: real_unavailable(DEVICE))
-    monkeypatch.setattr(dcmha, "dynamic_weights_path", spy)
-    monkeypatch.setattr(dynamic_weights, "fused_dynamic_weights", counted)
-    monkeypatch.setattr(dcmha, "_warned", set())
-    monkeypatch.setattr(dcmha, "_refused_dynamic_weights", {})
-    return record
+    returns the paths taken, in order, and counts the kernel's calls."""
+    return told_cuda(
+        monkeypatch,
+        "dynamic_weights_path",
+        dynamic_weights,
+        "fused_dynamic_weights",
+        "_refused_dynamic_weights",
+        DEVICE,
+    )
 
 
 @pytest.fixture(scope="module", params=["dcpythia-tiny folded", "dcformer-tiny"])
@@ -176,11 +166,11 @@ def test_without_gradients_the_model_takes_the_kernel_and_its_logits(models, on_
         logits = model(tokens)
         exact = model64(tokens)  # float64: torch's ops
     n = model.cfg.n_layers
-    assert on_cuda["paths"] == ["triton"] * n + ["torch"] * n and on_cuda["launches"] == n
+    assert on_cuda["paths"] == ["triton"] * n + ["torch"] * n and on_cuda["calls"] == n
     torch_path(monkeypatch)
     with torch.no_grad():
         reference = model(tokens)
-    assert on_cuda["launches"] == n
+    assert on_cuda["calls"] == n
     assert_as_exact(logits, reference, exact, "logits")
 
 
@@ -189,7 +179,7 @@ def test_with_gradients_the_model_takes_torchs_ops(models, on_cuda):
     tokens = tokens_for(model, batch=1, length=9)
     embeddings = model.embed(tokens).detach().requires_grad_(True)
     model(embeddings, start_at_layer=0)[0, -1].sum().backward()
-    assert on_cuda["paths"] == ["torch"] * model.cfg.n_layers and on_cuda["launches"] == 0
+    assert on_cuda["paths"] == ["torch"] * model.cfg.n_layers and on_cuda["calls"] == 0
     assert embeddings.grad is not None and embeddings.grad.abs().sum() > 0
 
 

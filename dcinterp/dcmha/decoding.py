@@ -102,6 +102,16 @@ def _compose(x, b, t, s, s_ok, h, h_ok,
     return out
 
 
+def _program_block(T, S, H, HP: tl.constexpr, BK: tl.constexpr):
+    """This program's row (b T + t) and block of keys, its batch row and query, its heads h and keys s with what of
+    them is real (h_ok, s_ok, and ok for the [heads, keys] tile)."""
+    row, block = tl.program_id(0), tl.program_id(1)
+    h = tl.arange(0, HP)
+    s = block * BK + tl.arange(0, BK)
+    h_ok, s_ok = h < H, s < S
+    return row, block, row // T, row % T, h, h_ok, s, s_ok, h_ok[:, None] & s_ok[None, :]
+
+
 def _finite(top):
     """A max over logits, -inf (every one hidden, or padding) as 0: exp(-inf - 0) = 0, where exp(-inf + inf) = NaN."""
     return tl.where(top == float("-inf"), 0.0, top)
@@ -116,13 +126,7 @@ def _decoding_logits_kernel(
 ):
     """Program (row = b T + t, block): logits[row, h, s] = compose(S, pre) scale + mask over the block's keys, float32,
     and each head's max and sum of exp(logits - max) over them in block_max, block_sum [rows, blocks, HP]."""
-    row, block = tl.program_id(0), tl.program_id(1)
-    b, t = row // T, row % T
-    h = tl.arange(0, HP)
-    h_ok = h < H
-    s = block * BK + tl.arange(0, BK)
-    s_ok = s < S
-    ok = h_ok[:, None] & s_ok[None, :]
+    row, block, b, t, h, h_ok, s, s_ok, ok = _program_block(T, S, H, HP, BK)
     x = tl.load(scores + b * s_sb + h[:, None] * s_sh + t * s_st + s[None, :], mask=ok, other=0.0).to(tl.float32)
     x = _compose(x, b, t, s, s_ok, h, h_ok,
                  qw1, qw2, qg, kw1, kw2, kg, q_sb, q_st, g_sb, g_st, k_sb, k_sf, k_ss, kg_sb, kg_sh, kg_ss,
@@ -145,13 +149,7 @@ def _decoding_pattern_kernel(
 ):
     """Program (row, block): each head's softmax statistics from every block's, then pattern[b, h, t, s] =
     compose(P, post) over the block's keys, P = exp(logits - max) / sum."""
-    row, block = tl.program_id(0), tl.program_id(1)
-    b, t = row // T, row % T
-    h = tl.arange(0, HP)
-    h_ok = h < H
-    s = block * BK + tl.arange(0, BK)
-    s_ok = s < S
-    ok = h_ok[:, None] & s_ok[None, :]
+    row, block, b, t, h, h_ok, s, s_ok, ok = _program_block(T, S, H, HP, BK)
     row_max = tl.full([HP], float("-inf"), tl.float32)
     for j in range(n_blocks):
         row_max = tl.maximum(row_max, tl.load(block_max + (row * n_blocks + j) * HP + h))
@@ -177,9 +175,9 @@ _decorated = False
 
 def _decorate() -> None:
     """Decorate the kernels with triton.jit, once (natively, or under the interpreter if TRITON_INTERPRET=1 now)."""
-    global _decorated, _compose, _finite, _decoding_logits_kernel, _decoding_pattern_kernel
+    global _decorated, _compose, _program_block, _finite, _decoding_logits_kernel, _decoding_pattern_kernel
     if not _decorated:
-        _compose, _finite = triton.jit(_compose), triton.jit(_finite)
+        _compose, _program_block, _finite = triton.jit(_compose), triton.jit(_program_block), triton.jit(_finite)
         _decoding_logits_kernel = triton.jit(_decoding_logits_kernel)
         _decoding_pattern_kernel = triton.jit(_decoding_pattern_kernel)
         _decorated = True

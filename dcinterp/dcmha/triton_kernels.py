@@ -303,14 +303,26 @@ def _online_softmax(running_max, running_sum, composed):
     return new_max, running_sum
 
 
+def _row_values(x, row, h_idx, h_ok, t_idx, t_ok, H, T, other):
+    """x[row, h, t] of a float32 [b, H, T] tensor (the softmax's row max and sum, or D) as [heads, queries];
+    `other` where a head or query is not real."""
+    at = (row * H + h_idx[:, None]) * T + t_idx[None, :]
+    return tl.load(x + at, mask=h_ok[:, None] & t_ok[None, :], other=other)
+
+
+def _store_row_values(x, row, h_idx, h_ok, t_idx, t_ok, H, T, value):
+    """x[row, h, t] = value ([heads, queries]) where the head and query are real."""
+    at = (row * H + h_idx[:, None]) * T + t_idx[None, :]
+    tl.store(x + at, value, mask=h_ok[:, None] & t_ok[None, :])
+
+
 def _store_statistics(row_max, row_sum, running_max, running_sum, row, h_idx, h_ok, t_idx, t_ok, H, T):
     """Each (head, query)'s final max and sum into [b, H, T] buffers, and returned; a row with no visible key gets
     max 0 and sum 1 (no NaN later)."""
     running_max = tl.where(running_max == float("-inf"), 0.0, running_max)
     running_sum = tl.where(running_sum == 0.0, 1.0, running_sum)
-    stats = (row * H + h_idx[:, None]) * T + t_idx[None, :]
-    tl.store(row_max + stats, running_max, mask=h_ok[:, None] & t_ok[None, :])
-    tl.store(row_sum + stats, running_sum, mask=h_ok[:, None] & t_ok[None, :])
+    _store_row_values(row_max, row, h_idx, h_ok, t_idx, t_ok, H, T, running_max)
+    _store_row_values(row_sum, row, h_idx, h_ok, t_idx, t_ok, H, T, running_sum)
     return running_max, running_sum
 
 
@@ -382,10 +394,8 @@ def _backward_query_kernel(
     h_ok = h_idx < H
     first_key = tl.maximum(past + t0 - span + 1, 0)
     end_key = tl.minimum(past + t0 + BQ, S)
-    stats = (row * H + h_idx[:, None]) * T + t_idx[None, :]
-    stats_ok = h_ok[:, None] & t_ok[None, :]
-    maxima = tl.load(row_max + stats, mask=stats_ok, other=0.0)
-    sums = tl.load(row_sum + stats, mask=stats_ok, other=1.0)
+    maxima = _row_values(row_max, row, h_idx, h_ok, t_idx, t_ok, H, T, 0.0)
+    sums = _row_values(row_sum, row, h_idx, h_ok, t_idx, t_ok, H, T, 1.0)
 
     d_row = tl.zeros((HP, BQ), dtype=tl.float32)
     for s0 in range(first_key, end_key, BK):
@@ -403,7 +413,7 @@ def _backward_query_kernel(
             POST_QP, POST_KP, POST_QG, POST_KG, 1
         )
         d_row = d_row + tl.sum(pattern * d_pattern, axis=2)
-    tl.store(row_d + stats, d_row, mask=stats_ok)
+    _store_row_values(row_d, row, h_idx, h_ok, t_idx, t_ok, H, T, d_row)
 
     for s0 in range(first_key, end_key, BK):
         s_idx = s0 + tl.arange(0, BK)
@@ -454,11 +464,9 @@ def _backward_key_kernel(
     for t0 in range(first_query, end_query, BQ):
         t_idx = t0 + tl.arange(0, BQ)
         t_ok = t_idx < end_query  # nor queries past the last that sees the block
-        stats = (row * H + h_idx[:, None]) * T + t_idx[None, :]
-        stats_ok = h_ok[:, None] & t_ok[None, :]
-        maxima = tl.load(row_max + stats, mask=stats_ok, other=0.0)
-        sums = tl.load(row_sum + stats, mask=stats_ok, other=1.0)
-        d_row = tl.load(row_d + stats, mask=stats_ok, other=0.0)
+        maxima = _row_values(row_max, row, h_idx, h_ok, t_idx, t_ok, H, T, 0.0)
+        sums = _row_values(row_sum, row, h_idx, h_ok, t_idx, t_ok, H, T, 1.0)
+        d_row = _row_values(row_d, row, h_idx, h_ok, t_idx, t_ok, H, T, 0.0)
         scores, composed, seen = _pre_composed(
             q, k, real, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, T, S, H, E, R, past, span, scale, pre_qw1, pre_qw2,
             pre_kw1, pre_kw2, pre_qg, pre_kg, PRE_QP, PRE_KP, PRE_QG, PRE_KG, BE, HALF, PADDING
@@ -672,9 +680,8 @@ def _post_maps_kernel(
         k_maps = tl.zeros((RP, BQ, BK), dtype=tl.float32)
         for n in range(H):
             head = n + tl.arange(0, 1)
-            stats = (row * H + head[:, None]) * T + t_idx[None, :]
-            maxima = tl.load(row_max + stats, mask=t_ok[None, :], other=0.0)
-            sums = tl.load(row_sum + stats, mask=t_ok[None, :], other=1.0)
+            maxima = _row_values(row_max, row, head, head < H, t_idx, t_ok, H, T, 0.0)
+            sums = _row_values(row_sum, row, head, head < H, t_idx, t_ok, H, T, 1.0)
             pattern = _head_pattern(
                 _head_rows(q, row, t_idx, t_ok, head, head < H, T, H, E, EP), k, maps, row, t_idx, t_ok, s_idx,
                 s_ok, head, head < H, seen, T, S, H, E, R, scale, pre_qw2, pre_kw2, pre_qg, pre_kg, maxima, sums,
@@ -707,9 +714,8 @@ def _head_output_kernel(
     t_ok = t_idx < T
     first_key = tl.maximum(past + t0 - span + 1, 0)
     end_key = tl.minimum(past + t0 + BQ, S)
-    stats = (row * H + h_idx[:, None]) * T + t_idx[None, :]
-    maxima = tl.load(row_max + stats, mask=h_ok[:, None] & t_ok[None, :], other=0.0)
-    sums = tl.load(row_sum + stats, mask=h_ok[:, None] & t_ok[None, :], other=1.0)
+    maxima = _row_values(row_max, row, h_idx, h_ok, t_idx, t_ok, H, T, 0.0)
+    sums = _row_values(row_sum, row, h_idx, h_ok, t_idx, t_ok, H, T, 1.0)
     q_rows = _head_rows(q, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP)
     out = tl.zeros((1, BQ, EP), dtype=tl.float32)
     for s0 in range(first_key // BK * BK, end_key, BK):  # aligned, so that whole vectors load
@@ -863,9 +869,8 @@ def _row_gradient_kernel(
     t_ok = t_idx < T
     first_key = tl.maximum(past + t0 - span + 1, 0)
     end_key = tl.minimum(past + t0 + BQ, S)
-    stats = (row * H + h_idx[:, None]) * T + t_idx[None, :]
-    maxima = tl.load(row_max + stats, mask=h_ok[:, None] & t_ok[None, :], other=0.0)
-    sums = tl.load(row_sum + stats, mask=h_ok[:, None] & t_ok[None, :], other=1.0)
+    maxima = _row_values(row_max, row, h_idx, h_ok, t_idx, t_ok, H, T, 0.0)
+    sums = _row_values(row_sum, row, h_idx, h_ok, t_idx, t_ok, H, T, 1.0)
     q_rows = _head_rows(q, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP)
     dz_rows = _head_rows(dz, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP)
     d_row = tl.zeros((1, BQ), dtype=tl.float32)
@@ -883,7 +888,7 @@ def _row_gradient_kernel(
             1, HALF
         )
         d_row += tl.sum(pattern * d_pattern, axis=2)
-    tl.store(row_d + stats, d_row, mask=h_ok[:, None] & t_ok[None, :])
+    _store_row_values(row_d, row, h_idx, h_ok, t_idx, t_ok, H, T, d_row)
 
 
 def _pre_gradient_maps_kernel(
@@ -908,10 +913,9 @@ def _pre_gradient_maps_kernel(
         k_maps = tl.zeros((RP, BQ, BK), dtype=tl.float32)
         for n in range(H):
             head = n + tl.arange(0, 1)
-            stats = (row * H + head[:, None]) * T + t_idx[None, :]
-            maxima = tl.load(row_max + stats, mask=t_ok[None, :], other=0.0)
-            sums = tl.load(row_sum + stats, mask=t_ok[None, :], other=1.0)
-            d_row = tl.load(row_d + stats, mask=t_ok[None, :], other=0.0)
+            maxima = _row_values(row_max, row, head, head < H, t_idx, t_ok, H, T, 0.0)
+            sums = _row_values(row_sum, row, head, head < H, t_idx, t_ok, H, T, 1.0)
+            d_row = _row_values(row_d, row, head, head < H, t_idx, t_ok, H, T, 0.0)
             # (the pre-compose's w1 are not read down to dA: its w2 stand in)
             _, _, _, _, d_composed, _ = _head_gradients(
                 _head_rows(q, row, t_idx, t_ok, head, head < H, T, H, E, EP),
@@ -952,10 +956,9 @@ def _head_query_gradient_kernel(
     t_ok = t_idx < T
     first_key = tl.maximum(past + t0 - span + 1, 0)
     end_key = tl.minimum(past + t0 + BQ, S)
-    stats = (row * H + h_idx[:, None]) * T + t_idx[None, :]
-    maxima = tl.load(row_max + stats, mask=h_ok[:, None] & t_ok[None, :], other=0.0)
-    sums = tl.load(row_sum + stats, mask=h_ok[:, None] & t_ok[None, :], other=1.0)
-    d_row = tl.load(row_d + stats, mask=h_ok[:, None] & t_ok[None, :], other=0.0)
+    maxima = _row_values(row_max, row, h_idx, h_ok, t_idx, t_ok, H, T, 0.0)
+    sums = _row_values(row_sum, row, h_idx, h_ok, t_idx, t_ok, H, T, 1.0)
+    d_row = _row_values(row_d, row, h_idx, h_ok, t_idx, t_ok, H, T, 0.0)
     q_rows = _head_rows(q, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP)
     dz_rows = _head_rows(dz, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP)
     d_queries = tl.zeros((1, BQ, EP), dtype=tl.float32)
@@ -1023,10 +1026,9 @@ def _head_key_gradient_kernel(
     for t0 in range(first_query, end_query, BQ):
         t_idx = t0 + tl.arange(0, BQ)
         t_ok = t_idx < end_query  # nor queries past the last that sees the block
-        stats = (row * H + h_idx[:, None]) * T + t_idx[None, :]
-        maxima = tl.load(row_max + stats, mask=h_ok[:, None] & t_ok[None, :], other=0.0)
-        sums = tl.load(row_sum + stats, mask=h_ok[:, None] & t_ok[None, :], other=1.0)
-        d_row = tl.load(row_d + stats, mask=h_ok[:, None] & t_ok[None, :], other=0.0)
+        maxima = _row_values(row_max, row, h_idx, h_ok, t_idx, t_ok, H, T, 0.0)
+        sums = _row_values(row_sum, row, h_idx, h_ok, t_idx, t_ok, H, T, 1.0)
+        d_row = _row_values(row_d, row, h_idx, h_ok, t_idx, t_ok, H, T, 0.0)
         q_rows = _head_rows(q, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP)
         dz_rows = _head_rows(dz, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP)
         seen = _visible(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING)
@@ -1070,6 +1072,8 @@ _KERNELS = (
     "_pre_composed",
     "_pattern",
     "_online_softmax",
+    "_row_values",
+    "_store_row_values",
     "_store_statistics",
     "_forward_kernel",
     "_backward_query_kernel",
