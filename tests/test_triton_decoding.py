@@ -152,6 +152,13 @@ def test_strided_weights_are_read_where_they_lie():
     check((scores, mask, stage, stage))
 
 
+def test_an_empty_batch_gives_an_empty_pattern():
+    scores, mask, pre, post = cast(make_inputs(2, 3, 1, 9, 2), torch.float32)
+    empty = [tuple(None if w is None else w[:0] for w in stage) for stage in (pre, post)]
+    pattern = fused_decoding_pattern(scores[:0], mask[:0], *empty, 0.3)
+    assert pattern.shape == (0, 3, 1, 9) and pattern.dtype == torch.float32
+
+
 def test_bad_input_says_which_argument():
     scores, mask, pre, post = cast(make_inputs(1, 3, 1, 9, 2), torch.float32)
     with pytest.raises(ValueError, match="mask must be"):

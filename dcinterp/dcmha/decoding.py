@@ -195,6 +195,8 @@ def fused_decoding_pattern(
     if scores.stride(3) != 1:
         scores = scores.contiguous()
     mask = mask.expand(batch, 1, queries, keys)  # a [t, s] mask: batch stride 0
+    if scores.numel() == 0:  # an empty batch (or no query): nothing to launch
+        return torch.empty_like(scores)
     padded_heads = triton.next_power_of_2(heads)
     block_keys = max(16, TILE // padded_heads)
     rows, n_blocks = batch * queries, triton.cdiv(keys, block_keys)
