@@ -24,8 +24,10 @@ Triton kernels on CUDA, ...) is chosen per call by `dcinterp.dcmha.choose_path`:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import warnings
+from collections.abc import Iterable
 from typing import Literal
 
 import torch
@@ -52,8 +54,9 @@ SDPA_BACKENDS_WITH_CACHE = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATT
 BRANCH_DYN_INDEX = {"pre": (0, 1), "post": (2, 3)}  # dynamic-weight branches c: [pre q, pre k, post q, post k]
 
 
-def _gradient_needed(*tensors: Tensor) -> bool:
-    """Whether autograd will need a gradient through an operation on these tensors."""
+def _gradient_needed(tensors: Iterable[Tensor]) -> bool:
+    """Whether autograd will need a gradient through an operation on these tensors (read only in grad mode, and only
+    up to the first that requires grad: a module's parameters are walked only then)."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
@@ -310,7 +313,7 @@ class Attention(nn.Module):
             device=x.device,
             dtypes={t.dtype for t in inputs},
             positions=x.shape[0] * x.shape[1],
-            gradient_needed=_gradient_needed(*inputs),
+            gradient_needed=_gradient_needed(inputs),
             functorch_active=torch._C._are_functorch_transforms_active(),
         )
         w1, w2, gates = (w.unbind(2) for w in dcmha.compute_dynamic_weights(path, x, *params))  # per branch c
@@ -407,7 +410,7 @@ class Attention(nn.Module):
             cached_queries=None if past_kv_cache_entry is None else n_queries,
             padding_as_mask_only=mask.ndim == 4 and real is None,
             keys=mask.shape[-1],
-            gradient_needed=_gradient_needed(x, *self.parameters()),
+            gradient_needed=_gradient_needed(itertools.chain((x,), self.parameters())),
         )
 
     def composed_weights(
@@ -488,7 +491,7 @@ class Attention(nn.Module):
         path = dcmha.decoding_pattern_path(
             device=q.device,
             dtypes={scores.dtype, mask.dtype, *(w.dtype for w in weights)},
-            gradient_needed=_gradient_needed(scores, *weights),
+            gradient_needed=_gradient_needed((scores, *weights)),
         )
         pattern = dcmha.compute_decoding_pattern(path, scores, mask, *stages, scale=1 / math.sqrt(self.cfg.d_head))
         return (pattern @ v.transpose(1, 2)).transpose(1, 2)

@@ -56,3 +56,21 @@ def test_a_decoding_steps_count_takes_the_pattern_as_two_kernels_on_cuda():
     assert cpu and dynamic and total and on_cuda, out
     assert int(on_cuda[1]) == int(total[1]) - int(cpu[1]) - int(dynamic[1]) + 2 + 1
     assert on_cuda[2] == total[2]
+
+
+@pytest.mark.parametrize("decode, kernels", [([], 5), (["--decode"], 3)], ids=["forward", "decoding-step"])
+def test_the_host_time_benchmark_times_both_models_on_cudas_paths(decode, kernels):
+    out = run("bench_host_time.py", "--runs", "3", "--layers", "2", "--tokens", "20", *decode)
+    rows = re.findall(
+        r"^\| (attention module, a layer|whole call) \| (\d+) \| (\d+) \| \*\*([\d.]+)x\*\* \|$", out, re.M
+    )
+    assert [row[0] for row in rows] == ["attention module, a layer", "whole call"], out
+    assert all(int(dcmha) > 0 and int(twin) > 0 for _, dcmha, twin, _ in rows)
+    assert f"Triton launches a layer (not run, not in the times): {kernels}\n" in out
+
+
+def test_the_host_time_benchmark_says_what_is_wrong_in_one_line():
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_host_time.py"), "--runs", "0"], capture_output=True, text=True
+    )
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].endswith("must be at least 1")

@@ -36,6 +36,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from . import materialised
+from ._grids import cdiv, next_power_of_2
 
 try:
     import triton
@@ -197,9 +198,9 @@ def fused_decoding_pattern(
     mask = mask.expand(batch, 1, queries, keys)  # a [t, s] mask: batch stride 0
     if scores.numel() == 0:  # an empty batch (or no query): nothing to launch
         return torch.empty_like(scores)
-    padded_heads = triton.next_power_of_2(heads)
+    padded_heads = next_power_of_2(heads)
     block_keys = max(16, TILE // padded_heads)
-    rows, n_blocks = batch * queries, triton.cdiv(keys, block_keys)
+    rows, n_blocks = batch * queries, cdiv(keys, block_keys)
     logits = torch.empty(rows, heads, keys, dtype=torch.float32, device=scores.device)
     block_max = torch.empty(rows, n_blocks, padded_heads, dtype=torch.float32, device=scores.device)
     block_sum = torch.empty_like(block_max)
@@ -263,29 +264,24 @@ def _check(scores: Tensor, mask: Tensor, pre: Stage, post: Stage) -> int:
         raise ValueError(
             f"fused_decoding_pattern: mask must be [{t}, {s}] or [{b}, 1, {t}, {s}] (got {list(mask.shape)})"
         )
-    shapes = dict(
-        qw1=(b, t, None, h), qw2=(b, t, None, h), kw1=(b, None, h, s), kw2=(b, None, h, s), qg=(b, t, h), kg=(b, h, s)
-    )
-    ranks = set()
-    for stage_name, stage in (("pre", pre), ("post", post)):
-        if stage is None:
-            continue
-        for (name, shape), w in zip(shapes.items(), stage, strict=True):
-            if w is None:
-                continue
-            if w.ndim != len(shape) or any(n is not None and n != m for n, m in zip(shape, w.shape, strict=True)):
-                wanted = ", ".join("r" if n is None else str(n) for n in shape)
-                raise ValueError(
-                    f"fused_decoding_pattern: {stage_name} {name} must be [{wanted}] (got {list(w.shape)})"
-                )
-            if w.device != scores.device:
-                raise ValueError(
-                    f"fused_decoding_pattern: {stage_name} {name} must be on {scores.device} (got {w.device})"
-                )
-            if name[1] == "w":
-                ranks.add(w.shape[1 if name[0] == "k" else 2])
-        if (stage[0] is None) != (stage[1] is None) or (stage[2] is None) != (stage[3] is None):
-            raise ValueError(f"fused_decoding_pattern: {stage_name} gives w1 without w2 (or w2 without w1)")
+    stages = [(name, stage) for name, stage in (("pre", pre), ("post", post)) if stage is not None]
+    ranks = {
+        w.shape[2 if i < 2 else 1]
+        for _, stage in stages
+        for i, w in enumerate(stage[:4])
+        if w is not None and w.ndim == 4
+    }
     if len(ranks) > 1:
         raise ValueError(f"fused_decoding_pattern: every w1, w2 must have one rank (got {sorted(ranks)})")
-    return ranks.pop() if ranks else 1
+    r = ranks.pop() if ranks else 1
+    shapes = dict(qw1=(b, t, r, h), qw2=(b, t, r, h), kw1=(b, r, h, s), kw2=(b, r, h, s), qg=(b, t, h), kg=(b, h, s))
+    for stage_name, stage in stages:
+        for (name, shape), w in zip(shapes.items(), stage, strict=True):
+            if w is not None and (w.shape != shape or w.device != scores.device):
+                raise ValueError(
+                    f"fused_decoding_pattern: {stage_name} {name} must be {list(shape)} on {scores.device} (got "
+                    f"{list(w.shape)} on {w.device})"
+                )
+        if (stage[0] is None) != (stage[1] is None) or (stage[2] is None) != (stage[3] is None):
+            raise ValueError(f"fused_decoding_pattern: {stage_name} gives w1 without w2 (or w2 without w1)")
+    return r

@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
+from ._grids import cdiv, next_power_of_2
+
 try:
     import triton
     import triton.language as tl
@@ -158,10 +160,10 @@ def fused_dynamic_weights(x: Float[Tensor, "b p d"], W_in, b_in, W_out, W_gate, 
     b_in = W_in if b_in is None else b_in.contiguous()  # never read without IN_BIAS
     b_gate = W_gate if b_gate is None else b_gate.contiguous()
     half = x.dtype == W_in.dtype == W_gate.dtype != torch.float32
-    _dynamic_weights_kernel[(triton.cdiv(P, BLOCK_POSITIONS), 4)](
+    _dynamic_weights_kernel[(cdiv(P, BLOCK_POSITIONS), 4)](
         x.reshape(P, D).contiguous(), W_in, b_in, W_out, W_gate, b_gate, w1, w2, gates,
         P, D, K, H, R,
-        BP=BLOCK_POSITIONS, BD=BLOCK_DIM, KP=max(16, triton.next_power_of_2(K)), HP=max(16, triton.next_power_of_2(H)),
+        BP=BLOCK_POSITIONS, BD=BLOCK_DIM, KP=max(16, next_power_of_2(K)), HP=max(16, next_power_of_2(H)),
         IN_BIAS=b_in is not W_in, GATE_BIAS=b_gate is not W_gate, HALF=half, num_warps=4,
     )  # fmt: skip
     return w1.permute(1, 2, 0, 3, 4), w2.permute(1, 2, 0, 3, 4), gates.permute(1, 2, 0, 3)

@@ -93,14 +93,18 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from ._grids import cdiv, next_power_of_2
+
 try:
     import triton
     import triton.language as tl
-except ImportError as error:  # dcinterp runs without triton; available() says why the kernels cannot
+except ImportError as error:  # dcinterp runs without triton (or an old one): available() says why the kernels cannot
     triton = tl = None
-    _IMPORT_ERROR = f"triton is not installed ({error})"
+    _TRITON_UNUSABLE = f"triton is not installed ({error})"
 else:
-    _IMPORT_ERROR = None
+    _TRITON_UNUSABLE = None
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 6):
+        _TRITON_UNUSABLE = f"the fused kernels need Triton 3.6 or newer (found {triton.__version__})"
 
 BLOCKS = (16, 16, 32)  # a tile's queries and keys, and a chunk of the head dim (powers of two, at least 16)
 # The forward through the maps: the launches of its two kernels that sum the maps over the heads (tiles of BQ queries
@@ -126,10 +130,8 @@ def available(device: torch.device) -> str | None:
     """None when the fused kernels can run on `device` (CUDA with Triton importable, or TRITON_INTERPRET=1 on a CPU),
     else the one-line reason."""
     device = torch.device(device)
-    if _IMPORT_ERROR is not None:
-        return _IMPORT_ERROR
-    if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 6):
-        return f"the fused kernels need Triton 3.6 or newer (found {triton.__version__})"
+    if _TRITON_UNUSABLE is not None:
+        return _TRITON_UNUSABLE
     interpreted = _kernels_interpreted()
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -1137,10 +1139,6 @@ class _Launch:
         ranks = {w.shape[2] for w, name in zip(weights, BRANCHES * 2, strict=True) if w is not None and name[1] == "w"}
         self.rank = ranks.pop() if ranks else 1
         self.block_queries, self.block_keys, self.block_dim = blocks
-        blocks_given = {} if map_blocks is None else dict(BQ=map_blocks[0], BK=map_blocks[1])
-        self.maps_kernels, self.head_kernels = dict(MAPS_KERNELS, **blocks_given), dict(HEAD_KERNELS, **blocks_given)
-        self.gradient_kernels = dict(GRADIENT_KERNELS, **blocks_given)
-        self.key_gradient_kernels = dict(KEY_GRADIENT_KERNELS, **blocks_given)
         self.flags = {
             f"{stage}_{branch}": weights[offset + index] is not None
             for stage, offset in (("PRE", 0), ("POST", 6))
@@ -1148,6 +1146,18 @@ class _Launch:
         }
         self.flags["PADDING"] = real is not None
         self.flags["HALF"] = q.dtype != torch.float32
+        # the constexpr arguments of the kernels through the maps, built once for all their launches of the call
+        blocks_given = {} if map_blocks is None else dict(BQ=map_blocks[0], BK=map_blocks[1])
+        head_dim = dict(EP=max(16, next_power_of_2(self.d_head)))
+        ranks = dict(RP=next_power_of_2(self.rank), **head_dim)
+        self.maps_kernels = dict(MAPS_KERNELS, **blocks_given, **ranks)  # those that sum the maps over the heads
+        self.head_kernels = dict(HEAD_KERNELS, **blocks_given, **head_dim)  # those of one head a program
+        self.gradient_kernels = dict(GRADIENT_KERNELS, **blocks_given, **ranks)
+        self.key_gradient_kernels = dict(KEY_GRADIENT_KERNELS, **blocks_given, **ranks)
+        self.masks = dict(PADDING=self.flags["PADDING"], HALF=self.flags["HALF"])
+        self.pre_branches = {branch: self.flags[f"PRE_{branch}"] for branch in ("QP", "KP", "QG", "KG")}
+        self.branches = {name: on for name, on in self.flags.items() if name.startswith(("PRE_", "POST_"))}
+        self.post_maps = {name: on for name, on in self.branches.items() if name not in ("POST_QG", "POST_KG")}
 
     def scalars(self) -> tuple:
         return (self.n_queries, self.n_keys, self.n_heads, self.d_head, self.rank, self.past, self.span, self.scale)
@@ -1156,7 +1166,7 @@ class _Launch:
         blocks = dict(BQ=self.block_queries, BK=self.block_keys, BE=self.block_dim)
         # num_stages=1: no software pipelining, whose early loads could read a float32 accumulator (z, dq, ...) before
         # the previous iteration stored it
-        padded_heads = triton.next_power_of_2(self.n_heads)
+        padded_heads = next_power_of_2(self.n_heads)
         launch = dict(num_warps=_num_warps(padded_heads), num_stages=1)
         return dict(HP=padded_heads, **blocks, **self.flags, **launch)
 
@@ -1178,7 +1188,7 @@ def _forward(launch: _Launch, q, k, v, real, weights) -> tuple[Tensor, Tensor, T
     """z (in q's dtype) and the softmax's row max and sum ([b, h, t], float32)."""
     z = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     stats = torch.empty(2, launch.batch, launch.n_heads, launch.n_queries, dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(launch.n_queries, launch.block_queries), launch.batch)
+    grid = (cdiv(launch.n_queries, launch.block_queries), launch.batch)
     _forward_kernel[grid](
         q, k, v, z, stats[0], stats[1], q if real is None else real, *_pointers(weights, q),
         *launch.scalars(), **launch.constants(),
@@ -1220,6 +1230,8 @@ def _forward_through_maps(launch: _Launch, q, k, v, real, weights) -> tuple[Tens
             launch.batch, 4 * launch.rank, min(chunk, n_queries), launch.n_keys, dtype=_maps_dtype(launch, q),
             device=q.device,
         )  # fmt: skip
+    if chunk >= n_queries:
+        return _maps_launches(launch, q, k, v, real, weights, maps, launch.past)
     outputs = []
     for first in range(0, n_queries, chunk):
         last = min(first + chunk, n_queries)
@@ -1227,8 +1239,6 @@ def _forward_through_maps(launch: _Launch, q, k, v, real, weights) -> tuple[Tens
         outputs.append(
             _maps_launches(launch, q[:, first:last].contiguous(), k, v, real, part, maps, launch.past + first)
         )
-    if len(outputs) == 1:
-        return outputs[0]
     z, row_max, row_sum = zip(*outputs, strict=True)
     return torch.cat(z, dim=1), torch.cat(row_max, dim=-1), torch.cat(row_sum, dim=-1)
 
@@ -1237,22 +1247,16 @@ def _maps_launches(launch: _Launch, q, k, v, real, weights, maps, past) -> tuple
     """The four kernels on the queries q (at positions past, past + 1, ...) against every key k, v."""
     flags, batch, n_queries, n_heads = launch.flags, q.shape[0], q.shape[1], launch.n_heads
     scalars = (n_queries, launch.n_keys, n_heads, launch.d_head, launch.rank, past, launch.span, launch.scale)
-    head_dim = dict(EP=max(16, triton.next_power_of_2(launch.d_head)))
-    summed = dict(RP=triton.next_power_of_2(launch.rank), **head_dim, **launch.maps_kernels)
-    one_head = dict(**head_dim, **launch.head_kernels)
+    summed, one_head, pre, masks = launch.maps_kernels, launch.head_kernels, launch.pre_branches, launch.masks
     pre_qw1, pre_qw2, pre_kw1, pre_kw2, pre_qg, pre_kg, post_qw1, post_qw2, post_kw1, post_kw2, post_qg, post_kg = (
         _pointers(weights, q)
     )
-    branches = ("QP", "KP", "QG", "KG")
-    pre = {branch: flags[f"PRE_{branch}"] for branch in branches}
-    both = {f"{stage}_{branch}": flags[f"{stage}_{branch}"] for stage in ("PRE", "POST") for branch in branches}
-    masks = dict(PADDING=flags["PADDING"], HALF=flags["HALF"])
     maps = q if maps is None else maps
-    stats = torch.empty(2, batch, n_heads, n_queries, dtype=torch.float32, device=q.device)
+    stats = torch.empty(2, batch, n_heads, n_queries, dtype=torch.float32, device=q.device).unbind()  # max, sum
     z = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     real = q if real is None else real
-    tiles = (triton.cdiv(launch.n_keys, summed["BK"]), triton.cdiv(n_queries, summed["BQ"]), batch)
-    heads = (n_heads, triton.cdiv(n_queries, one_head["BQ"]), batch)
+    tiles = (cdiv(launch.n_keys, summed["BK"]), cdiv(n_queries, summed["BQ"]), batch)
+    heads = (n_heads, cdiv(n_queries, one_head["BQ"]), batch)
     if pre["QP"] or pre["KP"]:
         _product_maps_kernel[tiles](
             q, k, maps, pre_qw1, pre_kw1, *scalars, FIRST=0, QP=pre["QP"], KP=pre["KP"], HALF=flags["HALF"], **summed
@@ -1261,16 +1265,15 @@ def _maps_launches(launch: _Launch, q, k, v, real, weights, maps, past) -> tuple
         q, k, maps, *stats, real, pre_qw2, pre_kw2, pre_qg, pre_kg, *scalars, **pre, **masks, **one_head
     )
     if flags["POST_QP"] or flags["POST_KP"]:
-        post_maps = {name: on for name, on in both.items() if name not in ("POST_QG", "POST_KG")}
         _post_maps_kernel[tiles](
-            q, k, maps, *stats, real, pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1, *scalars, **post_maps,
-            **masks, **summed,
+            q, k, maps, *stats, real, pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1, *scalars,
+            **launch.post_maps, **masks, **summed,
         )  # fmt: skip
     _head_output_kernel[heads](
         q, k, v, z, maps, *stats, real, pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw2, post_kw2, post_qg, post_kg,
-        *scalars, **both, **masks, **one_head,
+        *scalars, **launch.branches, **masks, **one_head,
     )  # fmt: skip
-    return z, stats[0], stats[1]
+    return z, *stats
 
 
 def _backward_through_tiles(launch: _Launch, q, k, v, real, weights, row_max, row_sum, dz) -> tuple:
@@ -1283,11 +1286,11 @@ def _backward_through_tiles(launch: _Launch, q, k, v, real, weights, row_max, ro
     real = q if real is None else real
     query_side = _pointers([d_weights[i] for i in QUERY_SIDE], dq)
     key_side = _pointers([d_weights[i] for i in KEY_SIDE], dk)
-    grid = (triton.cdiv(launch.n_queries, launch.block_queries), launch.batch)
+    grid = (cdiv(launch.n_queries, launch.block_queries), launch.batch)
     _backward_query_kernel[grid](
         *tensors, dq, real, *_pointers(weights, q), *query_side, *launch.scalars(), **launch.constants()
     )
-    grid = (triton.cdiv(launch.n_keys, launch.block_keys), launch.batch)
+    grid = (cdiv(launch.n_keys, launch.block_keys), launch.batch)
     _backward_key_kernel[grid](
         *tensors, dk, dv, real, *_pointers(weights, q), *key_side, *launch.scalars(), **launch.constants()
     )
@@ -1338,29 +1341,21 @@ def _maps_backward_launches(
     flags, batch, n_queries, n_heads = launch.flags, q.shape[0], q.shape[1], launch.n_heads
     float32 = dict(dtype=torch.float32, device=q.device)
     scalars = (n_queries, launch.n_keys, n_heads, launch.d_head, launch.rank, past, launch.span, launch.scale)
-    head_dim = dict(EP=max(16, triton.next_power_of_2(launch.d_head)))
-    ranks = dict(RP=triton.next_power_of_2(launch.rank))
-    summed = dict(**ranks, **head_dim, **launch.maps_kernels)  # the maps as the forward computed them
-    gradient = dict(**ranks, **head_dim, **launch.gradient_kernels)
-    key_gradient = dict(**ranks, **head_dim, **launch.key_gradient_kernels)
+    summed = launch.maps_kernels  # the maps as the forward computed them
+    gradient, key_gradient = launch.gradient_kernels, launch.key_gradient_kernels
+    both, masks = launch.branches, launch.masks
     pointers = _pointers(weights, q)
     pre_qw1, pre_qw2, pre_kw1, pre_kw2, pre_qg, pre_kg, post_qw1, post_qw2, post_kw1, post_kw2, post_qg, post_kg = (
         pointers
     )
-    both = {
-        f"{stage}_{branch}": flags[f"{stage}_{branch}"]
-        for stage in ("PRE", "POST")
-        for branch in ("QP", "KP", "QG", "KG")
-    }
-    masks = dict(PADDING=flags["PADDING"], HALF=flags["HALF"])
     real = q if real is None else real
     row_d = torch.empty(batch, n_heads, n_queries, **float32)
     dq = torch.zeros(q.shape, **float32)
     d_query_side = [None if weights[i] is None else torch.zeros(weights[i].shape, **float32) for i in QUERY_SIDE]
-    tiles = (triton.cdiv(launch.n_keys, summed["BK"]), triton.cdiv(n_queries, summed["BQ"]), batch)
-    gradient_tiles = (triton.cdiv(launch.n_keys, gradient["BK"]), triton.cdiv(n_queries, gradient["BQ"]), batch)
-    heads = (n_heads, triton.cdiv(n_queries, gradient["BQ"]), batch)
-    key_heads = (n_heads, triton.cdiv(launch.n_keys, key_gradient["BK"]), batch)
+    tiles = (cdiv(launch.n_keys, summed["BK"]), cdiv(n_queries, summed["BQ"]), batch)
+    gradient_tiles = (cdiv(launch.n_keys, gradient["BK"]), cdiv(n_queries, gradient["BQ"]), batch)
+    heads = (n_heads, cdiv(n_queries, gradient["BQ"]), batch)
+    key_heads = (n_heads, cdiv(launch.n_keys, key_gradient["BK"]), batch)
     statistics = (row_max, row_sum, row_d, real)
     if _any_map(launch, ("PRE",)):
         _product_maps_kernel[tiles](
@@ -1368,10 +1363,9 @@ def _maps_backward_launches(
             HALF=flags["HALF"], **summed,
         )  # fmt: skip
     if _any_map(launch, ("POST",)):
-        post_maps = {name: on for name, on in both.items() if name not in ("POST_QG", "POST_KG")}
         _post_maps_kernel[tiles](
             q, k, maps, row_max, row_sum, real, pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1, *scalars,
-            **post_maps, **masks, **summed,
+            **launch.post_maps, **masks, **summed,
         )  # fmt: skip
         _product_maps_kernel[tiles](
             dz, v, grads, post_qw2, post_kw2, *scalars[:-1], 1.0, FIRST=2 * launch.rank, QP=flags["POST_QP"],
@@ -1490,23 +1484,20 @@ def _check(q, k, v, weights, past, real, window, blocks, forward, backward, map_
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"fused_dcmha: q, k, v must share a float32/float16/bfloat16 dtype (got {q.dtype}, "
                          f"{k.dtype}, {v.dtype})")  # fmt: skip
-    for stage, offset in (("pre", 0), ("post", 6)):
-        for name, w in zip(BRANCHES, weights[offset : offset + 6], strict=True):
-            if w is None:
-                continue
-            positions = t if name[0] == "q" else past + t
-            expected = [b, positions, h] if name[1] == "g" else [b, positions, w.shape[2] if w.ndim == 4 else 0, h]
-            if list(w.shape) != expected or (name[1] == "w" and w.shape[2] < 1):
-                raise ValueError(f"fused_dcmha: {stage} {name} must be {expected} (got {list(w.shape)})")
-        for first, second in (("qw1", "qw2"), ("kw1", "kw2")):
-            i, j = offset + BRANCHES.index(first), offset + BRANCHES.index(second)
-            if (weights[i] is None) != (weights[j] is None) or (
-                weights[i] is not None and weights[i].shape != weights[j].shape
-            ):
-                raise ValueError(f"fused_dcmha: {stage} {first} and {second} must be given together, of one shape")
-    ranks = {w.shape[2] for w in weights if w is not None and w.ndim == 4}
+    ranks = {w.shape[2] for w, name in zip(weights, BRANCHES * 2, strict=True) if w is not None and w.ndim == 4}
     if len(ranks) > 1:
         raise ValueError(f"fused_dcmha: every projection weight must have one rank (got ranks {sorted(ranks)})")
+    r, s = max(ranks.pop() if ranks else 1, 1), past + t
+    shapes = dict(qw1=(b, t, r, h), qw2=(b, t, r, h), kw1=(b, s, r, h), kw2=(b, s, r, h), qg=(b, t, h), kg=(b, s, h))
+    for stage, offset in (("pre", 0), ("post", 6)):
+        for name, w in zip(BRANCHES, weights[offset : offset + 6], strict=True):
+            if w is not None and w.shape != shapes[name]:
+                raise ValueError(f"fused_dcmha: {stage} {name} must be {list(shapes[name])} (got {list(w.shape)})")
+        for first, second in ((0, 1), (2, 3)):
+            if (weights[offset + first] is None) != (weights[offset + second] is None):
+                raise ValueError(
+                    f"fused_dcmha: {stage} {BRANCHES[first]} and {BRANCHES[second]} must be given together"
+                )
     if real is not None and (real.shape != (b, past + t) or real.dtype != torch.bool):
         raise ValueError(
             f"fused_dcmha: real must be a bool [b, past + t] = {[b, past + t]} (got {real.dtype} {list(real.shape)})"
