@@ -1484,7 +1484,7 @@ def _check(q, k, v, weights, past, real, window, blocks, forward, backward, map_
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"fused_dcmha: q, k, v must share a float32/float16/bfloat16 dtype (got {q.dtype}, "
                          f"{k.dtype}, {v.dtype})")  # fmt: skip
-    ranks = {w.shape[2] for w, name in zip(weights, BRANCHES * 2, strict=True) if w is not None and w.ndim == 4}
+    ranks = {w.shape[2] for w in weights if w is not None and w.ndim == 4}
     if len(ranks) > 1:
         raise ValueError(f"fused_dcmha: every projection weight must have one rank (got ranks {sorted(ranks)})")
     r, s = max(ranks.pop() if ranks else 1, 1), past + t
