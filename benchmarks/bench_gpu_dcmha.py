@@ -19,7 +19,9 @@ peak memory above the weights of each (`torch.cuda.max_memory_allocated`), at ea
 token after a 1,024-token prompt with the key-value cache, each step synchronised and 20 steps back to back (as a
 generation loop that never waits on the GPU runs them), the DCMHA model also with its step's pattern by torch's ops
 in place of the decoding kernels (`dcinterp.dcmha.decoding`); and one layer's attention call alone (`Attention`, the
-fused path against SDPA's). Medians of `--repeats` timed runs after a warm-up, CUDA-synchronised. Each measurement
+fused path against SDPA's). Medians of `--repeats` timed runs after a warm-up, CUDA-synchronised; beside each, the
+host's time (`host_ms`: until the call returned, before the wait for the GPU; close to the wall time where the GPU
+waits on the host, as at short prompts and in decoding). Each measurement
 is a JSON line (with the path every layer took: a "fused" model without the kernels says "materialised"); a
 markdown table of the medians and the ratios to the SDPA twin ends the run. A measurement that runs out of GPU
 memory is reported as such and the run goes on.
@@ -118,12 +120,15 @@ class Clock:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def time(self, fn) -> float:
+    def time(self, fn) -> tuple[float, float]:
+        """The call's wall time, and the host's: until `fn` returned, before waiting for the GPU (when the two are
+        close, the GPU waited on the host)."""
         self.sync()
         start = time.perf_counter()
         fn()
+        returned = time.perf_counter()
         self.sync()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, returned - start
 
     def peak_above(self, fn) -> float | None:
         if not self.cuda:
@@ -148,7 +153,7 @@ def forward_backward(model, tokens):
 
 def measure(models: dict, fn, clock: Clock, repeats: int) -> dict[str, dict]:
     """fn(model) for each model in turns (alternating order): median milliseconds, peak MiB, the paths taken."""
-    out, times = {}, {name: [] for name in models}
+    out, times, host_times = {}, {name: [] for name in models}, {name: [] for name in models}
     for name, (model, context) in models.items():
         try:
             with context(), Paths() as paths:
@@ -164,9 +169,12 @@ def measure(models: dict, fn, clock: Clock, repeats: int) -> dict[str, dict]:
         for name in names[::-1] if repeat % 2 else names:
             model, context = models[name]
             with context():
-                times[name].append(clock.time(lambda: fn(model)))  # noqa: B023
+                wall, host = clock.time(lambda: fn(model))  # noqa: B023
+                times[name].append(wall)
+                host_times[name].append(host)
     for name in names:
         out[name]["ms"] = 1000 * statistics.median(times[name])
+        out[name]["host_ms"] = 1000 * statistics.median(host_times[name])
     return out
 
 
@@ -267,8 +275,9 @@ def main() -> None:
     def emit(entry: dict) -> None:
         if smoke:  # the CPU's times under another name, so that nothing reads them as a GPU's
             for result in entry["models"].values():
-                if "ms" in result:
-                    result["cpu_smoke_ms"] = result.pop("ms")
+                for key in ("ms", "host_ms"):
+                    if key in result:
+                        result[f"cpu_smoke_{key}"] = result.pop(key)
         entry = {"device": "cpu smoke run: not GPU numbers" if smoke else torch.cuda.get_device_name(), **entry}
         rows.append(entry)
         print(json.dumps(entry), flush=True)
@@ -298,8 +307,9 @@ def main() -> None:
                     run = decode_steps(model, prompt, steps)
                 result.update(measure({name: (model, context)}, run, clock, repeats))
             for measured in result.values():
-                if "ms" in measured:
-                    measured["ms"] /= steps
+                for key in ("ms", "host_ms"):
+                    if key in measured:
+                        measured[key] /= steps
             decode = f"decode, per token after {prompt_length} prompt tokens ({how})"
             emit(row(shape_name, decode, prompt_length, {"models": result}))
         del models

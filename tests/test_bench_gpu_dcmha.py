@@ -35,6 +35,7 @@ def test_the_cpu_smoke_run_measures_every_model_and_claims_no_gpu_number(tmp_pat
         assert r["device"] == "cpu smoke run: not GPU numbers"
         for name, model in r["models"].items():
             assert "ms" not in model and model["cpu_smoke_ms"] > 0 and model["peak_mib"] is None, name
+            assert "host_ms" not in model and 0 < model["cpu_smoke_host_ms"] <= model["cpu_smoke_ms"], name
     paths = {r["measurement"]: r["models"]["DCMHA fused"]["paths"] for r in rows}
     assert paths["forward"] == ["blocked"]
     assert paths["decode, per token after 24 prompt tokens (each step synchronised)"] == [
