@@ -207,6 +207,7 @@ class Compose(nn.Module):
         self.hook_kg = HookPoint()
         for branch in ("qp", "kp", "qg", "kg"):
             setattr(self, f"hook_o_{branch}", HookPoint())  # [batch, head, query, key]
+        self.branch_output_hooks = [getattr(self, f"hook_o_{b}") for b in self.branches]  # of the branches on
 
     def dynamic_weights(self, qw1, qw2, kw1, kw2, qg, kg) -> tuple[Tensor | None, ...]:
         """Pass the stage's dynamic weights through their hooks; None for the branches that are off."""
@@ -222,7 +223,7 @@ class Compose(nn.Module):
 
     def branches_read(self) -> bool:
         """Whether a hook (or the cache) asks for a branch output, so that each branch is its own tensor."""
-        return any(_hooked(getattr(self, f"hook_o_{b}")) for b in self.branches)
+        return any(_hooked(hook) for hook in self.branch_output_hooks)
 
     def forward(
         self, A: Float[Tensor, "b h t s"], qw1, qw2, kw1, kw2, qg, kg, past_kv_cache_entry=None
