@@ -436,8 +436,10 @@ def test_second_derivatives_raise_clearly():
         (dict(v=lambda v: v.double()), "q, k, v must share"),
         (dict(forward="fast"), "forward must be one of"),
         (dict(map_blocks=(64, 8)), "map_blocks must be"),
+        (dict(qw2=lambda w: None), "pre qw1 and qw2 must be given together"),
+        (dict(qw1=lambda w: torch.cat([w, w], dim=2), qw2=lambda w: torch.cat([w, w], dim=2)), "every projection"),
     ],
-    ids=["keys", "weight", "padding", "blocks", "stage", "dtype", "forward", "map-blocks"],
+    ids=["keys", "weight", "padding", "blocks", "stage", "dtype", "forward", "map-blocks", "pair", "ranks"],
 )
 def test_bad_input_says_which_argument(change, message):
     q, k, v, pre, post = [to(x, torch.float32) for x in make_inputs(1, 16, 2, 16, 1)]
@@ -446,6 +448,8 @@ def test_bad_input_says_which_argument(change, message):
         k, v = change["k"](k), change["k"](v)
     if "qw1" in change:
         pre = (change["qw1"](pre[0]), *pre[1:])
+    if "qw2" in change:
+        pre = (pre[0], change["qw2"](pre[1]), *pre[2:])
     if "real" in change:
         real = change["real"](real)
     if "post" in change:
