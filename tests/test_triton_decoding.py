@@ -169,6 +169,8 @@ def test_bad_input_says_which_argument():
         fused_decoding_pattern(scores.double(), mask, pre, post, 0.3)
     with pytest.raises(ValueError, match="one rank"):
         fused_decoding_pattern(scores, mask, pre, (post[0][:, :, :1], post[1][:, :, :1], *post[2:]), 0.3)
+    with pytest.raises(ValueError, match="pre gives w1 without w2"):
+        fused_decoding_pattern(scores, mask, (pre[0], None, *pre[2:]), post, 0.3)
 
 
 # The model's choice.
