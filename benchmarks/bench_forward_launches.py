@@ -91,13 +91,19 @@ def as_on_cuda() -> None:
     dcmha.triton_unavailable = lambda device: unavailable(torch.device("cpu"))
 
 
-def count(use_dcmha: bool, layers: int, tokens: int, decode: bool) -> LaunchCounter:
+def small_model(use_dcmha: bool, layers: int) -> HookedDCFormer:
+    """A model of `layers` layers small enough that the CPU's arithmetic is a small part of a call (d_model 64, 4
+    heads of 16, vocabulary 100), seeded, frozen, in eval mode."""
     torch.manual_seed(0)
     cfg = DCFormerConfig(
         n_layers=layers, d_model=64, n_heads=4, d_head=16, d_mlp=256, d_vocab=100, n_ctx=4096, rotary_pct=0.25,
         use_dcmha=use_dcmha,
     )  # fmt: skip
-    model = HookedDCFormer(cfg).eval().requires_grad_(False)
+    return HookedDCFormer(cfg).eval().requires_grad_(False)
+
+
+def count(use_dcmha: bool, layers: int, tokens: int, decode: bool) -> LaunchCounter:
+    model = small_model(use_dcmha, layers)
     prompt = torch.randint(100, (1, tokens), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         if not decode:
@@ -105,7 +111,7 @@ def count(use_dcmha: bool, layers: int, tokens: int, decode: bool) -> LaunchCoun
             with LaunchCounter() as counter:
                 model(prompt)
             return counter
-        cache = DCFormerKeyValueCache.init_cache(cfg, "cpu", batch_size=1)
+        cache = DCFormerKeyValueCache.init_cache(model.cfg, "cpu", batch_size=1)
         model(prompt, past_kv_cache=cache)
         model(prompt[:, -1:], past_kv_cache=cache)
         with LaunchCounter() as counter:

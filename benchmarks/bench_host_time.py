@@ -25,28 +25,22 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first decorated
 
 import torch  # noqa: E402
 
-from dcinterp import DCFormerConfig, HookedDCFormer  # noqa: E402
 from dcinterp.kv_cache import DCFormerKeyValueCache  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_forward_launches import as_on_cuda  # noqa: E402
+from bench_forward_launches import as_on_cuda, small_model  # noqa: E402
 
 
 class Model:
     """One model, its attention modules timed at every call, and a way to run the call this benchmark times."""
 
     def __init__(self, use_dcmha: bool, layers: int, tokens: int, decode: bool):
-        torch.manual_seed(0)
-        cfg = DCFormerConfig(
-            n_layers=layers, d_model=64, n_heads=4, d_head=16, d_mlp=256, d_vocab=100, n_ctx=4096, rotary_pct=0.25,
-            use_dcmha=use_dcmha,
-        )  # fmt: skip
-        self.model = HookedDCFormer(cfg).eval().requires_grad_(False)
+        self.model = small_model(use_dcmha, layers)
         self.attention: list[float] = []
         for block in self.model.blocks:
             block.attn.forward = self._timed(block.attn.forward)
         self.prompt = torch.randint(100, (1, tokens), generator=torch.Generator().manual_seed(0))
-        self.decode, self.cfg = decode, cfg
+        self.decode = decode
 
     def _timed(self, forward):
         def timed(*args, **kwargs):
@@ -62,7 +56,7 @@ class Model:
         """The time of one call: a forward of the prompt, or a one-token step after it with the cache."""
         inputs, kwargs = (self.prompt,), {}
         if self.decode:
-            cache = DCFormerKeyValueCache.init_cache(self.cfg, "cpu", batch_size=1)
+            cache = DCFormerKeyValueCache.init_cache(self.model.cfg, "cpu", batch_size=1)
             self.model(self.prompt, past_kv_cache=cache)
             self.model(self.prompt[:, -1:], past_kv_cache=cache)  # the first step may grow the cache's buffers
             self.attention.clear()
