@@ -35,6 +35,33 @@ from bench_decode_ops import launches_kernel  # noqa: E402
 CUDA = torch.device("cuda")
 
 
+class TritonLaunches:
+    """While active, every Triton launch is counted per kernel (while `counting`); with `run=False` a launch does
+    nothing else (its outputs are left as allocated)."""
+
+    def __init__(self, run: bool = True):
+        self.launches: Counter = Counter()
+        self.counting, self.run = True, run
+
+    def __enter__(self):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        self.interpreted_run = InterpretedFunction.run
+
+        def launch(kernel, *args, **kwargs):
+            self.launches[kernel.fn.__name__] += self.counting
+            if self.run:
+                return self.interpreted_run(kernel, *args, **kwargs)
+
+        InterpretedFunction.run = launch
+        return self
+
+    def __exit__(self, *exc):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        InterpretedFunction.run = self.interpreted_run
+
+
 class LaunchCounter(TorchDispatchMode):
     """Kernel-launching ATen ops per innermost dcinterp function (none of Triton's interpreter's own), and Triton
     kernel launches per kernel, while active."""
@@ -42,8 +69,9 @@ class LaunchCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops: Counter = Counter()
-        self.triton: Counter = Counter()
         self.host_only = 0  # views and allocations
+        self.triton_launches = TritonLaunches()
+        self.triton = self.triton_launches.launches
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         frame, caller = sys._getframe(1), None
@@ -62,22 +90,11 @@ class LaunchCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
-        from triton.runtime.interpreter import InterpretedFunction
-
-        self.run = InterpretedFunction.run
-        counter = self
-
-        def run(kernel, *args, **kwargs):
-            counter.triton[kernel.fn.__name__] += 1
-            return counter.run(kernel, *args, **kwargs)
-
-        InterpretedFunction.run = run
+        self.triton_launches.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
-        from triton.runtime.interpreter import InterpretedFunction
-
-        InterpretedFunction.run = self.run
+        self.triton_launches.__exit__(*exc)
         return super().__exit__(*exc)
 
 

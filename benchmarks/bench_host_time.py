@@ -19,7 +19,6 @@ import os
 import statistics
 import sys
 import time
-from collections import Counter
 
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first decorated
 
@@ -28,7 +27,7 @@ import torch  # noqa: E402
 from dcinterp.kv_cache import DCFormerKeyValueCache  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_forward_launches import as_on_cuda, small_model  # noqa: E402
+from bench_forward_launches import TritonLaunches, as_on_cuda, small_model  # noqa: E402
 
 
 class Model:
@@ -52,7 +51,7 @@ class Model:
         return timed
 
     @torch.no_grad()
-    def call(self, launches: NoLaunches) -> float:
+    def call(self, launches: TritonLaunches) -> float:
         """The time of one call: a forward of the prompt, or a one-token step after it with the cache."""
         inputs, kwargs = (self.prompt,), {}
         if self.decode:
@@ -67,31 +66,6 @@ class Model:
         elapsed = time.perf_counter() - start
         launches.counting = False
         return elapsed
-
-
-class NoLaunches:
-    """While active, a Triton launch does nothing but count itself while `counting` (its outputs are left as
-    allocated)."""
-
-    def __init__(self):
-        self.launches: Counter = Counter()
-        self.counting = False
-
-    def __enter__(self):
-        from triton.runtime.interpreter import InterpretedFunction
-
-        self.run = InterpretedFunction.run
-
-        def count(kernel, *args, **kwargs):
-            self.launches[kernel.fn.__name__] += self.counting
-
-        InterpretedFunction.run = count
-        return self
-
-    def __exit__(self, *exc):
-        from triton.runtime.interpreter import InterpretedFunction
-
-        InterpretedFunction.run = self.run
 
 
 def main() -> None:
@@ -109,7 +83,8 @@ def main() -> None:
     models = {
         name: Model(use, args.layers, args.tokens, args.decode) for name, use in (("DCMHA", True), ("twin", False))
     }
-    launches = NoLaunches()
+    launches = TritonLaunches(run=False)  # not run once entered; counted only in the timed calls
+    launches.counting = False
     for model in models.values():
         model.call(launches)  # the first call decorates the kernels (under the interpreter: they run once, for real)
     calls = {name: [] for name in models}
