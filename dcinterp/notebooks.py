@@ -262,12 +262,25 @@ def run_notebook(
 
 def _local_kernel_manager():
     """A kernel manager that talks to its kernel over Unix sockets (IPC) rather than TCP on localhost: nothing
-    listens on a port, and the kernel has no reason to warn that it is "running over TCP without encryption"."""
+    listens on a port, and the kernel has no reason to warn that it is "running over TCP without encryption". The
+    sockets lie in a temporary folder of their own, removed when the process ends: jupyter_client's default puts
+    them in the working directory (kernel-ipc-1, ...), where two notebooks run at once from one folder would take
+    the same names."""
+    import atexit
+    import shutil
+    import tempfile
+
     from jupyter_client.manager import AsyncKernelManager
-    from traitlets import CaselessStrEnum
+    from traitlets import CaselessStrEnum, default
 
     class LocalKernelManager(AsyncKernelManager):
         transport = CaselessStrEnum(["tcp", "ipc"], default_value="ipc", config=True)
+
+        @default("ip")
+        def _sockets_in_a_folder_of_their_own(self) -> str:
+            folder = tempfile.mkdtemp(prefix="dcinterp-kernel-")
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            return str(Path(folder) / "ipc")
 
     return LocalKernelManager
 

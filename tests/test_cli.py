@@ -306,6 +306,32 @@ def test_runner_streams_cells_keeps_kernel_warnings_out_and_writes_next_to_the_n
     assert sorted(files_under(tmp_path)) == ["out", "out/tiny.txt", "out/tiny_run.ipynb", "tiny.ipynb"]
 
 
+def test_two_notebooks_run_at_once_from_one_folder_and_leave_no_sockets(tmp_path):
+    """The kernels' Unix sockets lie in temporary folders of their own, removed at exit: two runs started together
+    in one working directory do not take each other's sockets (jupyter_client's default names them kernel-ipc-1,
+    ... in the working directory)."""
+    nbformat.write(TINY_NOTEBOOK, tmp_path / "tiny.ipynb")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "dcinterp.notebooks", "run", "tiny.ipynb", "--out", f"out{i}/tiny.ipynb", "--quiet"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+            env={**ENV, "TMPDIR": str(temp)},
+        )
+        for i in range(2)
+    ]
+    for run in runs:
+        _, stderr = run.communicate(timeout=300)
+        assert run.returncode == 0, stderr
+    outputs = ["out0", "out0/tiny.ipynb", "out0/tiny.txt", "out1", "out1/tiny.ipynb", "out1/tiny.txt"]
+    assert files_under(tmp_path) == [*outputs, "tiny.ipynb", "tmp"]
+    assert files_under(temp) == []
+
+
 def test_a_failing_cell_is_one_line_and_exit_1(tmp_path, capsys, monkeypatch):
     notebook = tmp_path / "tiny.ipynb"
     nbformat.write(TINY_NOTEBOOK, notebook)
