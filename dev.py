@@ -2,7 +2,7 @@
 """Set up a virtual environment for dcinterp and run its main jobs.
 
     python3 dev.py demo      # the main job: score the embedded models on the released synthetic tasks
-    python3 dev.py test      # the whole test suite
+    python3 dev.py test      # the whole test suite, on every core (up to 4); `dev.py test ARGS` passes ARGS to pytest
     python3 dev.py notebook NOTEBOOK [-p NAME VALUE ...]   # run one notebook with parameters
     python3 dev.py notebook render [NAME ...]             # the docs site's copies of the notebooks, with outputs
     python3 dev.py docs      # serve the documentation site at http://127.0.0.1:8000, rebuilt on every save
@@ -58,7 +58,11 @@ def main(argv: list[str]) -> int:
     if command == "demo":
         cmd = [PYTHON, "-m", "dcinterp.synth", "eval", *rest]
     elif command == "test":
-        cmd = [PYTHON, "-m", "pytest", "-q", *rest]
+        # The whole suite: a pytest-xdist worker a core, each test file kept on one worker (its module fixtures
+        # built once); each worker's torch runs one thread (tests/conftest.py). With arguments, pytest as told.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        workers = ["-n", str(min(4, cores)), "--dist", "loadfile"] if not rest and cores > 1 else []
+        cmd = [PYTHON, "-m", "pytest", "-q", *workers, *rest]
     elif command == "notebook" and rest[:1] == ["render"]:
         cmd = [PYTHON, "-m", "dcinterp.notebooks", *rest]
     elif command == "notebook":
