@@ -230,8 +230,9 @@ def main() -> None:
     parser.add_argument(
         "--maps-mib",
         type=int,
-        help="the forward through the maps holds at most this many MiB of maps at a time (default: "
-        "dcinterp.dcmha.triton_kernels.MAPS_BYTES, 256 MiB); less memory, more launches",
+        help="the kernels through the maps hold this many MiB of maps at a time, whatever the prompt (default: "
+        "dcinterp.dcmha.triton_kernels.maps_room, 4 times the queries' bytes within 32-256 MiB; 256 is the rule "
+        "before that); less memory, more launches",
     )
     parser.add_argument(
         "--backward",
@@ -240,7 +241,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.maps_mib is not None:
-        triton_kernels.MAPS_BYTES = args.maps_mib * 2**20
+        triton_kernels.MAPS_BYTES = triton_kernels.MAPS_MIN_BYTES = args.maps_mib * 2**20
     if args.backward is not None:
         triton_kernels.BACKWARD = args.backward
 
@@ -262,8 +263,9 @@ def main() -> None:
         print(
             f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bfloat16, batch 1, medians of {repeats}; "
             f"Triton kernels: {'available' if reason is None else 'NOT available: ' + reason}; "
-            f"maps held at most {triton_kernels.MAPS_BYTES / 2**20:g} MiB; gradients through the "
-            f"{triton_kernels.BACKWARD}",
+            f"maps held {triton_kernels.MAPS_TIMES_QUERIES}x the queries' bytes within "
+            f"{triton_kernels.MAPS_MIN_BYTES / 2**20:g}-{triton_kernels.MAPS_BYTES / 2**20:g} MiB; "
+            f"gradients through the {triton_kernels.BACKWARD}",
             flush=True,
         )
     if args.tokens:

@@ -373,6 +373,30 @@ def test_the_maps_of_a_long_prompt_go_a_chunk_of_queries_at_a_time(monkeypatch):
     assert_as_exact(z, single, reference(*[to(x, torch.float64) for x in inputs], **options), "z")
 
 
+@pytest.mark.parametrize("heads, d_head", [(16, 64), (32, 128)], ids=["d_model-1024", "6.9b-wide"])
+def test_the_maps_held_grow_with_the_prompt_not_its_square(heads, d_head):
+    """At bench_gpu_dcmha.py's widths (bfloat16, rank 2), the kernels through the maps hold at a time at most 4 times
+    the queries' bytes of maps, or 32 MiB where that is more (MAPS_MIN_BYTES: a prompt whose maps fit goes in one
+    chunk), and never over 256 MiB (MAPS_BYTES): from 4,096 tokens at d_model 1024 they are a chunk of queries'."""
+    mib, rank = 2**20, 2
+    held = {}
+    for t in (128, 1024, 2048, 4096, 8192, 32768):
+        q = torch.empty(1, t, heads, d_head, dtype=torch.bfloat16, device="meta")
+        side = [torch.empty(1, t, rank, heads, device="meta")] * 4 + [torch.empty(1, t, heads, device="meta")] * 2
+        launch = triton_kernels._Launch(q, q, tuple(side * 2), None, False, 0, None, triton_kernels.BLOCKS, None)
+        chunk = min(t, triton_kernels._chunk_of_queries(launch, q, buffers=1))
+        held[t] = chunk * 4 * rank * t * 2
+        room = min(256 * mib, max(32 * mib, 4 * q.numel() * 2))
+        assert held[t] <= room, (t, held[t] / mib)
+        block = max(launch.maps_kernels["BQ"], launch.head_kernels["BQ"], launch.gradient_kernels["BQ"])
+        assert chunk == t or held[t] > room - block * 4 * rank * t * 2, "a chunk a block or more short of the room"
+        assert (chunk == t) == (4 * rank * t * t * 2 <= room), t
+    if heads == 16:
+        assert {t: h / mib for t, h in held.items() if t >= 4096} == {4096: 32, 8192: 64, 32768: 256}
+    else:
+        assert held[2048] == 64 * mib and held[8192] == 256 * mib  # one chunk at 2,048 tokens, four at 8,192
+
+
 def test_keys_before_the_window_change_nothing_through_the_maps():
     """The forward through the maps loads whole aligned key blocks, so it reads keys before a window: NaN in them
     and in their weights changes no bit of z."""

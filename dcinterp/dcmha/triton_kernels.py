@@ -29,9 +29,10 @@ gq[r] = sum_n qw1'[t, r, n] P[n] and gk[r] after it. Four kernels:
 - `_post_maps_kernel`, per tile: gq and gk, summing each head's probabilities;
 - `_head_output_kernel`, per (head, query block): the probabilities again, post-composed with the maps, times v,
   accumulated in registers as FlashAttention does.
-The maps are kept in a [b, 4R, t, s] buffer (bfloat16 / float16 for such inputs, float32 otherwise) of at most
-`MAPS_BYTES`: a longer prompt goes a chunk of queries at a time. So memory grows with the prompt times the chunk, not
-with the heads: 4R numbers a (query, key) pair against the materialised path's dozen a head.
+The maps are kept in a [b, 4R, chunk, s] buffer (bfloat16 / float16 for such inputs, float32 otherwise) of at most
+`maps_room(q)` bytes, 4 times the queries' own: a longer prompt goes a chunk of queries at a time. So memory grows
+with the prompt, not with its square, nor with the heads: 4R numbers a (query, key) pair of the chunk against the
+materialised path's dozen a head of every pair.
 
 Tiles forward (`_forward_kernel`, grid (query blocks, batch rows), one program per block of queries of one row): pass 1
 over the keys the block's queries see (keys after its last query, and before a local window, are not even read)
@@ -61,7 +62,7 @@ gk, bit for bit), then
   gradients, in registers;
 - `_head_key_gradient_kernel`, per (head, key block), over the queries that see it: dk, dv and the key side's, added
   to the earlier chunks'.
-The gradient maps take a second buffer of the maps' size: both together in at most `MAPS_BYTES`.
+The gradient maps take a second buffer of the maps' size: both together in at most `maps_room(q)`.
 
 Registers, in the tiles kernels: a program holds [heads, queries, keys] tiles (32 x 16 x 16 at 32 heads, the default
 `BLOCKS`). Every head's q rows or output rows at e = 128 would be 64K floats more, so the head dim is walked in
@@ -118,7 +119,12 @@ HEAD_KERNELS = dict(BQ=64, BK=32, num_warps=4, num_stages=2)
 # with blocks of 64 queries)
 GRADIENT_KERNELS = dict(BQ=64, BK=32, num_warps=8, num_stages=2)
 KEY_GRADIENT_KERNELS = dict(BQ=16, BK=32, num_warps=8, num_stages=2)
-MAPS_BYTES = 256 * 2**20  # the kernels through the maps hold at most this much of them at a time
+# The kernels through the maps hold at most MAPS_TIMES_QUERIES times the bytes of the call's queries q of them at a
+# time, so that the maps grow with the prompt, not with its square: never less than MAPS_MIN_BYTES (a short prompt's
+# maps in one chunk, the fewest launches) nor more than MAPS_BYTES
+MAPS_TIMES_QUERIES = 4
+MAPS_MIN_BYTES = 32 * 2**20
+MAPS_BYTES = 256 * 2**20
 # Which kernels take the gradients: "tiles" (the tiles forward and backward: timed on an H100, docs/hooked-model.md)
 # or "maps" (the forward and backward through the maps: not yet timed on a card)
 BACKWARD = "tiles"
@@ -1198,11 +1204,17 @@ def _forward(launch: _Launch, q, k, v, real, weights) -> tuple[Tensor, Tensor, T
 
 def _chunk_of_queries(launch: _Launch, q: Tensor, buffers: int) -> int:
     """How many queries the kernels through the maps take at a time: `buffers` [b, 4R, chunk, s] buffers of maps in
-    at most MAPS_BYTES, a multiple of the blocks of queries (so that every tile, and every sum in it, is the same
-    whatever the chunk)."""
+    the room `maps_room` gives, a multiple of the blocks of queries (so that every tile, and every sum in it, is the
+    same whatever the chunk)."""
     block_queries = max(launch.maps_kernels["BQ"], launch.head_kernels["BQ"], launch.gradient_kernels["BQ"])
     bytes_a_query = buffers * launch.batch * 4 * launch.rank * launch.n_keys * _maps_dtype(launch, q).itemsize
-    return max(block_queries, MAPS_BYTES // bytes_a_query // block_queries * block_queries)
+    return max(block_queries, maps_room(q) // bytes_a_query // block_queries * block_queries)
+
+
+def maps_room(q: Tensor) -> int:
+    """The bytes of maps (and, in the backward, of their gradients) the kernels through the maps hold at a time, for
+    a call on the queries q: MAPS_TIMES_QUERIES times q's bytes, within MAPS_MIN_BYTES..MAPS_BYTES."""
+    return min(MAPS_BYTES, max(MAPS_MIN_BYTES, MAPS_TIMES_QUERIES * q.numel() * q.element_size()))
 
 
 def _maps_dtype(launch: _Launch, q: Tensor) -> torch.dtype:
@@ -1301,7 +1313,7 @@ def _backward_through_tiles(launch: _Launch, q, k, v, real, weights, row_max, ro
 def _backward_through_maps(launch: _Launch, q, k, v, real, weights, row_max, row_sum, dz) -> tuple:
     """The gradients of q, k, v and of each dynamic weight (None for a weight that is None), by the kernels through
     the maps, a chunk of queries at a time as the forward through the maps goes (its maps recomputed, bit for bit,
-    beside their gradients: twice the forward's buffer in at most MAPS_BYTES)."""
+    beside their gradients: twice the forward's buffer in the same room, `maps_room`)."""
     float32 = dict(dtype=torch.float32, device=q.device)
     n_queries, chunk = launch.n_queries, _chunk_of_queries(launch, q, buffers=2)
     maps = grads = q  # stand-ins, never read, where no branch has maps
