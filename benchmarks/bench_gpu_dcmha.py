@@ -3,7 +3,7 @@ MHA and the SDPA twin, in one run (issue 37's table).
 
     python benchmarks/bench_gpu_dcmha.py [--quick] [--tokens 128,512,...] [--shapes 6.9b-wide,d1024]
                                          [--repeats 10] [--json OUT.jsonl] [--cpu] [--maps-mib 256]
-                                         [--backward tiles|maps]
+                                         [--backward tiles|maps] [--kernels]
 
 Random DCPythia-style models (LayerNorm, parallel residual, GELU MLP, QK-norm, rotary on a quarter of each head,
 vocabulary 8192), bfloat16, batch 1, frozen weights as analyses load them:
@@ -21,7 +21,10 @@ generation loop that never waits on the GPU runs them), the DCMHA model also wit
 in place of the decoding kernels (`dcinterp.dcmha.decoding`); and one layer's attention call alone (`Attention`, the
 fused path against SDPA's). Medians of `--repeats` timed runs after a warm-up, CUDA-synchronised; beside each, the
 host's time (`host_ms`: until the call returned, before the wait for the GPU; close to the wall time where the GPU
-waits on the host, as at short prompts and in decoding). Each measurement
+waits on the host, as at short prompts and in decoding). With `--kernels`, one more call of each layer's attention
+forward under torch's profiler gives the card's kernels: `device_ms`, how long they computed (the rest of the wall
+time the card waited on the host), and `kernel_ms`, the ten longest (the profiler may slow what runs after it: take
+the times from a run without `--kernels`). Each measurement
 is a JSON line (with the path every layer took: a "fused" model without the kernels says "materialised"); a
 markdown table of the medians and the ratios to the SDPA twin ends the run. A measurement that runs out of GPU
 memory is reported as such and the run goes on.
@@ -151,8 +154,23 @@ def forward_backward(model, tokens):
     model(embeddings, start_at_layer=0)[0, -1].float().logsumexp(-1).backward()
 
 
-def measure(models: dict, fn, clock: Clock, repeats: int) -> dict[str, dict]:
-    """fn(model) for each model in turns (alternating order): median milliseconds, peak MiB, the paths taken."""
+def kernel_times(fn, cuda: bool) -> dict[str, float]:
+    """Milliseconds by kernel in one call of fn, from torch's profiler, longest first: on CUDA the card's kernels
+    (their sum is how long the card computed; beside the call's wall time, how long it waited on the host), on the
+    CPU its ops' own times (the smoke run)."""
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity]) as profile:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    events = profile.key_averages()
+    spent = {e.key: (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1000 for e in events}
+    return {name: ms for name, ms in sorted(spent.items(), key=lambda item: -item[1]) if ms > 0}
+
+
+def measure(models: dict, fn, clock: Clock, repeats: int, profile: bool = False) -> dict[str, dict]:
+    """fn(model) for each model in turns (alternating order): median milliseconds, peak MiB, the paths taken; with
+    `profile`, also one call's kernels (`kernel_times`: `device_ms` their sum, `kernel_ms` the longest ten)."""
     out, times, host_times = {}, {name: [] for name in models}, {name: [] for name in models}
     for name, (model, context) in models.items():
         try:
@@ -175,6 +193,12 @@ def measure(models: dict, fn, clock: Clock, repeats: int) -> dict[str, dict]:
     for name in names:
         out[name]["ms"] = 1000 * statistics.median(times[name])
         out[name]["host_ms"] = 1000 * statistics.median(host_times[name])
+        if profile:
+            model, context = models[name]
+            with context():
+                kernels = kernel_times(lambda: fn(model), clock.cuda)  # noqa: B023
+            out[name]["device_ms"] = sum(kernels.values())
+            out[name]["kernel_ms"] = {kernel: round(ms, 4) for kernel, ms in list(kernels.items())[:10]}
     return out
 
 
@@ -235,6 +259,12 @@ def main() -> None:
         "before that); less memory, more launches",
     )
     parser.add_argument(
+        "--kernels",
+        action="store_true",
+        help="also one call of each layer's attention forward under torch's profiler: the card's kernels, their sum "
+        "against the wall time (the profiler may slow what runs after it)",
+    )
+    parser.add_argument(
         "--backward",
         choices=("tiles", "maps"),
         help="the fused kernels that take the gradients (default: dcinterp.dcmha.triton_kernels.BACKWARD)",
@@ -277,7 +307,7 @@ def main() -> None:
     def emit(entry: dict) -> None:
         if smoke:  # the CPU's times under another name, so that nothing reads them as a GPU's
             for result in entry["models"].values():
-                for key in ("ms", "host_ms"):
+                for key in ("ms", "host_ms", "device_ms", "kernel_ms"):
                     if key in result:
                         result[f"cpu_smoke_{key}"] = result.pop(key)
         entry = {"device": "cpu smoke run: not GPU numbers" if smoke else torch.cuda.get_device_name(), **entry}
@@ -298,7 +328,8 @@ def main() -> None:
             mask = attention_mask(n, models["DCMHA fused"][0].blocks[0].attn.window, device, dtype)
             attention = {name: models[name] for name in ("DCMHA fused", "DCMHA materialised", "SDPA twin")}
             for what, backward in (("attention alone, forward", False), ("attention alone, forward + backward", True)):
-                result = measure(attention, lambda m: attention_call(m, x, mask, backward), clock, repeats)  # noqa: B023
+                call = lambda m: attention_call(m, x, mask, backward)  # noqa: B023, E731
+                result = measure(attention, call, clock, repeats, profile=args.kernels and not backward)
                 emit(row(shape_name, what, n, {"models": result}))
         prompt = torch.randint(0, VOCAB, (1, prompt_length), generator=generator).to(device)
         decoders = {**models, TORCH_PATTERN: (models["DCMHA fused"][0], torch_pattern)}
@@ -360,6 +391,15 @@ def print_table(rows: list[dict], smoke: bool) -> None:
             + " | ".join(cell(m, name) for name in MODELS)
             + f" | {ratio(m, 'DCMHA fused')} | {peaks} | {paths} |"
         )
+    for r in rows:
+        m = r["models"]
+        if "device_ms" in m.get("DCMHA fused", {}):
+            busy = "; ".join(
+                f"{name} {m[name]['device_ms']:.2f} of {m[name]['ms']:.2f} ms"
+                for name in MODELS
+                if "device_ms" in m.get(name, {})
+            )
+            print(f"{r['shape']}, {r['tokens']:,} tokens, one layer's attention: the card computed {busy}")
     for r in rows:
         if TORCH_PATTERN in r["models"]:
             m = r["models"]

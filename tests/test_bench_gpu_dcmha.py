@@ -14,7 +14,16 @@ def test_the_cpu_smoke_run_measures_every_model_and_claims_no_gpu_number(tmp_pat
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keep where the deps are
     env = {**os.environ, "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/bench_gpu_dcmha.py"), "--cpu", "--repeats", "1", "--json", str(out)],
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/bench_gpu_dcmha.py"),
+            "--cpu",
+            "--repeats",
+            "1",
+            "--kernels",
+            "--json",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -36,6 +45,12 @@ def test_the_cpu_smoke_run_measures_every_model_and_claims_no_gpu_number(tmp_pat
         for name, model in r["models"].items():
             assert "ms" not in model and model["cpu_smoke_ms"] > 0 and model["peak_mib"] is None, name
             assert "host_ms" not in model and 0 < model["cpu_smoke_host_ms"] <= model["cpu_smoke_ms"], name
+    attention = rows[2]["models"]
+    for name in ("DCMHA fused", "SDPA twin"):  # one profiled call: its ops' own times, the longest first
+        kernels = list(attention[name]["cpu_smoke_kernel_ms"].values())
+        assert 0 < len(kernels) <= 10 and kernels == sorted(kernels, reverse=True), name
+        assert sum(kernels) <= attention[name]["cpu_smoke_device_ms"], name
+    assert "cpu_smoke_device_ms" not in rows[3]["models"]["DCMHA fused"]  # not with the backward
     paths = {r["measurement"]: r["models"]["DCMHA fused"]["paths"] for r in rows}
     assert paths["forward"] == ["blocked"]
     assert paths["decode, per token after 24 prompt tokens (each step synchronised)"] == [
