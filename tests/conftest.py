@@ -7,8 +7,6 @@ import tempfile
 import numpy as np
 import pytest
 import torch
-from hypothesis import settings
-from hypothesis.configuration import set_hypothesis_home_dir
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -19,15 +17,26 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # notebook kernels too (they inhe
 # machine's cores are busy with anything else.
 torch.set_num_threads(1)
 
-# No examples database: hypothesis' draws are fixed by @seed, and a run never replays another run's failures.
-settings.register_profile("dcinterp", database=None)
-settings.load_profile("dcinterp")
-# What hypothesis still writes (its cache of the code's constants, as the test modules are imported) goes to a
-# temporary folder, not to .hypothesis/ in the working directory: tests/test_docs.py checks that nothing appears in
-# the repository while the docs build, and another worker's tests may be running then.
-_HYPOTHESIS_HOME = tempfile.mkdtemp(prefix="dcinterp-hypothesis-")
-atexit.register(shutil.rmtree, _HYPOTHESIS_HOME, ignore_errors=True)
-set_hypothesis_home_dir(_HYPOTHESIS_HOME)
+
+def _hypothesis_without_files() -> None:
+    """No examples database (hypothesis' draws are fixed by @seed, and a run never replays another run's failures),
+    and what hypothesis still writes (its cache of the code's constants, as the test modules are imported) goes to a
+    temporary folder, not to .hypothesis/ in the working directory: tests/test_docs.py checks that nothing appears
+    in the repository while the docs build, and another worker's tests may be running then. (An environment
+    without hypothesis, as .ci/run's for the SAELens test, runs the tests that need none.)"""
+    try:
+        from hypothesis import settings
+        from hypothesis.configuration import set_hypothesis_home_dir
+    except ImportError:
+        return
+    settings.register_profile("dcinterp", database=None)
+    settings.load_profile("dcinterp")
+    home = tempfile.mkdtemp(prefix="dcinterp-hypothesis-")
+    atexit.register(shutil.rmtree, home, ignore_errors=True)
+    set_hypothesis_home_dir(home)
+
+
+_hypothesis_without_files()
 
 
 @pytest.fixture(autouse=True)
