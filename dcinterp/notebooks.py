@@ -263,13 +263,9 @@ def run_notebook(
 def _local_kernel_manager():
     """A kernel manager that talks to its kernel over Unix sockets (IPC) rather than TCP on localhost: nothing
     listens on a port, and the kernel has no reason to warn that it is "running over TCP without encryption". The
-    sockets lie in a temporary folder of their own, removed when the process ends: jupyter_client's default puts
-    them in the working directory (kernel-ipc-1, ...), where two notebooks run at once from one folder would take
-    the same names."""
-    import atexit
-    import shutil
-    import tempfile
-
+    sockets lie in a temporary folder of their own (`_socket_folder`): jupyter_client's default puts them in the
+    working directory (kernel-ipc-1, ...), where two notebooks run at once from one folder would take the same
+    names."""
     from jupyter_client.manager import AsyncKernelManager
     from traitlets import CaselessStrEnum, default
 
@@ -278,11 +274,25 @@ def _local_kernel_manager():
 
         @default("ip")
         def _sockets_in_a_folder_of_their_own(self) -> str:
-            folder = tempfile.mkdtemp(prefix="dcinterp-kernel-")
-            atexit.register(shutil.rmtree, folder, ignore_errors=True)
-            return str(Path(folder) / "ipc")
+            return str(Path(_socket_folder()) / "ipc")
 
     return LocalKernelManager
+
+
+def _socket_folder() -> str:
+    """A new temporary folder for a kernel's Unix sockets, removed when the process ends: in the temporary
+    directory, or in /tmp where that path is too long for a socket's (107 bytes at most, `ipc-N` included)."""
+    import atexit
+    import os
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="dcinterp-kernel-")
+    if len(os.fsencode(folder)) > 90 and os.path.isdir("/tmp"):
+        os.rmdir(folder)
+        folder = tempfile.mkdtemp(prefix="dcinterp-kernel-", dir="/tmp")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def _stream_cells_to_console() -> None:
