@@ -243,17 +243,34 @@ def row(shape, what, tokens, result) -> dict:
     return {"shape": shape, "measurement": what, "tokens": tokens, **result}
 
 
+def positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number (got {text!r})")
+    return int(text)
+
+
+def prompt_lengths(text: str) -> list[int]:
+    return [positive_int(count) for count in text.split(",")]
+
+
+def shape_names(text: str) -> list[str]:
+    unknown = [name for name in text.split(",") if name not in SHAPES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown shape {unknown[0]!r} (known: {', '.join(SHAPES)})")
+    return text.split(",")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS}, 3 repeats")
-    parser.add_argument("--tokens", help=f"prompt lengths (default {','.join(map(str, TOKENS))})")
-    parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (default 10)")
+    parser.add_argument("--tokens", type=prompt_lengths, help=f"prompt lengths (default {','.join(map(str, TOKENS))})")
+    parser.add_argument("--shapes", type=shape_names, default=list(SHAPES), help=f"of {', '.join(SHAPES)}")
+    parser.add_argument("--repeats", type=positive_int, default=None, help="timed runs per measurement (default 10)")
     parser.add_argument("--json", help="also write the JSON lines to this file")
     parser.add_argument("--cpu", action="store_true", help="the smoke run on this CPU (tiny shapes, float32)")
     parser.add_argument(
         "--maps-mib",
-        type=int,
+        type=positive_int,
         help="the kernels through the maps hold this many MiB of maps at a time, whatever the prompt (default: "
         "dcinterp.dcmha.triton_kernels.maps_room, 4 times the queries' bytes within 32-256 MiB; 256 is the rule "
         "before that); less memory, more launches",
@@ -286,7 +303,7 @@ def main() -> None:
             flush=True,
         )
     else:
-        shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+        shapes = {name: SHAPES[name] for name in args.shapes}
         token_counts = QUICK_TOKENS if args.quick else TOKENS
         repeats, prompt_length = args.repeats or (3 if args.quick else 10), DECODE_PROMPT
         reason = dcmha.triton_unavailable(device)
@@ -299,7 +316,7 @@ def main() -> None:
             flush=True,
         )
     if args.tokens:
-        token_counts = [int(t) for t in args.tokens.split(",")]
+        token_counts = args.tokens
     clock = Clock(device)
     rows: list[dict] = []
     sink = open(args.json, "w") if args.json else None  # noqa: SIM115

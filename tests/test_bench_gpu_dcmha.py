@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -62,3 +64,26 @@ def test_the_cpu_smoke_run_measures_every_model_and_claims_no_gpu_number(tmp_pat
     assert {p for r in rows for p in r["models"]["DCMHA materialised"]["paths"]} == {"materialised"}
     table = result.stdout[result.stdout.index("GPU numbers not measured (CPU smoke run") :]
     assert "ms" not in table and "x**" not in table  # no time and no ratio in the table
+
+
+@pytest.mark.parametrize(
+    "argument, message",
+    [
+        (["--tokens", "128,abc"], "argument --tokens: must be a positive whole number (got 'abc')"),
+        (["--maps-mib", "0"], "argument --maps-mib: must be a positive whole number (got '0')"),
+        (["--repeats", "-1"], "argument --repeats: must be a positive whole number (got '-1')"),
+        (["--shapes", "6.9b-wide,d2048"], "argument --shapes: unknown shape 'd2048' (known: 6.9b-wide, d1024)"),
+    ],
+)
+def test_bad_arguments_say_what_is_wrong_in_one_line(argument, message, monkeypatch, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_gpu_dcmha
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    monkeypatch.setattr(sys, "argv", ["bench_gpu_dcmha.py", "--cpu", *argument])
+    with pytest.raises(SystemExit) as exit_:
+        bench_gpu_dcmha.main()
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == ""
+    assert err.strip().splitlines()[-1] == f"bench_gpu_dcmha.py: error: {message}"
