@@ -228,6 +228,8 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true", help="each layer's ops by name")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
+    if min(args.batch, args.steps) < 1 or args.prompt < 0:
+        parser.error("--batch and --steps must be at least 1, --prompt at least 0")
     torch.set_num_threads(1)
     for shape_name in args.shapes.split(","):
         if shape_name not in SHAPES:

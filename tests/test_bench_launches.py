@@ -74,3 +74,14 @@ def test_the_host_time_benchmark_says_what_is_wrong_in_one_line():
         [sys.executable, str(BENCHMARKS / "bench_host_time.py"), "--runs", "0"], capture_output=True, text=True
     )
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].endswith("must be at least 1")
+
+
+def test_the_decode_ops_count_says_what_is_wrong_in_one_line():
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_decode_ops.py"), "--no-time", "--batch", "0"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == (
+        "bench_decode_ops.py: error: --batch and --steps must be at least 1, --prompt at least 0"
+    )
