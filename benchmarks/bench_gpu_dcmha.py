@@ -254,10 +254,11 @@ def prompt_lengths(text: str) -> list[int]:
 
 
 def shape_names(text: str) -> list[str]:
-    unknown = [name for name in text.split(",") if name not in SHAPES]
+    names = text.split(",")
+    unknown = [name for name in names if name not in SHAPES]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown shape {unknown[0]!r} (known: {', '.join(SHAPES)})")
-    return text.split(",")
+    return names
 
 
 def main() -> None:
