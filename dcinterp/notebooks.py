@@ -9,8 +9,9 @@
 
 Parameters: each notebook has a cell tagged `parameters` (`run NAME --help-parameters` lists them).
 `-p NAME VALUE` passes VALUE as typed, as a string (line breaks, quotes and ": " included); only where the
-notebook's default is a number or a boolean is VALUE read as one. `-y YAML` passes a YAML mapping of parameters,
-for lists, dicts, None and numbers where the default is None. A name the notebook does not have is refused; the
+notebook's default is a number or a boolean is VALUE read as one, and where it is a list or a dict `-p` is refused
+with the `-y` to type. `-y YAML` passes a YAML mapping of parameters, for lists, dicts, None and numbers where the
+default is None. A name the notebook does not have is refused; the
 case study's twin, layer and head are checked against the checkpoints before the kernel starts (`check_case_study`).
 
 Where things go: the executed notebook to `--out` (default `out/notebooks/<name>.ipynb`), its figures next to it
@@ -105,7 +106,12 @@ def parse_parameters(notebook: Path, pairs: list[tuple[str, str]] = (), yaml_tex
 
 
 def _typed_like(default, value: str, name: str):
-    """VALUE as a string, or as a number / boolean where the default is one."""
+    """VALUE as a string, or as a number / boolean where the default is one; refused where the default is a list or
+    a mapping (a string there would be read a character at a time: `-y` takes those)."""
+    if isinstance(default, (list, tuple, dict)):
+        kind = "a mapping" if isinstance(default, dict) else "a list"
+        example = f"{name}: {{key: value}}" if isinstance(default, dict) else f"{name}: [{value}]"
+        raise NotebookError(f"-p {name} {value!r}: {name} is {kind} (default {default!r}); pass it with -y '{example}'")
     if isinstance(default, bool):
         words = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
         if value.lower() not in words:

@@ -2,6 +2,7 @@
 and nothing written; `--help` does not import torch; the notebook runner takes parameters as typed."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -187,6 +188,18 @@ def test_p_values_are_numbers_where_the_default_is_a_number():
     assert parameters == {"n_steps": 16}
     with pytest.raises(ValueError, match=r"^-p n_steps 'many': expected an integer, like the default 32$"):
         notebooks.parse_parameters(notebooks.resolve("case_study"), [("n_steps", "many")])
+
+
+def test_p_refuses_a_list_and_says_how_to_pass_one():
+    """A string where the notebook expects a list would be read a character at a time: -y takes lists."""
+    message = (
+        "-p checkpoints '/models/a': checkpoints is a list (default ['dcpythia-synth', 'pythia-synth']); "
+        "pass it with -y 'checkpoints: [/models/a]'"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        notebooks.parse_parameters(notebooks.resolve("synthetic_eval"), [("checkpoints", "/models/a")])
+    parameters = notebooks.parse_parameters(notebooks.resolve("synthetic_eval"), [], ["checkpoints: [/models/a]"])
+    assert parameters == {"checkpoints": ["/models/a"]}
 
 
 def test_y_takes_a_yaml_mapping_and_p_wins_over_it():
