@@ -468,6 +468,8 @@ def test_second_derivatives_raise_clearly():
 def test_bad_input_says_which_argument(change, message):
     q, k, v, pre, post = [to(x, torch.float32) for x in make_inputs(1, 16, 2, 16, 1)]
     real = torch.ones(1, 16, dtype=torch.bool, device=DEVICE)
+    with torch.no_grad():  # the right arguments first: their launch is cached, and the wrong ones still checked
+        fused_dcmha(q, k, v, pre, post, window=None, official=False, real=real, blocks=BLOCKS)
     if "k" in change:
         k, v = change["k"](k), change["k"](v)
     if "qw1" in change:
@@ -484,6 +486,24 @@ def test_bad_input_says_which_argument(change, message):
     blocks = change.get("blocks", BLOCKS)
     with pytest.raises(ValueError, match=f"^fused_dcmha: {message}"):
         fused_dcmha(q, k, v, pre, post, window=None, official=False, real=real, blocks=blocks, **options)
+
+
+def test_arguments_are_checked_once_a_signature(monkeypatch):
+    """A layer called again with the same shapes, dtypes and devices skips the checks (the host's time at short
+    prompts); any of them changed is checked again."""
+    checked = []
+    check = triton_kernels._check
+    monkeypatch.setattr(triton_kernels, "_check", lambda *args: checked.append(args) or check(*args))
+    monkeypatch.setattr(triton_kernels, "_launches", {})
+    q, k, v, pre, post = [to(x, torch.float32) for x in make_inputs(1, 16, 2, 16, 1)]
+    with torch.no_grad():
+        first = fused_dcmha(q, k, v, pre, post, window=None, official=False, blocks=BLOCKS)
+        again = fused_dcmha(q, k, v, pre, post, window=None, official=False, blocks=BLOCKS)
+        assert len(checked) == 1 and torch.equal(first, again)
+        fused_dcmha(q, k, v, pre, post, window=8, official=False, blocks=BLOCKS)
+        fused_dcmha(q[:, 1:], k[:, 1:], v[:, 1:], *[[w[:, 1:] for w in s] for s in (pre, post)], window=None,
+                    official=False, blocks=BLOCKS)  # fmt: skip
+    assert len(checked) == 3
 
 
 BRANCH_OF = {"qw1": "qp", "qw2": "qp", "kw1": "kp", "kw2": "kp", "qg": "qg", "kg": "kg"}

@@ -161,6 +161,7 @@ def test_an_empty_batch_gives_an_empty_pattern():
 
 def test_bad_input_says_which_argument():
     scores, mask, pre, post = cast(make_inputs(1, 3, 1, 9, 2), torch.float32)
+    fused_decoding_pattern(scores, mask, pre, post, 0.3)  # checked once: other arguments still are
     with pytest.raises(ValueError, match="mask must be"):
         fused_decoding_pattern(scores, mask[:, :, :, :4], pre, post, 0.3)
     with pytest.raises(ValueError, match="post kg must be"):
@@ -171,6 +172,22 @@ def test_bad_input_says_which_argument():
         fused_decoding_pattern(scores, mask, pre, (post[0][:, :, :1], post[1][:, :, :1], *post[2:]), 0.3)
     with pytest.raises(ValueError, match="pre gives w1 without w2"):
         fused_decoding_pattern(scores, mask, (pre[0], None, *pre[2:]), post, 0.3)
+
+
+def test_arguments_are_checked_once_a_signature(monkeypatch):
+    """A step with the same shapes, dtypes and devices as one before skips the checks; any of them changed (the next
+    step's one more key) is checked again."""
+    checked = []
+    check = decoding._check
+    monkeypatch.setattr(decoding, "_check", lambda *args: checked.append(args) or check(*args))
+    monkeypatch.setattr(decoding, "_ranks", {})
+    scores, mask, pre, post = cast(make_inputs(1, 3, 1, 9, 2), torch.float32)
+    first, again = (fused_decoding_pattern(scores, mask, pre, post, 0.3) for _ in range(2))
+    assert len(checked) == 1 and torch.equal(first, again)
+    key_side = (2, 3, 5)  # kw1, kw2 [b, r, h, s], kg [b, h, s]
+    fewer_keys = [tuple(w[..., :8] if i in key_side else w for i, w in enumerate(stage)) for stage in (pre, post)]
+    fused_decoding_pattern(scores[..., :8], mask[..., :8], *fewer_keys, 0.3)
+    assert len(checked) == 2
 
 
 # The model's choice.

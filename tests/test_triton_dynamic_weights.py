@@ -92,6 +92,7 @@ def test_half_precision(dtype):
 
 def test_bad_input_says_which_argument():
     x, W_in, b_in, W_out, W_gate, b_gate = [t.float() for t in make_weights(1, 3, 16, 8, 2, 1, True)]
+    fused_dynamic_weights(x, W_in, b_in, W_out, W_gate, b_gate)  # checked once: other arguments still are
     with pytest.raises(ValueError, match="W_out must be"):
         fused_dynamic_weights(x, W_in, b_in, W_out[:, :, :1], W_gate, b_gate)
     with pytest.raises(ValueError, match="b_gate must be"):
@@ -205,3 +206,18 @@ def test_a_card_the_kernel_does_not_fit_gives_one_warning_and_torchs_result(mode
     with torch.no_grad():
         reference = model(tokens)
     torch.testing.assert_close(out, reference, rtol=0, atol=0)
+
+
+def test_arguments_are_checked_once_a_signature(monkeypatch):
+    """Called again with the same shapes, dtypes and devices, the kernel skips the checks; any of them changed is
+    checked again."""
+    checked = []
+    check = dynamic_weights._check
+    monkeypatch.setattr(dynamic_weights, "_check", lambda *args: checked.append(args) or check(*args))
+    monkeypatch.setattr(dynamic_weights, "_checked", set())
+    inputs = [t.float() for t in make_weights(1, 3, 16, 8, 2, 1, True)]
+    first, again = fused_dynamic_weights(*inputs), fused_dynamic_weights(*inputs)
+    assert len(checked) == 1 and all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    fused_dynamic_weights(inputs[0][:, :2], *inputs[1:])
+    fused_dynamic_weights(*inputs[:2], None, *inputs[3:])
+    assert len(checked) == 3

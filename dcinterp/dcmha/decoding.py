@@ -36,7 +36,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from . import materialised
-from ._grids import cdiv, next_power_of_2
+from ._grids import cdiv, next_power_of_2, signature
 
 try:
     import triton
@@ -190,7 +190,13 @@ def fused_decoding_pattern(
     """`torch_decoding_pattern` in two Triton launches, without a backward (the result is detached); in the scores'
     dtype (float32, float16 or bfloat16), computed in float32 and rounded once. The arguments may be strided views
     (the cache's key side is one)."""
-    rank = _check(scores, mask, pre, post)
+    arguments = signature(scores, mask, *(pre or (None,) * 6), *(post or (None,) * 6))
+    rank = _ranks.get(arguments)
+    if rank is None:  # each signature checked once: a step's checks cost the host more than a launch
+        rank = _check(scores, mask, pre, post)
+        if len(_ranks) >= 256:  # a signature a cache length: keep the recent ones
+            _ranks.clear()
+        _ranks[arguments] = rank
     _decorate()
     batch, heads, queries, keys = scores.shape
     if scores.stride(3) != 1:
@@ -251,6 +257,9 @@ def _stage_arguments(stage: Stage, stand_in: Tensor) -> list:
 
 def _alike(a: Tensor, b: Tensor) -> bool:
     return a.shape == b.shape and a.stride() == b.stride()
+
+
+_ranks: dict[tuple, int] = {}  # the rank of each signature (`_grids.signature`) of arguments already checked
 
 
 def _check(scores: Tensor, mask: Tensor, pre: Stage, post: Stage) -> int:

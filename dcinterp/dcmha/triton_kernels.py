@@ -94,7 +94,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from ._grids import cdiv, next_power_of_2
+from ._grids import cdiv, next_power_of_2, signature
 
 try:
     import triton
@@ -1468,14 +1468,33 @@ def fused_dcmha(
             )
     weights = tuple(None if w is None else w.contiguous() for w in (*(pre or (None,) * 6), *(post or (None,) * 6)))
     backward = BACKWARD if backward is None else backward
-    _check(q, k, v, weights, past, real, window, blocks, forward, backward, map_blocks)
+    launch = _launch_for(q, k, v, weights, past, real, window, official, blocks, forward, backward, map_blocks)
     if real is not None:
         real = real.to(device=q.device, dtype=torch.int8).contiguous()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    launch = _Launch(q, k, weights, window, official, past, real, blocks, map_blocks)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, *weights)):
         return FusedDCMHA.apply(launch, backward, q, k, v, real, *weights)
     return _FORWARDS[forward](launch, q, k, v, real, weights)[0]
+
+
+_launches: dict[tuple, _Launch] = {}  # the calls' launches by their arguments' signature, each checked once
+
+
+def _launch_for(q, k, v, weights, past, real, window, official, blocks, forward, backward, map_blocks) -> _Launch:
+    """The call's `_Launch`, its arguments checked (`_check`) the first time their shapes, dtypes and devices are
+    seen: a layer called again with the same shapes (every layer of a forward, every forward of a sweep) spends the
+    host neither the checks nor the launch's settings again. The launch settings (`MAPS_KERNELS`, ...) are read when
+    a signature is first seen: a sweep changing them clears `_launches`."""
+    tensors = signature(q, k, v, real, *weights)
+    key = (tensors, past, window, official, tuple(blocks), forward, backward, map_blocks and tuple(map_blocks))
+    launch = _launches.get(key)
+    if launch is None:
+        _check(q, k, v, weights, past, real, window, blocks, forward, backward, map_blocks)
+        launch = _Launch(q, k, weights, window, official, past, real, blocks, map_blocks)
+        if len(_launches) >= 256:  # prompts of many lengths: keep the recent ones
+            _launches.clear()
+        _launches[key] = launch
+    return launch
 
 
 def _check(q, k, v, weights, past, real, window, blocks, forward, backward, map_blocks) -> None:
