@@ -3,7 +3,7 @@ MHA and the SDPA twin, in one run (issue 37's table).
 
     python benchmarks/bench_gpu_dcmha.py [--quick] [--tokens 128,512,...] [--shapes 6.9b-wide,d1024]
                                          [--repeats 10] [--json OUT.jsonl] [--cpu] [--maps-mib 256]
-                                         [--backward tiles|maps] [--kernels]
+                                         [--backward tiles|maps] [--fused-min-keys N] [--kernels]
 
 Random DCPythia-style models (LayerNorm, parallel residual, GELU MLP, QK-norm, rotary on a quarter of each head,
 vocabulary 8192), bfloat16, batch 1, frozen weights as analyses load them:
@@ -249,6 +249,12 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+def whole_number(text: str) -> int:
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"must be a whole number, 0 or more (got {text!r})")
+    return int(text)
+
+
 def prompt_lengths(text: str) -> list[int]:
     return [positive_int(count) for count in text.split(",")]
 
@@ -287,7 +293,16 @@ def main() -> None:
         choices=("tiles", "maps"),
         help="the fused kernels that take the gradients (default: dcinterp.dcmha.triton_kernels.BACKWARD)",
     )
+    parser.add_argument(
+        "--fused-min-keys",
+        type=whole_number,
+        metavar="N",
+        help="with gradients, the fused kernels from this many keys on, the materialised path below (default: "
+        "dcinterp.dcmha.FUSED_MIN_KEYS, 2,048); 0 times the kernels' forward + backward at every length",
+    )
     args = parser.parse_args()
+    if args.fused_min_keys is not None:
+        dcmha.FUSED_MIN_KEYS = args.fused_min_keys
     if args.maps_mib is not None:
         triton_kernels.MAPS_BYTES = triton_kernels.MAPS_MIN_BYTES = args.maps_mib * 2**20
     if args.backward is not None:
@@ -313,7 +328,7 @@ def main() -> None:
             f"Triton kernels: {'available' if reason is None else 'NOT available: ' + reason}; "
             f"maps held {triton_kernels.MAPS_TIMES_QUERIES}x the queries' bytes within "
             f"{triton_kernels.MAPS_MIN_BYTES / 2**20:g}-{triton_kernels.MAPS_BYTES / 2**20:g} MiB; "
-            f"gradients through the {triton_kernels.BACKWARD}",
+            f"gradients through the {triton_kernels.BACKWARD} from {dcmha.FUSED_MIN_KEYS} keys",
             flush=True,
         )
     if args.tokens:

@@ -72,6 +72,7 @@ def test_the_cpu_smoke_run_measures_every_model_and_claims_no_gpu_number(tmp_pat
         (["--tokens", "128,abc"], "argument --tokens: must be a positive whole number (got 'abc')"),
         (["--maps-mib", "0"], "argument --maps-mib: must be a positive whole number (got '0')"),
         (["--repeats", "-1"], "argument --repeats: must be a positive whole number (got '-1')"),
+        (["--fused-min-keys", "-1"], "argument --fused-min-keys: must be a whole number, 0 or more (got '-1')"),
         (["--shapes", "6.9b-wide,d2048"], "argument --shapes: unknown shape 'd2048' (known: 6.9b-wide, d1024)"),
     ],
 )
