@@ -214,7 +214,7 @@ def test_arguments_are_checked_once_a_signature(monkeypatch):
     checked = []
     check = dynamic_weights._check
     monkeypatch.setattr(dynamic_weights, "_check", lambda *args: checked.append(args) or check(*args))
-    monkeypatch.setattr(dynamic_weights, "_checked", set())
+    monkeypatch.setattr(dynamic_weights, "_checked", {})
     inputs = [t.float() for t in make_weights(1, 3, 16, 8, 2, 1, True)]
     first, again = fused_dynamic_weights(*inputs), fused_dynamic_weights(*inputs)
     assert len(checked) == 1 and all(torch.equal(a, b) for a, b in zip(first, again, strict=True))

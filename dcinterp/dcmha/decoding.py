@@ -36,7 +36,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from . import materialised
-from ._grids import cdiv, next_power_of_2, signature
+from ._grids import cdiv, checked_once, next_power_of_2, signature
 
 try:
     import triton
@@ -191,12 +191,7 @@ def fused_decoding_pattern(
     dtype (float32, float16 or bfloat16), computed in float32 and rounded once. The arguments may be strided views
     (the cache's key side is one)."""
     arguments = signature(scores, mask, *(pre or (None,) * 6), *(post or (None,) * 6))
-    rank = _ranks.get(arguments)
-    if rank is None:  # each signature checked once: a step's checks cost the host more than a launch
-        rank = _check(scores, mask, pre, post)
-        if len(_ranks) >= 256:  # a signature a cache length: keep the recent ones
-            _ranks.clear()
-        _ranks[arguments] = rank
+    rank = checked_once(_ranks, arguments, lambda: _check(scores, mask, pre, post))
     _decorate()
     batch, heads, queries, keys = scores.shape
     if scores.stride(3) != 1:

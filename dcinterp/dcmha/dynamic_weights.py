@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
-from ._grids import cdiv, next_power_of_2, signature
+from ._grids import cdiv, checked_once, next_power_of_2, signature
 
 try:
     import triton
@@ -146,12 +146,8 @@ def fused_dynamic_weights(x: Float[Tensor, "b p d"], W_in, b_in, W_out, W_gate, 
     Each result in the dtype torch's ops give it (x's and the weights' promoted dtype), stored branch-major (each
     branch's `w1[:, :, c]` contiguous: what the compose kernels read without a copy); float32, float16 or bfloat16
     inputs, summed in float32."""
-    arguments = signature(x, W_in, b_in, W_out, W_gate, b_gate)
-    if arguments not in _checked:  # each signature once: the checks cost the host more than the launch
-        _check(x, W_in, b_in, W_out, W_gate, b_gate)
-        if len(_checked) >= 256:
-            _checked.clear()
-        _checked.add(arguments)
+    arguments = (x, W_in, b_in, W_out, W_gate, b_gate)
+    checked_once(_checked, signature(*arguments), lambda: _check(*arguments))
     _decorate()
     batch, positions, D = x.shape
     K, H, R = W_in.shape[2], W_gate.shape[2], W_out.shape[2] // 2
@@ -182,7 +178,7 @@ def _promoted(*tensors) -> torch.dtype:
     return dtype
 
 
-_checked: set[tuple] = set()  # the signatures (`_grids.signature`) of the arguments already checked
+_checked: dict[tuple, None] = {}  # the signatures (`_grids.signature`) of the arguments already checked
 
 
 def _check(x, W_in, b_in, W_out, W_gate, b_gate) -> None:

@@ -94,7 +94,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from ._grids import cdiv, next_power_of_2, signature
+from ._grids import cdiv, checked_once, next_power_of_2, signature
 
 try:
     import triton
@@ -1487,14 +1487,12 @@ def _launch_for(q, k, v, weights, past, real, window, official, blocks, forward,
     a signature is first seen: a sweep changing them clears `_launches`."""
     tensors = signature(q, k, v, real, *weights)
     key = (tensors, past, window, official, tuple(blocks), forward, backward, map_blocks and tuple(map_blocks))
-    launch = _launches.get(key)
-    if launch is None:
+
+    def checked() -> _Launch:
         _check(q, k, v, weights, past, real, window, blocks, forward, backward, map_blocks)
-        launch = _Launch(q, k, weights, window, official, past, real, blocks, map_blocks)
-        if len(_launches) >= 256:  # prompts of many lengths: keep the recent ones
-            _launches.clear()
-        _launches[key] = launch
-    return launch
+        return _Launch(q, k, weights, window, official, past, real, blocks, map_blocks)
+
+    return checked_once(_launches, key, checked)
 
 
 def _check(q, k, v, weights, past, real, window, blocks, forward, backward, map_blocks) -> None:
