@@ -24,7 +24,9 @@ host's time (`host_ms`: until the call returned, before the wait for the GPU; cl
 waits on the host, as at short prompts and in decoding). With `--kernels`, one more call of each layer's attention
 forward under torch's profiler gives the card's kernels: `device_ms`, how long they computed (the rest of the wall
 time the card waited on the host), and `kernel_ms`, the ten longest (the profiler may slow what runs after it: take
-the times from a run without `--kernels`). Each measurement
+the times from a run without `--kernels`). With gradients the fused model takes the kernels from `FUSED_MIN_KEYS`
+keys on (2,048), the materialised path below: `--fused-min-keys 0` times the kernels' forward + backward at every
+length, `--backward maps` through the other fused backward. Each measurement
 is a JSON line (with the path every layer took: a "fused" model without the kernels says "materialised"); a
 markdown table of the medians and the ratios to the SDPA twin ends the run. A measurement that runs out of GPU
 memory is reported as such and the run goes on.
