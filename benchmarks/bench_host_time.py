@@ -1,15 +1,22 @@
-"""The host's time in a no-hook forward (or, with --decode, a cached decoding step) on CUDA's paths, DCMHA against its
-SDPA twin, measured on this CPU (issue #37: at the short prompts most analyses use, and in decoding, a GPU waits on
-the host, which spends its time in Python and in dispatching ops).
+"""The host's time in a no-hook forward (or, with --decode, a cached decoding step; with --gradients, a forward and
+backward to the input) on CUDA's paths, DCMHA against its SDPA twin, measured on this CPU (issue #37: at the short
+prompts most analyses use, and in decoding, a GPU waits on the host, which spends its time in Python and in
+dispatching ops).
 
     python benchmarks/bench_host_time.py [--tokens 16] [--layers 2] [--runs 300] [--decode]
+    python benchmarks/bench_host_time.py --gradients [--fused-min-keys N] [--backward tiles|maps]
 
 The models are told they are on CUDA (as in `bench_forward_launches.py`), so each call takes the path it takes on a
 card, and every Triton launch is replaced by a no-op that counts it. What is timed is dcinterp's Python and torch's
 dispatch of each op, on tensors small enough (d_model 64, 4 heads of 16) that the CPU's arithmetic is a small part of
 it; Triton's own launch cost is not in it (its launcher needs a GPU). Reported: the median time of each layer's
 attention module (its projections, rotary, dynamic weights and path included) and of the whole call, the two
-models taking turns at every run; the ratio DCMHA / twin.
+models taking turns at every run; the ratio DCMHA / twin. With --gradients, the call is a forward and a backward to the
+input embeddings (an integrated-gradients step, the weights frozen), and the attention row times the modules'
+forward only; the gradients take the path CUDA gives them: the materialised one below `dcinterp.dcmha.
+FUSED_MIN_KEYS` keys (2,048), the fused kernels' from there (`--fused-min-keys 0`: at every length; `--backward`
+names which kernels, as `bench_gpu_dcmha.py`'s does). Their no-op launches leave the outputs as allocated: the
+gradients are meaningless, their host time is not.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first decorated
 
 import torch  # noqa: E402
 
+import dcinterp.dcmha as dcmha  # noqa: E402
+from dcinterp.dcmha import triton_kernels  # noqa: E402
 from dcinterp.kv_cache import DCFormerKeyValueCache  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -33,13 +42,13 @@ from bench_forward_launches import TritonLaunches, as_on_cuda, small_model  # no
 class Model:
     """One model, its attention modules timed at every call, and a way to run the call this benchmark times."""
 
-    def __init__(self, use_dcmha: bool, layers: int, tokens: int, decode: bool):
+    def __init__(self, use_dcmha: bool, layers: int, tokens: int, decode: bool, gradients: bool):
         self.model = small_model(use_dcmha, layers)
         self.attention: list[float] = []
         for block in self.model.blocks:
             block.attn.forward = self._timed(block.attn.forward)
         self.prompt = torch.randint(100, (1, tokens), generator=torch.Generator().manual_seed(0))
-        self.decode = decode
+        self.decode, self.gradients = decode, gradients
 
     def _timed(self, forward):
         def timed(*args, **kwargs):
@@ -50,9 +59,21 @@ class Model:
 
         return timed
 
-    @torch.no_grad()
     def call(self, launches: TritonLaunches) -> float:
-        """The time of one call: a forward of the prompt, or a one-token step after it with the cache."""
+        """The time of one call: a forward of the prompt, a one-token step after it with the cache, or a forward and
+        backward to the prompt's embeddings."""
+        if self.gradients:
+            embeddings = self.model.embed(self.prompt).detach().requires_grad_(True)
+            launches.counting = True
+            start = time.perf_counter()
+            self.model(embeddings, start_at_layer=0)[0, -1].logsumexp(-1).backward()
+            elapsed = time.perf_counter() - start
+            launches.counting = False
+            return elapsed
+        with torch.no_grad():
+            return self._call_without_gradients(launches)
+
+    def _call_without_gradients(self, launches: TritonLaunches) -> float:
         inputs, kwargs = (self.prompt,), {}
         if self.decode:
             cache = DCFormerKeyValueCache.init_cache(self.model.cfg, "cpu", batch_size=1)
@@ -74,14 +95,33 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--runs", type=int, default=300, help="timed calls of each model")
     parser.add_argument("--decode", action="store_true", help="time a cached step of one token after the prompt")
+    parser.add_argument("--gradients", action="store_true", help="time a forward and backward to the input")
+    parser.add_argument(
+        "--fused-min-keys",
+        type=int,
+        metavar="N",
+        help="with --gradients, the fused kernels from N keys on (default: dcinterp.dcmha.FUSED_MIN_KEYS; 0: always)",
+    )
+    parser.add_argument("--backward", choices=("tiles", "maps"), help="with --gradients, the fused kernels' backward")
     args = parser.parse_args()
     if min(args.tokens, args.layers, args.runs) < 1:
         parser.error("--tokens, --layers and --runs must be at least 1")
+    if args.decode and args.gradients:
+        parser.error("--decode and --gradients time different calls: give one")
+    if (args.fused_min_keys is not None or args.backward) and not args.gradients:
+        parser.error("--fused-min-keys and --backward choose the gradients' path: give --gradients too")
+    if args.fused_min_keys is not None and args.fused_min_keys < 0:
+        parser.error("--fused-min-keys must be at least 0")
+    if args.fused_min_keys is not None:
+        dcmha.FUSED_MIN_KEYS = args.fused_min_keys
+    if args.backward:
+        triton_kernels.BACKWARD = args.backward
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)  # the no-op launches leave their outputs as allocated: no slow denormals
     as_on_cuda()
     models = {
-        name: Model(use, args.layers, args.tokens, args.decode) for name, use in (("DCMHA", True), ("twin", False))
+        name: Model(use, args.layers, args.tokens, args.decode, args.gradients)
+        for name, use in (("DCMHA", True), ("twin", False))
     }
     launches = TritonLaunches(run=False)  # not run once entered; counted only in the timed calls
     launches.counting = False
@@ -95,14 +135,21 @@ def main() -> None:
                 model.attention.clear()
                 calls[name].append(model.call(launches))
                 attention[name].append(statistics.fmean(model.attention))
-    what = f"a cached step of one token after {args.tokens}" if args.decode else f"a forward of {args.tokens}"
-    print(f"Host time, no hook, {what} tokens, {args.layers} layer(s), on CUDA's paths with Triton's launches not run")
+    what = f"a forward of {args.tokens} tokens"
+    if args.decode:
+        what = f"a cached step of one token after {args.tokens} tokens"
+    elif args.gradients:
+        fused = args.tokens >= dcmha.FUSED_MIN_KEYS
+        path = f"the fused kernels ({triton_kernels.BACKWARD} backward)" if fused else "the materialised path"
+        what = f"a forward and backward to the input of {args.tokens} tokens, through {path}"
+    print(f"Host time, no hook, {what}, {args.layers} layer(s), on CUDA's paths with Triton's launches not run")
     print(f"(medians of {args.runs}; d_model 64, 4 heads of 16; torch {torch.__version__}, 1 thread):")
     print("| | DCMHA (us) | SDPA twin (us) | DCMHA / twin |")
     print("|---|---|---|---|")
-    for label, times in (("attention module, a layer", attention), ("whole call", calls)):
-        dcmha, twin = (statistics.median(times[name]) * 1e6 for name in models)
-        print(f"| {label} | {dcmha:.0f} | {twin:.0f} | **{dcmha / twin:.2f}x** |")
+    module = "attention module's forward, a layer" if args.gradients else "attention module, a layer"
+    for label, times in ((module, attention), ("whole call", calls)):
+        ours, twin = (statistics.median(times[name]) * 1e6 for name in models)
+        print(f"| {label} | {ours:.0f} | {twin:.0f} | **{ours / twin:.2f}x** |")
     per_layer = sum(launches.launches.values()) / (args.runs * args.layers)
     print(f"Triton launches a layer (not run, not in the times): {per_layer:g}")
 

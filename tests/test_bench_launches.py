@@ -58,22 +58,38 @@ def test_a_decoding_steps_count_takes_the_pattern_as_two_kernels_on_cuda():
     assert on_cuda[2] == total[2]
 
 
-@pytest.mark.parametrize("decode, kernels", [([], 5), (["--decode"], 3)], ids=["forward", "decoding-step"])
-def test_the_host_time_benchmark_times_both_models_on_cudas_paths(decode, kernels):
-    out = run("bench_host_time.py", "--runs", "3", "--layers", "2", "--tokens", "20", *decode)
-    rows = re.findall(
-        r"^\| (attention module, a layer|whole call) \| (\d+) \| (\d+) \| \*\*([\d.]+)x\*\* \|$", out, re.M
-    )
-    assert [row[0] for row in rows] == ["attention module, a layer", "whole call"], out
+@pytest.mark.parametrize(
+    "mode, kernels, module",
+    [
+        ([], 5, "attention module"),
+        (["--decode"], 3, "attention module"),
+        (["--gradients"], 0, "attention module's forward"),  # 20 keys: the materialised path
+        (["--gradients", "--fused-min-keys", "0"], 3, "attention module's forward"),  # one forward, two backward
+    ],
+    ids=["forward", "decoding-step", "gradients", "gradients-through-the-kernels"],
+)
+def test_the_host_time_benchmark_times_both_models_on_cudas_paths(mode, kernels, module):
+    out = run("bench_host_time.py", "--runs", "3", "--layers", "2", "--tokens", "20", *mode)
+    rows = re.findall(r"^\| ([^|]+, a layer|whole call) \| (\d+) \| (\d+) \| \*\*([\d.]+)x\*\* \|$", out, re.M)
+    assert [row[0] for row in rows] == [f"{module}, a layer", "whole call"], out
     assert all(int(dcmha) > 0 and int(twin) > 0 for _, dcmha, twin, _ in rows)
     assert f"Triton launches a layer (not run, not in the times): {kernels}\n" in out
 
 
-def test_the_host_time_benchmark_says_what_is_wrong_in_one_line():
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--runs", "0"], "--tokens, --layers and --runs must be at least 1"),
+        (["--decode", "--gradients"], "--decode and --gradients time different calls: give one"),
+        (["--backward", "maps"], "--fused-min-keys and --backward choose the gradients' path: give --gradients too"),
+        (["--gradients", "--fused-min-keys", "-1"], "--fused-min-keys must be at least 0"),
+    ],
+)
+def test_the_host_time_benchmark_says_what_is_wrong_in_one_line(arguments, message):
     result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_host_time.py"), "--runs", "0"], capture_output=True, text=True
+        [sys.executable, str(BENCHMARKS / "bench_host_time.py"), *arguments], capture_output=True, text=True
     )
-    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].endswith("must be at least 1")
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == f"bench_host_time.py: error: {message}"
 
 
 def test_the_decode_ops_count_says_what_is_wrong_in_one_line():
