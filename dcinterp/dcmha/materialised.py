@@ -46,8 +46,8 @@ def compose_fused(A, qw1=None, qw2=None, kw1=None, kw2=None, qg=None, kg=None) -
     + qw1[t]^T qw2[t], and the key-side ones one map per key, W_k[s] = diag(kg[s]) + kw1[s]^T kw2[s]; each is
     applied with one batched matmul (faster than the low-rank form on CPU, forward and backward). The products are
     written as matmuls of permuted views, each with its einsum beside it: torch.einsum computes the same products
-    (the same bits, forward and backward) through about twice the view operations, a third of the host's time of a
-    compose's forward and backward at short prompts.
+    (on the CPU the same bits, forward and backward) through about twice the view operations, a third of the host's
+    time of a compose's forward and backward at short prompts.
     """
     if qw1 is not None or qg is not None:
         W_q = torch.diag_embed(1 + qg) if qg is not None else torch.eye(A.shape[1], device=A.device, dtype=A.dtype)
