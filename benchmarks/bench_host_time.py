@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first decorated
 
@@ -62,31 +63,27 @@ class Model:
     def call(self, launches: TritonLaunches) -> float:
         """The time of one call: a forward of the prompt, a one-token step after it with the cache, or a forward and
         backward to the prompt's embeddings."""
-        if self.gradients:
-            embeddings = self.model.embed(self.prompt).detach().requires_grad_(True)
+        with nullcontext() if self.gradients else torch.no_grad():
+            run = self._prepared()
             launches.counting = True
             start = time.perf_counter()
-            self.model(embeddings, start_at_layer=0)[0, -1].logsumexp(-1).backward()
+            run()
             elapsed = time.perf_counter() - start
             launches.counting = False
-            return elapsed
-        with torch.no_grad():
-            return self._call_without_gradients(launches)
+        return elapsed
 
-    def _call_without_gradients(self, launches: TritonLaunches) -> float:
-        inputs, kwargs = (self.prompt,), {}
+    def _prepared(self):
+        """The call to time, what comes before it done (the embeddings, the cache filled)."""
+        if self.gradients:
+            embeddings = self.model.embed(self.prompt).detach().requires_grad_(True)
+            return lambda: self.model(embeddings, start_at_layer=0)[0, -1].logsumexp(-1).backward()
         if self.decode:
             cache = DCFormerKeyValueCache.init_cache(self.model.cfg, "cpu", batch_size=1)
             self.model(self.prompt, past_kv_cache=cache)
             self.model(self.prompt[:, -1:], past_kv_cache=cache)  # the first step may grow the cache's buffers
             self.attention.clear()
-            inputs, kwargs = (self.prompt[:, -1:],), dict(past_kv_cache=cache)
-        launches.counting = True
-        start = time.perf_counter()
-        self.model(*inputs, **kwargs)
-        elapsed = time.perf_counter() - start
-        launches.counting = False
-        return elapsed
+            return lambda: self.model(self.prompt[:, -1:], past_kv_cache=cache)
+        return lambda: self.model(self.prompt)
 
 
 def main() -> None:

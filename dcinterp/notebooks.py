@@ -293,10 +293,10 @@ def _socket_folder() -> str:
     import shutil
     import tempfile
 
-    folder = tempfile.mkdtemp(prefix="dcinterp-kernel-")
-    if len(os.fsencode(folder)) > 90 and os.path.isdir("/tmp"):
-        os.rmdir(folder)
-        folder = tempfile.mkdtemp(prefix="dcinterp-kernel-", dir="/tmp")
+    parent = tempfile.gettempdir()
+    if len(os.fsencode(os.path.join(parent, "dcinterp-kernel-12345678"))) > 90 and os.path.isdir("/tmp"):
+        parent = "/tmp"
+    folder = tempfile.mkdtemp(prefix="dcinterp-kernel-", dir=parent)
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return folder
 
