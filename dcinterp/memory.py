@@ -165,11 +165,15 @@ def hook_device(model, name: str) -> str:
     return str(model.input_device)
 
 
-def free_memory(device: str) -> int:
-    """Bytes free on a device: `torch.cuda.mem_get_info` for a GPU, the OS's available memory for the CPU."""
+def free_memory(device: str | torch.device) -> int:
+    """Bytes free on a device: for a GPU, what its driver has free (`torch.cuda.mem_get_info`) and what torch's
+    caching allocator holds unused (reserved, not allocated: freed tensors it keeps for the next); for the CPU, the
+    OS's available memory."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        stats = torch.cuda.memory_stats_as_nested_dict(device)  # {} before torch's first allocation there
+        unused = stats["reserved_bytes"]["all"]["current"] - stats["allocated_bytes"]["all"]["current"] if stats else 0
+        return torch.cuda.mem_get_info(device)[0] + unused
     import psutil
 
     return psutil.virtual_memory().available

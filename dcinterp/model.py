@@ -259,6 +259,7 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.window = cfg.layer_window(layer)
+        self.layers_from_here = cfg.n_layers - layer  # this one and those after it
         H, D, E = cfg.n_heads, cfg.d_model, cfg.d_head
         self.W_Q = nn.Parameter(torch.empty(H, D, E))
         self.W_K = nn.Parameter(torch.empty(H, D, E))
@@ -403,6 +404,8 @@ class Attention(nn.Module):
             square_read = square_read or any(
                 c is not None and c.branches_read() for c in (self.pre_compose, self.post_compose)
             )
+        keys, gradient_needed = mask.shape[-1], _gradient_needed(itertools.chain((x,), self.parameters()))
+        kept = dcmha.materialised_saved_bytes(x.shape[0], self.cfg.n_heads, n_queries, keys, x.dtype)
         return dcmha.choose_path(
             dcmha=self.cfg.use_dcmha,
             device=x.device,
@@ -410,8 +413,9 @@ class Attention(nn.Module):
             functorch_active=torch._C._are_functorch_transforms_active(),
             cached_queries=None if past_kv_cache_entry is None else n_queries,
             padding_as_mask_only=mask.ndim == 4 and real is None,
-            keys=mask.shape[-1],
-            gradient_needed=_gradient_needed(itertools.chain((x,), self.parameters())),
+            keys=keys,
+            gradient_needed=gradient_needed,
+            materialised_bytes=kept * self.layers_from_here if gradient_needed else 0,
         )
 
     def composed_weights(

@@ -25,7 +25,7 @@ if not torch.cuda.is_available():  # the real kernels run under Triton's interpr
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import dcinterp.dcmha as dcmha
-from dcinterp import DCFormerConfig, HookedDCFormer
+from dcinterp import DCFormerConfig, HookedDCFormer, memory
 from dcinterp.dcmha import materialised
 from dcinterp.kv_cache import DCFormerKeyValueCache
 from dcinterp.model import attention_mask
@@ -33,6 +33,8 @@ from tests.numerics import assert_as_exact_as, float64_copy, hessian_vector_prod
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+GiB = 2**30
+ROOM = int(dcmha.MATERIALISED_MEMORY_FRACTION * GiB)  # what the materialised path may keep of 1 GiB free
 SQUARE_HOOKS = [
     "hook_attn_scores",
     "hook_composed_scores",
@@ -65,6 +67,21 @@ def kernels(monkeypatch):
     monkeypatch.setattr(dcmha, "_warned", set())
     monkeypatch.setattr(dcmha, "_refused", {})
     return module
+
+
+@pytest.fixture
+def card_memory(monkeypatch):
+    """The card's free memory as `dcinterp.memory.free_memory` gives it (80 GiB unless a test sets `.free`), only ever
+    asked of CUDA; `.asked` counts the calls."""
+    card = types.SimpleNamespace(free=80 * GiB, asked=0)
+
+    def free_memory(device):
+        assert torch.device(device).type == "cuda"
+        card.asked += 1
+        return card.free
+
+    monkeypatch.setattr(memory, "free_memory", free_memory)
+    return card
 
 
 class FirstOrderOnly(torch.autograd.Function):
@@ -135,6 +152,11 @@ def on_cuda(monkeypatch, paths):
         (dict(keys=dcmha.FUSED_MIN_KEYS - 1), "blocked", "materialised"),  # a short prompt: the kernels measured slower
         (dict(keys=dcmha.FUSED_MIN_KEYS), "blocked", "triton"),
         (dict(cached_queries=dcmha.FEW_QUERIES + 1, keys=dcmha.FUSED_MIN_KEYS - 1), "blocked", "materialised"),
+        # with a gradient below FUSED_MIN_KEYS, what the materialised path keeps against the free memory (1 GiB here)
+        (dict(keys=dcmha.FUSED_MIN_KEYS - 1, materialised_bytes=ROOM), "blocked", "materialised"),
+        (dict(keys=dcmha.FUSED_MIN_KEYS - 1, materialised_bytes=ROOM + 1), "blocked", "triton"),
+        (dict(keys=16, materialised_bytes=GiB, square_tensor_read=True), "materialised", "materialised"),
+        (dict(keys=16, materialised_bytes=GiB, cached_queries=1), "few_queries", "few_queries"),
         (dict(keys=16, gradient_needed=False), "blocked", "triton"),  # no gradient: the forward through the maps
         (dict(keys=dcmha.FUSED_MIN_KEYS - 1, gradient_needed=False), "blocked", "triton"),
         (dict(cached_queries=1, gradient_needed=False), "few_queries", "few_queries"),
@@ -145,7 +167,8 @@ def on_cuda(monkeypatch, paths):
         (dict(dcmha=False, functorch_active=True), "materialised", "materialised"),
     ],
 )
-def test_the_rules(kernels, facts, cpu_path, cuda_path):
+def test_the_rules(kernels, card_memory, facts, cpu_path, cuda_path):
+    card_memory.free = GiB
     facts = {"dcmha": True, "square_tensor_read": False, **facts}
     assert dcmha.choose_path(device=CPU, **facts) == cpu_path
     assert dcmha.choose_path(device=CUDA, **facts) == cuda_path
@@ -220,14 +243,16 @@ def test_a_functorch_transform_keeps_the_materialised_path(model, paths):
     assert set(paths) == {"materialised"}
 
 
-def test_a_short_prompt_takes_the_kernels_without_gradients_only(model, kernels, paths, monkeypatch):
+def test_a_short_prompt_takes_the_kernels_without_gradients_only(model, kernels, card_memory, paths, monkeypatch):
     """On CUDA with the kernels (the default thresholds): a 12-token prompt takes the Triton path under no_grad (its
-    forward through the maps) and the materialised one when a gradient is needed, to the input or to the weights."""
+    forward through the maps) and the materialised one when a gradient is needed, to the input or to the weights;
+    the free memory is asked only then."""
     choose = dcmha.choose_path
     monkeypatch.setattr(dcmha, "choose_path", lambda **facts: choose(**{**facts, "device": CUDA}))
     tokens = tokens_for(model, batch=1, length=12)
     n = model.cfg.n_layers
     model(tokens)  # the weights are frozen, as loaded: no gradient is needed
+    assert card_memory.asked == 0
     embeddings = model.embed(tokens).detach().requires_grad_(True)
     model(embeddings, start_at_layer=0)  # a gradient to the input
     model.requires_grad_(True)
@@ -236,6 +261,62 @@ def test_a_short_prompt_takes_the_kernels_without_gradients_only(model, kernels,
     finally:
         model.requires_grad_(False)
     assert paths == ["triton"] * n + ["materialised"] * 2 * n
+    assert card_memory.asked == 2 * n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_materialised_path_keeps_what_its_estimate_says(model, dtype):
+    """With every branch on, the [b, h, t, s] tensors autograd keeps for a layer's backward on the materialised path
+    are `materialised_saved_bytes`, byte for byte (distinct storages, counted as they are saved); with branches off,
+    fewer."""
+    b, t = 2, 48
+    full = copy.deepcopy(model).to(dtype)
+    cfg = copy.deepcopy(model.cfg)
+    cfg.compose_branches = ("qp", "qg")  # the key side off
+    query_side = HookedDCFormer(cfg).to(dtype)
+    square = b * model.cfg.n_heads * t * t
+
+    def kept(m):
+        attn = m.blocks[1].attn.requires_grad_(True)
+        x = torch.randn(b, t, m.cfg.d_model, dtype=dtype, generator=torch.Generator().manual_seed(0))
+        q, k, v = (torch.randn(b, t, m.cfg.n_heads, m.cfg.d_head, dtype=dtype).requires_grad_() for _ in range(3))
+        storages = {}
+
+        def pack(tensor):
+            if tensor.numel() >= square:
+                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            attn.materialised_z(x, q, k, v, attention_mask(t, attn.window, x.device, dtype))
+        return sum(storages.values())
+
+    estimate = dcmha.materialised_saved_bytes(b, model.cfg.n_heads, t, t, dtype)
+    assert kept(full) == estimate
+    assert 0 < kept(query_side) < estimate
+
+
+def test_a_gradient_takes_the_kernels_in_the_layers_whose_materialised_tensors_would_not_fit(
+    model, kernels, card_memory, paths, monkeypatch
+):
+    """Below FUSED_MIN_KEYS a gradient takes the materialised path while what it keeps for this layer and the layers
+    after it takes at most MATERIALISED_MEMORY_FRACTION of the card's free memory: every layer on a large card, the
+    kernels first and then the materialised path where the free memory fits fewer layers, the kernels everywhere on
+    a small card."""
+    choose = dcmha.choose_path
+    monkeypatch.setattr(dcmha, "choose_path", lambda **facts: choose(**{**facts, "device": CUDA}))
+    n, batch, length = model.cfg.n_layers, 2, 12
+    layer = dcmha.materialised_saved_bytes(batch, model.cfg.n_heads, length, length, torch.float32)
+    embeddings = model.embed(tokens_for(model, batch, length)).detach().requires_grad_(True)
+    for layers_that_fit, expected in [
+        (n, ["materialised"] * n),
+        (2, ["triton"] * (n - 2) + ["materialised"] * 2),
+        (0.99, ["triton"] * n),
+    ]:
+        card_memory.free = int(layers_that_fit * layer / dcmha.MATERIALISED_MEMORY_FRACTION)
+        paths.clear()
+        model(embeddings, start_at_layer=0)
+        assert paths == expected, layers_that_fit
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

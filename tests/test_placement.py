@@ -171,6 +171,18 @@ def test_guard_refuses_an_oversized_cache_and_accepts_a_filtered_one(monkeypatch
     model.run_with_cache(tokens)
 
 
+def test_a_cards_free_memory_counts_what_torchs_allocator_holds_unused(monkeypatch):
+    """What the driver has free, and the blocks torch's caching allocator keeps after tensors are freed (reserved, not
+    allocated), which the next tensors take first: without them a second call would see less room than the first."""
+    GiB = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 * GiB, 80 * GiB))
+    stats = {"reserved_bytes": {"all": {"current": 9 * GiB}}, "allocated_bytes": {"all": {"current": 4 * GiB}}}
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device: stats)
+    assert memory.free_memory("cuda:0") == memory.free_memory(torch.device("cuda", 0)) == 8 * GiB
+    stats = {}  # torch has not allocated on the card yet
+    assert memory.free_memory("cuda:0") == 3 * GiB
+
+
 # --------------------------------------------------------------------------------------------------
 # On a GPU (run with the device tool; skipped on CPU-only machines such as CI's)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -215,3 +227,16 @@ def test_half_precision_on_the_gpu_loads_straight_to_it(reference, tokens, dtype
     assert {(p.device.type, p.dtype) for p in model.parameters()} == {("cuda", dtype)}
     logits = model(tokens.cuda()).float().cpu()
     assert (logits - reference(tokens)).abs().max() < (0.1 if dtype == torch.bfloat16 else 0.02)
+
+
+@needs_cuda
+def test_a_cards_free_memory_is_the_same_after_a_tensor_is_freed():
+    """A freed tensor's memory stays with torch's caching allocator (the driver no longer counts it free); the free
+    memory the dispatch and the cache guard ask counts it."""
+    torch.cuda.empty_cache()  # no block kept from an earlier test for the tensor below to reuse
+    before = memory.free_memory("cuda")
+    tensor = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    assert memory.free_memory("cuda") <= before - tensor.nbytes + 2**20
+    del tensor
+    assert torch.cuda.mem_get_info()[0] <= before - 256 * 2**20 + 2**20  # still reserved by the allocator
+    assert abs(memory.free_memory("cuda") - before) <= 2**20

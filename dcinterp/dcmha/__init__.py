@@ -12,7 +12,9 @@ Paths, and when `choose_path` takes each (first rule that applies):
   no gradient is needed (`FUSED_MIN_KEYS_WITHOUT_GRADIENTS`), and for prompts of at least `FUSED_MIN_KEYS` keys
   when one is. Shorter prompts with gradients take the materialised path and cached decoding steps the few-queries
   one, where the kernels measured slower (the numbers are beside the thresholds; `FUSED_DECODING = True` sends
-  decoding steps to the kernels too). Where the kernels
+  decoding steps to the kernels too); but a shorter prompt with gradients takes the kernels where what the
+  materialised path would keep for the backward, in this layer and the layers after it (`materialised_saved_bytes`),
+  would take more than `MATERIALISED_MEMORY_FRACTION` of the device's free memory. Where the kernels
   cannot run (no Triton, an old one, or Triton refusing to build them for the card at their first launch, e.g. past
   its shared memory: that call is then computed by `materialised.attend`), one warning per reason names why, and
   the next rules apply.
@@ -48,6 +50,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from .. import memory
 from . import materialised
 
 Path = Literal["materialised", "few_queries", "blocked", "triton", "sdpa"]
@@ -67,6 +70,13 @@ FUSED_MIN_KEYS = 2048
 # models at 128 tokens within 10% of the materialised path either way. So it is taken at every length.
 FUSED_MIN_KEYS_WITHOUT_GRADIENTS = 0
 FUSED_DECODING = False
+# Below FUSED_MIN_KEYS a gradient takes the materialised path only while the [b, h, t, s] tensors it keeps for the
+# backward, of this layer and the layers after it, would take at most this fraction of the device's free memory. On
+# the H100 that path held 1.4-4.9x the SDPA twin's memory at 512-1,024 tokens (the kernels 1.02-1.09x from 2,048):
+# at 1,024 tokens, 469 MB a layer of DCPythia-6.9B's width, 15 GB for its 32 layers, where a 24 GB card has about
+# 9.5 GB beside the weights. The rest of the memory goes to what every path keeps (the twin's 190 MB a layer
+# there, the MLPs' and the residual stream's activations, the logits) and to the backward's passing tensors.
+MATERIALISED_MEMORY_FRACTION = 0.25
 # Up to this many positions the fused dynamic weights are faster than torch's ops (an H100, the 6.9B width: bfloat16
 # 0.06 against 0.18-0.27 ms at 16-512 positions, 0.09 against 0.17 at 2,048, 0.38 against 0.17 at 8,192; float32
 # 0.12 against 0.15 at 16-512, 0.39 against 0.28 at 2,048)
@@ -76,6 +86,14 @@ _warned: set[str] = set()  # the warnings already given, so that each is said on
 _refused: dict[str, str] = {}  # per device, why Triton refused to compile the kernels for it (its first launch)
 _refused_dynamic_weights: dict[str, str] = {}  # the same, for the dynamic weights' kernel
 _refused_decoding: dict[str, str] = {}  # the same, for the decoding step's kernels
+
+
+def materialised_saved_bytes(batch: int, heads: int, queries: int, keys: int, dtype: torch.dtype) -> int:
+    """The bytes of the [b, h, t, s] tensors the materialised path keeps for the backward of one layer with every
+    branch on (fewer with some off): the input of each compose stage's two maps (four), the softmax's output in
+    float32 or wider, and the pattern for P' V (counted in tests/test_dcmha_dispatch.py)."""
+    softmax_itemsize = max(dtype.itemsize, torch.float32.itemsize)
+    return batch * heads * queries * keys * (5 * dtype.itemsize + softmax_itemsize)
 
 
 def triton_unavailable(device: torch.device) -> str | None:
@@ -117,6 +135,7 @@ def choose_path(
     padding_as_mask_only: bool = False,
     keys: int | None = None,
     gradient_needed: bool = True,
+    materialised_bytes: int = 0,
 ) -> Path:
     """Which path computes one attention call (the table in this module's docstring).
 
@@ -125,7 +144,9 @@ def choose_path(
     the number of new queries (None without one); `padding_as_mask_only`: padded keys are hidden by the additive
     mask alone, without the [b, s] table of real keys the kernels take (a direct call of `Attention`); `keys`: how
     many keys the queries attend over (cached ones included; None: not known, as many as the kernels need);
-    `gradient_needed`: grad mode is on and the layer's input or a parameter requires grad."""
+    `gradient_needed`: grad mode is on and the layer's input or a parameter requires grad; `materialised_bytes`:
+    with a gradient, what the materialised path would keep for the backward in this layer and the layers after it
+    (`materialised_saved_bytes` each; the device's free memory is asked only when it matters)."""
     if square_tensor_read or functorch_active:
         return "materialised"
     if not dcmha:
@@ -136,13 +157,21 @@ def choose_path(
         if reason is None:
             if decoding and not FUSED_DECODING:
                 return "few_queries"
-            if keys is not None and keys < (FUSED_MIN_KEYS if gradient_needed else FUSED_MIN_KEYS_WITHOUT_GRADIENTS):
+            short = keys is not None and keys < (
+                FUSED_MIN_KEYS if gradient_needed else FUSED_MIN_KEYS_WITHOUT_GRADIENTS
+            )
+            if short and not _past_memory(materialised_bytes, device):
                 return "materialised"
             return "triton"
         _warn_once(reason, device)
     if decoding:
         return "few_queries"
     return "blocked" if device.type == "cpu" else "materialised"
+
+
+def _past_memory(nbytes: int, device: torch.device) -> bool:
+    """Whether `nbytes` would take more than MATERIALISED_MEMORY_FRACTION of the device's free memory."""
+    return nbytes > 0 and nbytes > MATERIALISED_MEMORY_FRACTION * memory.free_memory(device)
 
 
 def dynamic_weights_path(
