@@ -537,14 +537,17 @@ def test_the_models_layers(name):
         assert_as_exact(z, single[f"{attn}.hook_z"], exact[f"{attn}.hook_z"], f"layer {layer} z")
 
 
-COMPILE_FOR_A_HOPPER_GPU = """
+COMPILE_FOR_A_CARD = """
+import sys
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from dcinterp.dcmha import triton_kernels
 
+arch, shared_memory, heads = (int(argument) for argument in sys.argv[1:])
 triton_kernels._decorate()
-every = dict(HP=4, BQ=16, BK=16, BE=32, PADDING=True, HALF=True, R=2, RP=2, EP=128, FIRST=0, QP=True, KP=True,
+every = dict(HP=heads, BQ=16, BK=16, BE=32, PADDING=True, HALF=True, R=2, RP=2, EP=128, FIRST=0, QP=True, KP=True,
              QG=True, KG=True)
 every.update({f"{stage}_{branch}": True for stage in ("PRE", "POST") for branch in ("QP", "KP", "QG", "KG")})
 scalars = dict(T="i32", S="i32", H="i32", E="i32", R="i32", past="i32", span="i32", scale="fp32")
@@ -572,8 +575,8 @@ for name in tiles + maps:
     }
     paths = {(kernel.arg_names.index(arg),): value for arg, value in constants.items()}
     source = ASTSource(fn=kernel, signature=signature, constexprs=paths)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    assert compiled.metadata.shared <= 227 * 1024, (name, compiled.metadata.shared)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    assert compiled.metadata.shared <= shared_memory, (name, compiled.metadata.shared)
 
 from dcinterp.dcmha import dynamic_weights
 
@@ -584,8 +587,8 @@ sizes = ("P", "D", "K", "H", "R")
 signature = {arg: "constexpr" if arg in constants else "i32" if arg in sizes else "*bf16" for arg in kernel.arg_names}
 paths = {(kernel.arg_names.index(arg),): value for arg, value in constants.items()}
 source = ASTSource(fn=kernel, signature=signature, constexprs=paths)
-compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-assert compiled.metadata.shared <= 227 * 1024, ("_dynamic_weights_kernel", compiled.metadata.shared)
+compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
+assert compiled.metadata.shared <= shared_memory, ("_dynamic_weights_kernel", compiled.metadata.shared)
 
 from dcinterp.dcmha import decoding
 
@@ -600,19 +603,30 @@ for kernel in (decoding._decoding_logits_kernel, decoding._decoding_pattern_kern
     }
     paths = {(kernel.arg_names.index(arg),): value for arg, value in constants.items()}
     source = ASTSource(fn=kernel, signature=signature, constexprs=paths)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    assert compiled.metadata.shared <= 227 * 1024, (kernel.fn.__name__, compiled.metadata.shared)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
+    assert compiled.metadata.shared <= shared_memory, (kernel.fn.__name__, compiled.metadata.shared)
 """
 
 
-def test_the_kernels_compile_for_a_hopper_gpu():
-    """Triton's compiler, without a GPU, takes each kernel down to an sm_90 binary (bfloat16, every branch on,
-    padding; the dynamic weights' kernel with both biases; the decoding kernels): what the interpreter never checks
-    (layouts, 3D dots, shared memory) is checked here, in a process of its own, where the kernels are decorated
-    natively."""
+@pytest.mark.parametrize(
+    "arch, shared_memory, heads",
+    [
+        (90, 227 * 1024, 4),  # Hopper: H100, H200
+        (86, 99 * 1024, 32),  # a 24 GB workstation's Ampere: RTX 3090, A5000, A10 (Ada's sm_89 has the same limit)
+    ],
+)
+def test_the_kernels_compile_for_a_card(arch, shared_memory, heads):
+    """Triton's compiler, without a GPU, takes each kernel down to a binary for the card (bfloat16, every branch on,
+    padding; the tiles kernels for `heads` heads of 128; the dynamic weights' kernel with both biases; the decoding
+    kernels), within the shared memory a block may take there: what the interpreter never checks (layouts, 3D dots,
+    shared memory) is checked here, in a process of its own, where the kernels are decorated natively."""
     environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     environment["TRITON_DEFAULT_FP_FUSION"] = environment.get("TRITON_DEFAULT_FP_FUSION", "1")
     run = subprocess.run(
-        [sys.executable, "-c", COMPILE_FOR_A_HOPPER_GPU], env=environment, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", COMPILE_FOR_A_CARD, str(arch), str(shared_memory), str(heads)],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
