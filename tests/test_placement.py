@@ -178,8 +178,12 @@ def test_a_cards_free_memory_counts_what_torchs_allocator_holds_unused(monkeypat
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 * GiB, 80 * GiB))
     stats = {"reserved_bytes": {"all": {"current": 9 * GiB}}, "allocated_bytes": {"all": {"current": 4 * GiB}}}
     monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device: stats)
+    fraction = 1.0
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fraction, raising=False)
     assert memory.free_memory("cuda:0") == memory.free_memory(torch.device("cuda", 0)) == 8 * GiB
-    stats = {}  # torch has not allocated on the card yet
+    fraction = 0.1  # the process may take 8 GiB of the card, and holds 4
+    assert memory.free_memory("cuda:0") == 4 * GiB
+    fraction, stats = 1.0, {}  # torch has not allocated on the card yet
     assert memory.free_memory("cuda:0") == 3 * GiB
 
 
@@ -240,3 +244,9 @@ def test_a_cards_free_memory_is_the_same_after_a_tensor_is_freed():
     del tensor
     assert torch.cuda.mem_get_info()[0] <= before - 256 * 2**20 + 2**20  # still reserved by the allocator
     assert abs(memory.free_memory("cuda") - before) <= 2**20
+    total = torch.cuda.mem_get_info()[1]
+    torch.cuda.set_per_process_memory_fraction(0.25)
+    try:
+        assert memory.free_memory("cuda") == total // 4 - torch.cuda.memory_allocated()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
