@@ -58,6 +58,46 @@ def test_bad_input_is_one_line_and_nothing_is_written(tmp_path, capsys, argument
     assert not out.exists()
 
 
+OUT_OF_MEMORY = (
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.64 GiB of which 1.19 GiB is "
+    "free. Including non-PyTorch memory, this process has 22.43 GiB memory in use. Of the allocated memory 21.90 GiB "
+    "is allocated by PyTorch, and 150.00 MiB is reserved by PyTorch but unallocated. If reserved but unallocated "
+    "memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
+    "documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+)
+
+
+@pytest.mark.parametrize(
+    "arguments, remedies",
+    [
+        ([], "try --dtype bfloat16 (half the memory of float32), or a --batch-size below 3, or a smaller "
+         "--internal-batch-size (now every step of the integral at once)"),
+        (["--dtype", "bfloat16", "--batch-size", "1", "--internal-batch-size", "4"],
+         "try a smaller --internal-batch-size (now 4)"),
+        (["--dtype", "bfloat16", "--batch-size", "1", "--internal-batch-size", "1"], None),
+    ],
+)  # fmt: skip
+def test_a_gpu_out_of_memory_is_one_line_naming_what_holds_less_and_nothing_is_written(
+    tmp_path, capsys, monkeypatch, arguments, remedies
+):
+    """torch's account of the card's memory in one line, the options that would hold less as the command was given
+    them, exit status 3, no output."""
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError(OUT_OF_MEMORY)
+
+    monkeypatch.setattr("dcinterp.attribution.head_attribution_sweep", out_of_memory)
+    out = tmp_path / "out"
+    assert main(["attribute", *FAST, *arguments, "--out", str(out)]) == 3
+    error = capsys.readouterr().err
+    account = (
+        "error: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.64 GiB of which "
+        "1.19 GiB is free"
+    )
+    assert error.endswith("\n") and error.splitlines()[-1] == account + (f"; {remedies}" if remedies else "")
+    assert error.count("error") == 1 and not out.exists()  # before it, the progress line on stderr
+
+
 def test_bad_numbers_are_argument_errors(tmp_path):
     for arguments in (["--n-steps", "0"], ["--prompts", "-1"], ["--tasks", "999"]):
         with pytest.raises(SystemExit) as exit_:

@@ -11,6 +11,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from dcinterp import DCFormerConfig, HookedDCFormer, loading
+from dcinterp.synth import evaluate as evaluate_module
+from dcinterp.synth.__main__ import main as synth_main
 from dcinterp.synth.evaluate import (
     RESULT_COLUMNS,
     encode_all,
@@ -301,6 +303,28 @@ def test_checkpoints_that_cannot_score_the_data_exit_2(checkpoint, expected, che
     assert "\n" not in error and expected in error
     assert checkpoint in error
     assert not out.exists()
+
+
+def test_a_checkpoint_past_the_gpus_memory_is_one_line_and_nothing_is_written(
+    checkpoints, tmp_path, capsys, monkeypatch
+):
+    """A model that does not fit the card (float32 DCPythia-6.9B on a 24 GB card): exit status 3, one line naming
+    the dtype and the batch size to change, no output."""
+
+    def too_large(*args, **kwargs):
+        raise torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 256.00 MiB. GPU 0 has a total capacity of 23.64 GiB of which 102.75 "
+            "MiB is free. Including non-PyTorch memory, this process has 23.53 GiB memory in use."
+        )
+
+    monkeypatch.setattr(evaluate_module, "load_checkpoint", too_large)
+    out = tmp_path / "eval"
+    code = synth_main(["eval", "--checkpoint", str(checkpoints / "tiny-dc"), "--limit", "2", "--out", str(out)])
+    assert code == 3 and not out.exists()
+    assert capsys.readouterr().err == (
+        "error: CUDA out of memory. Tried to allocate 256.00 MiB. GPU 0 has a total capacity of 23.64 GiB of which "
+        "102.75 MiB is free; try --dtype bfloat16 (half the memory of float32), or a --batch-size below 8\n"
+    )
 
 
 def test_no_checkpoint_and_no_embedded_models_says_so(monkeypatch, capsys):

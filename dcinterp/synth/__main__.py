@@ -14,7 +14,8 @@ Under `torchrun --nproc-per-node N`, eval, ablate, circuit and attribute share t
 processes; rank 0 writes what one process writes, and records world_size (`dcinterp.distributed`).
 
 Exit status: 0 success, 1 the check found problems, 2 bad arguments or unreadable input (one line on stderr,
-checked before any work, nothing written).
+checked before any work, nothing written), 3 the GPU ran out of memory (one line on stderr: torch's account of it
+and the options that hold less at a time; nothing written).
 
 Parsing the arguments imports neither torch nor transformer_lens (`--help` is fast): `eval` imports them when it runs.
 """
@@ -220,6 +221,28 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # under torchrun, one line from rank 0
             print(f"error: {error}", file=sys.stderr)
         return 2
+    except RuntimeError as error:
+        torch = sys.modules.get("torch")  # a command that never imported torch ran no model
+        if torch is None or not isinstance(error, torch.cuda.OutOfMemoryError):
+            raise
+        rank = f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        print(f"error: {rank}{out_of_memory_line(error, args)}", file=sys.stderr)
+        return 3
+
+
+def out_of_memory_line(error: Exception, args: argparse.Namespace) -> str:
+    """torch's account of a GPU that ran out of memory in one line (its first three sentences: what was asked, the
+    card's capacity and what was free), and the command's options that would hold less, as they were given."""
+    account = ". ".join(" ".join(str(error).split()).split(". ")[:3]).rstrip(".")
+    remedies = []
+    if getattr(args, "dtype", None) == "float32":
+        remedies.append("--dtype bfloat16 (half the memory of float32)")
+    if getattr(args, "batch_size", 1) > 1:
+        remedies.append(f"a --batch-size below {args.batch_size}")
+    if hasattr(args, "internal_batch_size") and (args.internal_batch_size or 2) > 1:
+        now = args.internal_batch_size or "every step of the integral at once"
+        remedies.append(f"a smaller --internal-batch-size (now {now})")
+    return f"{account}; try {', or '.join(remedies)}" if remedies else account
 
 
 if __name__ == "__main__":
