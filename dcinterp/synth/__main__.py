@@ -239,9 +239,9 @@ def out_of_memory_line(error: Exception, args: argparse.Namespace) -> str:
         remedies.append("--dtype bfloat16 (half the memory of float32)")
     if getattr(args, "batch_size", 1) > 1:
         remedies.append(f"a --batch-size below {args.batch_size}")
-    if hasattr(args, "internal_batch_size") and (args.internal_batch_size or 2) > 1:
-        now = args.internal_batch_size or "every step of the integral at once"
-        remedies.append(f"a smaller --internal-batch-size (now {now})")
+    steps_a_pass = getattr(args, "internal_batch_size", 1)  # attribute's; None: every step of the integral at once
+    if steps_a_pass is None or steps_a_pass > 1:
+        remedies.append(f"a smaller --internal-batch-size (now {steps_a_pass or 'every step of the integral at once'})")
     return f"{account}; try {', or '.join(remedies)}" if remedies else account
 
 
