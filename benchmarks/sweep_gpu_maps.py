@@ -1,16 +1,21 @@
-"""The forward through the cross-head maps on a GPU: its launch settings swept, each kernel's time, and the forward
-against SDPA's at 512-8,192 tokens.
+"""The forward (or, with --backward, the backward) through the cross-head maps on a GPU: its launch settings swept,
+each kernel's time, and the whole against SDPA's at 512-8,192 tokens.
 
-    python benchmarks/sweep_gpu_maps.py [--json OUT.jsonl]    # one H200: about 2.5 minutes
+    python benchmarks/sweep_gpu_maps.py [--json OUT.jsonl]               # one H200: about 2.5 minutes
+    python benchmarks/sweep_gpu_maps.py --backward [--json OUT.jsonl]    # not yet run on a card
 
-One layer at DCPythia-6.9B's width (32 heads of 128, rank 2, every branch of both stages), bfloat16, batch 1, causal,
-no gradient (the forward through the maps is the no-gradient forward of `dcinterp.dcmha.triton_kernels`). First it
-checks the forward on the card against DCMHA's formulas in float64 (float32: at most 4 times the float32 formulas'
-error plus 8 float32 units of the scale; half dtypes: at most 2 times the half formulas'). Then, at 4,096 tokens, it
-times each pair of launch settings (`MAPS_KERNELS` for the two kernels that sum the maps over the heads,
-`HEAD_KERNELS` for the two of one head a program) and reads each kernel's time from torch's profiler; it keeps the
-fastest settings of each pair of kernels, and times the forward with them against SDPA's from 512 to 8,192 tokens.
-JSON lines; the chosen settings are the ones to put in triton_kernels.py.
+One layer at DCPythia-6.9B's width (32 heads of 128, rank 2, every branch of both stages), bfloat16, batch 1, causal.
+First it checks the kernels on the card against DCMHA's formulas in float64 (float32: at most 4 times the float32
+formulas' error plus 8 float32 units of the scale; half dtypes: at most 2 times the half formulas'): without
+--backward z, with it z and every gradient. Then, at 4,096 tokens, it times each set of launch settings and reads
+each kernel's time from torch's profiler:
+- the forward, no gradient (the no-gradient forward of `dcinterp.dcmha.triton_kernels`): `MAPS_KERNELS` for the
+  two kernels that sum the maps over the heads, `HEAD_KERNELS` for the two of one head a program;
+- with --backward, the forward and backward to every input through the maps (`backward="maps"`):
+  `GRADIENT_KERNELS` for the three gradient kernels of the query side, `KEY_GRADIENT_KERNELS` for the key side's.
+It keeps the fastest settings of each group of kernels and times the whole with them against SDPA's (and, with
+--backward, against the tiles' backward, `BACKWARD = "tiles"`, the one the model takes today) from 512 to 8,192
+tokens. JSON lines; the chosen settings are the ones to put in triton_kernels.py.
 """
 
 from __future__ import annotations
@@ -26,8 +31,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu_attention as bench  # noqa: E402
 
-MAPS_LAUNCHES = [(64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 4, 2), (64, 32, 4, 3)]
-HEAD_LAUNCHES = [(64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 8, 2), (64, 32, 4, 3)]
+# (BQ, BK, num_warps, num_stages) of each group's launches; the backward's all compile for an H100 (sm_90) within its
+# shared memory at 32 heads of 128 (Triton 3.9), its defaults first
+FORWARD_SETTINGS = {
+    "MAPS_KERNELS": [(64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 4, 2), (64, 32, 4, 3)],
+    "HEAD_KERNELS": [(64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 8, 2), (64, 32, 4, 3)],
+}
+BACKWARD_SETTINGS = {
+    "GRADIENT_KERNELS": [(64, 32, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2)],
+    "KEY_GRADIENT_KERNELS": [(16, 32, 8, 2), (16, 32, 4, 2), (32, 32, 8, 2), (16, 64, 8, 2), (32, 64, 8, 2)],
+}
+# the kernels each group launches, as torch's profiler names them
+FORWARD_KERNELS = {
+    "MAPS_KERNELS": ("_product_maps_kernel", "_post_maps_kernel"),
+    "HEAD_KERNELS": ("_row_statistics_kernel", "_head_output_kernel"),
+}
+BACKWARD_KERNELS = {
+    "GRADIENT_KERNELS": ("_row_gradient_kernel", "_pre_gradient_maps_kernel", "_head_query_gradient_kernel"),
+    "KEY_GRADIENT_KERNELS": ("_head_key_gradient_kernel",),
+}
 CHECKS = [(torch.float32, 2, 77, 6, 64, 2, 0), (torch.float32, 1, 200, 32, 128, 2, 0),
           (torch.float32, 2, 5, 4, 64, 1, 300), (torch.bfloat16, 1, 300, 32, 128, 2, 0),
           (torch.float16, 1, 300, 32, 128, 2, 0), (torch.bfloat16, 1, 1000, 32, 128, 2, 0)]  # fmt: skip
@@ -35,6 +57,7 @@ CHECKS = [(torch.float32, 2, 77, 6, 64, 2, 0), (torch.float32, 1, 200, 32, 128, 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backward", action="store_true", help="sweep the backward through the maps instead")
     parser.add_argument("--json", type=Path, help="also write the JSON lines to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -48,49 +71,90 @@ def main(argv=None) -> int:
         if log:
             log.write(json.dumps(row) + "\n")
 
-    def fused(q, k, v, pre, post, past=0):
-        return kernels.fused_dcmha(q, k, v, pre, post, window=None, official=False, past=past, forward="maps")
+    def through(backward: str):
+        def fused(q, k, v, pre, post, past=0):
+            return kernels.fused_dcmha(
+                q, k, v, pre, post, window=None, official=False, past=past, forward="maps", backward=backward
+            )
 
+        return fused
+
+    maps, tiles = through("maps"), through("tiles")
     start = time.time()
     emit(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=sys.modules["triton"].__version__)
+    what = "z and every gradient through the maps" if args.backward else "forward through the maps"
     for dtype, b, t, h, e, rank, past in CHECKS:
-        ratio = bench.check(fused, dtype, b, t, h, e, rank, past, with_gradients=False)
+        if args.backward and past:
+            continue  # gradients are for prompts, not for a cached step
+        ratio = bench.check(maps, dtype, b, t, h, e, rank, past, with_gradients=args.backward)
         shape = dict(dtype=str(dtype).split(".")[1], batch=b, tokens=t, heads=h, head_dim=e, rank=rank, past=past)
-        emit(check="forward through the maps vs formulas, judged by float64", **shape, ratio=round(ratio, 3))
+        emit(check=f"{what} vs formulas, judged by float64", **shape, ratio=round(ratio, 3))
 
     (q, k, v), (pre, post) = bench.inputs(1, 4096, 32, 128, 2, 0, torch.bfloat16)
+    if args.backward:
+        leaves = [x.requires_grad_(True) for x in (q, k, v, *pre, *post)]
+
+        def step():
+            z = maps(q, k, v, pre, post)
+            torch.autograd.grad(z, leaves, torch.ones_like(z))
+
+        settings, groups = BACKWARD_SETTINGS, BACKWARD_KERNELS
+    else:
+
+        def step():
+            with torch.no_grad():
+                maps(q, k, v, pre, post)
+
+        settings, groups = FORWARD_SETTINGS, FORWARD_KERNELS
+    chosen = sweep(kernels, settings, groups, step, emit)
+    emit(chosen=chosen, seconds=round(time.time() - start, 1))
+
+    compared = (
+        (("maps", maps), ("tiles", tiles), ("sdpa", bench.sdpa))
+        if args.backward
+        else (("maps", maps), ("sdpa", bench.sdpa))
+    )
+    for tokens in (512, 1024, 2048, 4096, 8192):
+        rows = {name: bench.measure(name, fn, tokens, 0, args.backward) for name, fn in compared}
+        for row in rows.values():
+            emit(**row)
+        ratios = {f"{name}_over_sdpa": _ratio(rows[name], rows["sdpa"]) for name in rows if name != "sdpa"}
+        emit(tokens=tokens, backward=args.backward, **ratios)
+    emit(seconds=round(time.time() - start, 1))
+    return 0
+
+
+def sweep(kernels, settings: dict[str, list[tuple]], groups: dict[str, tuple[str, ...]], step, emit) -> dict:
+    """The i-th launch settings of every group set together (a group's list repeated where it is the shorter), `step`
+    timed and profiled once for each i; each group's fastest settings (the sum of its kernels' times) are left set
+    in `kernels` and returned."""
     best = {}
-    for index in range(max(len(MAPS_LAUNCHES), len(HEAD_LAUNCHES))):
+    for index in range(max(len(sweep) for sweep in settings.values())):
         launches = {}
-        for name, sweep in (("MAPS_KERNELS", MAPS_LAUNCHES), ("HEAD_KERNELS", HEAD_LAUNCHES)):
+        for name, sweep in settings.items():
             bq, bk, warps, stages = sweep[index % len(sweep)]
             launches[name] = dict(BQ=bq, BK=bk, num_warps=warps, num_stages=stages)
             setattr(kernels, name, launches[name])
         kernels._launches.clear()  # the launches built with the settings before
-        with torch.no_grad():
-            fused(q, k, v, pre, post)  # compiles
-            ms = bench.timed(lambda: fused(q, k, v, pre, post), repeats=5, warmup=1)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-                fused(q, k, v, pre, post)
-                torch.cuda.synchronize()
+        step()  # compiles
+        ms = bench.timed(step, repeats=5, warmup=1)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            step()
+            torch.cuda.synchronize()
         times = {e.key: round(e.device_time_total / 1000, 3) for e in profile.key_averages() if "kernel" in e.key}
         emit(tokens=4096, **launches, ms=round(ms, 3), kernel_ms=times)
-        for name, which in (("MAPS_KERNELS", "maps"), ("HEAD_KERNELS", "statistics output")):
-            spent = sum(t for kernel, t in times.items() if any(word in kernel for word in which.split()))
+        for name, names in groups.items():
+            spent = sum(t for kernel, t in times.items() if any(kernel.startswith(n) for n in names))
             if name not in best or spent < best[name][0]:
                 best[name] = (spent, launches[name])
     for name, (_, launch) in best.items():
         setattr(kernels, name, launch)
     kernels._launches.clear()
-    emit(chosen={name: launch for name, (_, launch) in best.items()}, seconds=round(time.time() - start, 1))
+    return {name: launch for name, (_, launch) in best.items()}
 
-    for tokens in (512, 1024, 2048, 4096, 8192):
-        rows = {name: bench.measure(name, fn, tokens, 0, False) for name, fn in (("maps", fused), ("sdpa", bench.sdpa))}
-        for row in rows.values():
-            emit(**row)
-        emit(tokens=tokens, maps_over_sdpa=round(rows["maps"]["ms"] / rows["sdpa"]["ms"], 2))
-    emit(seconds=round(time.time() - start, 1))
-    return 0
+
+def _ratio(row: dict, sdpa: dict) -> float | None:
+    return None if row["ms"] is None or sdpa["ms"] is None else round(row["ms"] / sdpa["ms"], 2)
 
 
 if __name__ == "__main__":

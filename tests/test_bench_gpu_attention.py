@@ -55,11 +55,13 @@ def test_the_no_gradient_check_holds_the_forward_through_the_maps_to_the_rule(ke
     assert bench.check(off_by_a_rounding(fused), torch.float32, 2, 21, 3, 16, 2, with_gradients=False) > 1
 
 
-@pytest.mark.parametrize("script", ["bench_gpu_attention", "sweep_gpu_maps"])
-def test_without_cuda_one_line_and_no_number(script):
+@pytest.mark.parametrize(
+    "script, arguments", [("bench_gpu_attention", []), ("sweep_gpu_maps", []), ("sweep_gpu_maps", ["--backward"])]
+)
+def test_without_cuda_one_line_and_no_number(script, arguments):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run(
-        [sys.executable, str(ROOT / f"benchmarks/{script}.py")], capture_output=True, text=True, env=env
+        [sys.executable, str(ROOT / f"benchmarks/{script}.py"), *arguments], capture_output=True, text=True, env=env
     )
     assert result.returncode == 2
     assert result.stdout.strip() == f"{script}: no CUDA device: no GPU number is measured here"

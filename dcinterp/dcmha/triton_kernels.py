@@ -117,9 +117,9 @@ BLOCKS = (16, 16, 32)  # a tile's queries and keys, and a chunk of the head dim 
 # (tiles [heads, queries, keys], products batched over the heads) the output kernel took 2.8 to 66 times as long.
 MAPS_KERNELS = dict(BQ=64, BK=32, num_warps=4, num_stages=3)
 HEAD_KERNELS = dict(BQ=64, BK=32, num_warps=4, num_stages=2)
-# The backward through the maps' kernels of its own: not timed on a card yet. Of a few launches compiled for an H100
-# (sm_90, 32 heads of 128), these spilled least: 0-300 bytes a thread (the key side's kernel: 8 bytes, against 1.8 KB
-# with blocks of 64 queries)
+# The backward through the maps' kernels of its own: not timed on a card yet (`benchmarks/sweep_gpu_maps.py --backward`
+# sweeps them). Of a few launches compiled for an H100 (sm_90, 32 heads of 128), these spilled least: 0-300 bytes a
+# thread (the key side's kernel: 8 bytes, against 1.8 KB with blocks of 64 queries)
 GRADIENT_KERNELS = dict(BQ=64, BK=32, num_warps=8, num_stages=2)
 KEY_GRADIENT_KERNELS = dict(BQ=16, BK=32, num_warps=8, num_stages=2)
 # The kernels through the maps hold at most MAPS_TIMES_QUERIES times the bytes of the call's queries q of them at a
