@@ -160,7 +160,7 @@ def choose_path(
             short = keys is not None and keys < (
                 FUSED_MIN_KEYS if gradient_needed else FUSED_MIN_KEYS_WITHOUT_GRADIENTS
             )
-            if short and not _past_memory(materialised_bytes, device):
+            if short and not _too_large_for_memory(materialised_bytes, device):
                 return "materialised"
             return "triton"
         _warn_once(reason, device)
@@ -169,7 +169,7 @@ def choose_path(
     return "blocked" if device.type == "cpu" else "materialised"
 
 
-def _past_memory(nbytes: int, device: torch.device) -> bool:
+def _too_large_for_memory(nbytes: int, device: torch.device) -> bool:
     """Whether `nbytes` would take more than MATERIALISED_MEMORY_FRACTION of the device's free memory."""
     return nbytes > 0 and nbytes > MATERIALISED_MEMORY_FRACTION * memory.free_memory(device)
 
