@@ -67,6 +67,7 @@ OUT_OF_MEMORY = (
 )
 
 
+@pytest.mark.filterwarnings("ignore:bfloat16 on the CPU")  # the dtype as a card's user gives it
 @pytest.mark.parametrize(
     "arguments, remedies",
     [
