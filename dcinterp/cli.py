@@ -1,4 +1,5 @@
-"""What the command lines share: a parser whose errors are one line, and the check that an output can be written.
+"""What the command lines share: a parser whose errors are one line, the check that an output can be written, and
+the one line that says a GPU ran out of memory.
 
 Light on purpose (no torch, no transformer_lens), so that parsing arguments and `--help` stay fast.
 """
@@ -48,3 +49,10 @@ def _check_can_create_in(directory: Path, option: str, named: Path) -> None:
         tempfile.TemporaryFile(dir=existing).close()
     except OSError as error:
         raise ValueError(f"{option} {named}: cannot write in {existing} ({error.strerror or error})") from None
+
+
+def out_of_memory_line(message: str, remedies: list[str]) -> str:
+    """torch's account of a GPU that ran out of memory in one line: its first three sentences (what was asked, the
+    card's capacity, what was free; not the allocator's advice that follows), then the remedies, if any."""
+    account = ". ".join(" ".join(message.split()).split(". ")[:3]).rstrip(".")
+    return f"{account}; try {', or '.join(remedies)}" if remedies else account

@@ -25,7 +25,8 @@ notebook pages. Run it after changing a notebook, a figure or the code they call
 CPU cores); the tests re-execute each notebook and compare its outputs with the committed copy (`rendered_differences`).
 `render --check` does that comparison without writing anything.
 
-Exit status: 0 success, 1 a cell raised (one line: the cell and the error), 2 bad arguments (one line, nothing run).
+Exit status: 0 success, 1 a cell raised (one line: the cell and the error; for a GPU out of memory, torch's account
+of it and the parameters that would hold less), 2 bad arguments (one line, nothing run).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from .cli import Parser, check_writable_dir, check_writable_file
+from .cli import Parser, check_writable_dir, check_writable_file, out_of_memory_line
 
 # `notebooks/` of a checkout, or the copy an installed wheel carries.
 _INSTALLED = Path(__file__).resolve().parent / "_notebooks"
@@ -573,8 +574,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_notebook(notebook, parameters, out, figures, log_output=not args.quiet)
     except papermill.PapermillExecutionError as error:
+        what = error.evalue
+        if error.ename == "OutOfMemoryError":
+            what = out_of_memory_line(what, out_of_memory_remedies({**notebook_parameters(notebook), **parameters}))
         print(
-            f"error: {notebook.stem}: cell {error.exec_count} raised {error.ename}: {error.evalue} "
+            f"error: {notebook.stem}: cell {error.exec_count} raised {error.ename}: {what} "
             f"(the executed notebook, up to the error: {out})",
             file=sys.stderr,
         )
@@ -583,6 +587,19 @@ def main(argv: list[str] | None = None) -> int:
     for path in written_since(figures, start):
         print(f"  wrote {path}")
     return 0
+
+
+def out_of_memory_remedies(parameters: dict) -> list[str]:
+    """The notebook's parameters, as the run had them, that would hold less on the GPU."""
+    remedies = []
+    if parameters.get("dtype") == "float32":
+        remedies.append("-p dtype bfloat16 (half the memory of float32)")
+    if parameters.get("twin_checkpoint") is not None:
+        remedies.append("no -p twin_checkpoint (the twin's weights beside the model's)")
+    for name, value in parameters.items():
+        if name.endswith("batch_size") and isinstance(value, int) and value > 1:
+            remedies.append(f"a -p {name} below {value}")
+    return remedies
 
 
 def _render_command(names: list[str], check: bool) -> int:

@@ -132,3 +132,33 @@ def test_cli_reports_an_unknown_notebook(capsys):
 def test_cli_lists_the_notebooks(capsys):
     assert main(["list"]) == 0
     assert set(capsys.readouterr().out.split()) == set(FIGURES)
+
+
+def test_a_gpu_out_of_memory_in_a_cell_is_one_line_naming_the_parameters_that_hold_less(tmp_path, capsys, monkeypatch):
+    """torch's account of the card's memory (not the allocator's advice after it), and the parameters as the run had
+    them that would hold less: the dtype, the twin beside the model, the batch sizes."""
+    import papermill
+
+    import dcinterp.notebooks as notebooks
+
+    message = (
+        "CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has a total capacity of 23.64 GiB of which 0.98 GiB is "
+        "free. Including non-PyTorch memory, this process has 22.6 GiB memory in use. If reserved but unallocated "
+        "memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
+    )
+
+    def out_of_memory(*args, **kwargs):
+        raise papermill.PapermillExecutionError(7, 12, "...", "OutOfMemoryError", message, [])
+
+    monkeypatch.setattr(notebooks, "run_notebook", out_of_memory)
+    out = tmp_path / "case_study.ipynb"
+    assert main(["run", "case_study", "--quiet", "-p", "ig_batch_size", "3", "--out", str(out)]) == 1
+    assert capsys.readouterr().err == (
+        "error: case_study: cell 12 raised OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has "
+        "a total capacity of 23.64 GiB of which 0.98 GiB is free; try -p dtype bfloat16 (half the memory of float32), "
+        f"or a -p ig_batch_size below 3 (the executed notebook, up to the error: {out})\n"
+    )
+    with_twin = {"dtype": "bfloat16", "twin_checkpoint": "/models/pythia-6.9b", "ig_batch_size": 1}
+    assert notebooks.out_of_memory_remedies(with_twin) == [
+        "no -p twin_checkpoint (the twin's weights beside the model's)"
+    ]

@@ -27,7 +27,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..cli import Parser, check_writable_file
+from ..cli import Parser, check_writable_file, out_of_memory_line
 from .catalog import OV_TRANSFORMATIONS, QK_PATTERNS, CatalogError, load_catalog
 from .check import check_records
 from .evaluate import add_eval_arguments, positive_int, run_eval
@@ -226,14 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         if torch is None or not isinstance(error, torch.cuda.OutOfMemoryError):
             raise
         rank = f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-        print(f"error: {rank}{out_of_memory_line(error, args)}", file=sys.stderr)
+        print(f"error: {rank}{out_of_memory_line(str(error), out_of_memory_remedies(args))}", file=sys.stderr)
         return 3
 
 
-def out_of_memory_line(error: Exception, args: argparse.Namespace) -> str:
-    """torch's account of a GPU that ran out of memory in one line (its first three sentences: what was asked, the
-    card's capacity and what was free), and the command's options that would hold less, as they were given."""
-    account = ". ".join(" ".join(str(error).split()).split(". ")[:3]).rstrip(".")
+def out_of_memory_remedies(args: argparse.Namespace) -> list[str]:
+    """The command's options that would hold less on the GPU, as they were given."""
     remedies = []
     if getattr(args, "dtype", None) == "float32":
         remedies.append("--dtype bfloat16 (half the memory of float32)")
@@ -242,7 +240,7 @@ def out_of_memory_line(error: Exception, args: argparse.Namespace) -> str:
     steps_a_pass = getattr(args, "internal_batch_size", 1)  # attribute's; None: every step of the integral at once
     if steps_a_pass is None or steps_a_pass > 1:
         remedies.append(f"a smaller --internal-batch-size (now {steps_a_pass or 'every step of the integral at once'})")
-    return f"{account}; try {', or '.join(remedies)}" if remedies else account
+    return remedies
 
 
 if __name__ == "__main__":
