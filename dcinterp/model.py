@@ -416,6 +416,7 @@ class Attention(nn.Module):
             keys=keys,
             gradient_needed=gradient_needed,
             materialised_bytes=kept * self.layers_from_here if gradient_needed else 0,
+            dtype=x.dtype,
         )
 
     def composed_weights(

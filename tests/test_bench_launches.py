@@ -64,9 +64,11 @@ def test_a_decoding_steps_count_takes_the_pattern_as_two_kernels_on_cuda():
         ([], 5, "attention module"),
         (["--decode"], 3, "attention module"),
         (["--gradients"], 0, "attention module's forward"),  # 20 keys: the materialised path
-        (["--gradients", "--fused-min-keys", "0"], 3, "attention module's forward"),  # one forward, two backward
+        # the forward through the maps (four), its backward (the maps again, their gradients, D, the two sides: seven)
+        (["--gradients", "--fused-min-keys", "0"], 11, "attention module's forward"),
+        (["--gradients", "--fused-min-keys", "0", "--backward", "tiles"], 3, "attention module's forward"),
     ],
-    ids=["forward", "decoding-step", "gradients", "gradients-through-the-kernels"],
+    ids=["forward", "decoding-step", "gradients", "gradients-through-the-maps", "gradients-through-the-tiles"],
 )
 def test_the_host_time_benchmark_times_both_models_on_cudas_paths(mode, kernels, module):
     out = run("bench_host_time.py", "--runs", "3", "--layers", "2", "--tokens", "20", *mode)

@@ -157,6 +157,9 @@ def on_cuda(monkeypatch, paths):
         (dict(keys=dcmha.FUSED_MIN_KEYS - 1, materialised_bytes=ROOM + 1), "blocked", "triton"),
         (dict(keys=16, materialised_bytes=GiB, square_tensor_read=True), "materialised", "materialised"),
         (dict(keys=16, materialised_bytes=GiB, cached_queries=1), "few_queries", "few_queries"),
+        (dict(dtype=torch.float64), "blocked", "materialised"),  # the kernels compute in float32, float16, bfloat16
+        (dict(dtype=torch.bfloat16), "blocked", "triton"),
+        (dict(dtype=torch.float64, cached_queries=1), "few_queries", "few_queries"),
         (dict(keys=16, gradient_needed=False), "blocked", "triton"),  # no gradient: the forward through the maps
         (dict(keys=dcmha.FUSED_MIN_KEYS - 1, gradient_needed=False), "blocked", "triton"),
         (dict(cached_queries=1, gradient_needed=False), "few_queries", "few_queries"),

@@ -7,8 +7,9 @@ Paths, and when `choose_path` takes each (first rule that applies):
   transform (`vmap`, `grad`, ...) is active; on any device.
 - `sdpa`: plain MHA (`use_dcmha=False`) otherwise, by `torch.nn.functional.scaled_dot_product_attention`.
 - `triton` (`dcinterp.dcmha.triton_kernels.fused_dcmha`: without gradients its forward through the cross-head
-  maps, with them the forward and fused backward that `triton_kernels.BACKWARD` names: through the tiles, the
-  one timed on a card, or through the maps): DCMHA on CUDA where the kernels run, for every prompt when
+  maps, with them the forward and fused backward that `triton_kernels.BACKWARD` names: through the maps, 2.2-3.3x
+  faster than through the tiles on an H100, or through the tiles): DCMHA on CUDA where the kernels run, in
+  float32, float16 or bfloat16 (float64 takes the paths after this one), for every prompt when
   no gradient is needed (`FUSED_MIN_KEYS_WITHOUT_GRADIENTS`), and for prompts of at least `FUSED_MIN_KEYS` keys
   when one is. Shorter prompts with gradients take the materialised path and cached decoding steps the few-queries
   one, where the kernels measured slower (the numbers are beside the thresholds; `FUSED_DECODING = True` sends
@@ -62,7 +63,10 @@ FEW_QUERIES = 16  # with a key-value cache, up to this many new queries take a d
 # benchmarks/bench_gpu_attention.py) against the materialised arithmetic: forward 1.82x its time at 1,024 keys,
 # 0.93x at 2,048, 0.69-0.79x at 4,096-8,192; forward + backward 2.65x, 1.35x, 1.01-1.05x; peak memory 1/21 to 1/170
 # of its. A decoding step took 4.3x (1,024 keys) and 18.6x (4,096) the materialised step's time (one program walks
-# every key): decoding keeps the few-queries path.
+# every key): decoding keeps the few-queries path. With gradients those figures are the tiles' backward; through the
+# maps one layer took 2.2-3.3x less (H100, 512-4,096 tokens), a whole 6.9B-wide model's forward + backward 0.53x the
+# materialised path's at 2,048 tokens, 1.18x at 128 (benchmarks/results/h100-2026-11-27-quick-maps-fmk0.txt); at
+# 512-1,024 not measured, so the threshold stays.
 FUSED_MIN_KEYS = 2048
 # Without gradients the kernels' forward goes through the cross-head maps (triton_kernels): on an NVIDIA H200 (the same
 # layer, one run: benchmarks/results/h200-2026-11-27-maps-sweep-1.jsonl) 0.70 ms against the materialised path's 1.1
@@ -82,6 +86,7 @@ MATERIALISED_MEMORY_FRACTION = 0.25
 # 0.12 against 0.15 at 16-512, 0.39 against 0.28 at 2,048)
 FUSED_DYNAMIC_WEIGHTS_POSITIONS = 1024
 
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the Triton kernels compute in
 _warned: set[str] = set()  # the warnings already given, so that each is said once per process
 _refused: dict[str, str] = {}  # per device, why Triton refused to compile the kernels for it (its first launch)
 _refused_dynamic_weights: dict[str, str] = {}  # the same, for the dynamic weights' kernel
@@ -136,6 +141,7 @@ def choose_path(
     keys: int | None = None,
     gradient_needed: bool = True,
     materialised_bytes: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
     """Which path computes one attention call (the table in this module's docstring).
 
@@ -146,13 +152,14 @@ def choose_path(
     many keys the queries attend over (cached ones included; None: not known, as many as the kernels need);
     `gradient_needed`: grad mode is on and the layer's input or a parameter requires grad; `materialised_bytes`:
     with a gradient, what the materialised path would keep for the backward in this layer and the layers after it
-    (`materialised_saved_bytes` each; the device's free memory is asked only when it matters)."""
+    (`materialised_saved_bytes` each; the device's free memory is asked only when it matters); `dtype`: the
+    layer's input's (the kernels take float32, float16 and bfloat16; float64 takes the materialised path on CUDA)."""
     if square_tensor_read or functorch_active:
         return "materialised"
     if not dcmha:
         return "sdpa"
     decoding = cached_queries is not None and cached_queries <= FEW_QUERIES
-    if device.type == "cuda" and not padding_as_mask_only:
+    if device.type == "cuda" and not padding_as_mask_only and dtype in KERNEL_DTYPES:
         reason = triton_unavailable(device)
         if reason is None:
             if decoding and not FUSED_DECODING:
@@ -189,7 +196,7 @@ def dynamic_weights_path(
         return "torch"
     if positions > FUSED_DYNAMIC_WEIGHTS_POSITIONS:
         return "torch"
-    if not dtypes <= {torch.float32, torch.float16, torch.bfloat16} or triton_unavailable(device) is not None:
+    if not dtypes <= set(KERNEL_DTYPES) or triton_unavailable(device) is not None:
         return "torch"
     return "triton"
 
@@ -220,7 +227,7 @@ def decoding_pattern_path(
     the dynamic weights."""
     if device.type != "cuda" or gradient_needed or str(device) in _refused_decoding:
         return "torch"
-    if not dtypes <= {torch.float32, torch.float16, torch.bfloat16} or triton_unavailable(device) is not None:
+    if not dtypes <= set(KERNEL_DTYPES) or triton_unavailable(device) is not None:
         return "torch"
     return "triton"
 

@@ -117,20 +117,22 @@ BLOCKS = (16, 16, 32)  # a tile's queries and keys, and a chunk of the head dim 
 # (tiles [heads, queries, keys], products batched over the heads) the output kernel took 2.8 to 66 times as long.
 MAPS_KERNELS = dict(BQ=64, BK=32, num_warps=4, num_stages=3)
 HEAD_KERNELS = dict(BQ=64, BK=32, num_warps=4, num_stages=2)
-# The backward through the maps' kernels of its own: not timed on a card yet (`benchmarks/sweep_gpu_maps.py --backward`
-# sweeps them). Of a few launches compiled for an H100 (sm_90, 32 heads of 128), these spilled least: 0-300 bytes a
-# thread (the key side's kernel: 8 bytes, against 1.8 KB with blocks of 64 queries)
-GRADIENT_KERNELS = dict(BQ=64, BK=32, num_warps=8, num_stages=2)
-KEY_GRADIENT_KERNELS = dict(BQ=16, BK=32, num_warps=8, num_stages=2)
+# The backward through the maps' kernels of its own: the fastest of five launches each on an NVIDIA H100 (bfloat16, 32
+# heads of 128, rank 2, 4,096 tokens, `benchmarks/sweep_gpu_maps.py --backward`: benchmarks/results/
+# h100-2026-11-27-sweep-backward.txt): the query side's three kernels 21.0 ms against 24.1-28.8, the key side's 22.8
+# ms against 27.4-48.9 (the earlier 8 warps and blocks of 16 queries)
+GRADIENT_KERNELS = dict(BQ=64, BK=32, num_warps=4, num_stages=2)
+KEY_GRADIENT_KERNELS = dict(BQ=32, BK=64, num_warps=8, num_stages=2)
 # The kernels through the maps hold at most MAPS_TIMES_QUERIES times the bytes of the call's queries q of them at a
 # time, so that the maps grow with the prompt, not with its square: never less than MAPS_MIN_BYTES (a short prompt's
 # maps in one chunk, the fewest launches) nor more than MAPS_BYTES
 MAPS_TIMES_QUERIES = 4
 MAPS_MIN_BYTES = 32 * 2**20
 MAPS_BYTES = 256 * 2**20
-# Which kernels take the gradients: "tiles" (the tiles forward and backward: timed on an H100, docs/hooked-model.md)
-# or "maps" (the forward and backward through the maps: not yet timed on a card)
-BACKWARD = "tiles"
+# Which kernels take the gradients: "maps" (the forward and backward through the maps) or "tiles" (the tiles forward
+# and backward). One layer's forward + backward on an NVIDIA H100 (the same sweep): through the maps 3.2, 5.3, 15.1
+# and 52.8 ms at 512, 1,024, 2,048 and 4,096 tokens, through the tiles 8.5, 17.3, 38.3 and 115 ms
+BACKWARD = "maps"
 BRANCHES = ("qw1", "qw2", "kw1", "kw2", "qg", "kg")  # a stage's dynamic weights, in this order
 QUERY_SIDE, KEY_SIDE = (0, 1, 4, 6, 7, 10), (2, 3, 5, 8, 9, 11)  # both stages' weights of [b, t, ...] and [b, s, ...]
 
