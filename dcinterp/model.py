@@ -405,7 +405,11 @@ class Attention(nn.Module):
                 c is not None and c.branches_read() for c in (self.pre_compose, self.post_compose)
             )
         keys, gradient_needed = mask.shape[-1], _gradient_needed(itertools.chain((x,), self.parameters()))
-        kept = dcmha.materialised_saved_bytes(x.shape[0], self.cfg.n_heads, n_queries, keys, x.dtype)
+        kept = 0  # what the materialised path would keep for the backward, this layer's and the later ones'
+        if gradient_needed:
+            kept = self.layers_from_here * dcmha.materialised_saved_bytes(
+                x.shape[0], self.cfg.n_heads, n_queries, keys, x.dtype
+            )
         return dcmha.choose_path(
             dcmha=self.cfg.use_dcmha,
             device=x.device,
@@ -415,7 +419,7 @@ class Attention(nn.Module):
             padding_as_mask_only=mask.ndim == 4 and real is None,
             keys=keys,
             gradient_needed=gradient_needed,
-            materialised_bytes=kept * self.layers_from_here if gradient_needed else 0,
+            materialised_bytes=kept,
             dtype=x.dtype,
         )
 
