@@ -20,7 +20,7 @@ import os
 import sys
 from collections import Counter
 
-os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first decorated
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402

@@ -28,7 +28,7 @@ import sys
 import time
 from contextlib import nullcontext
 
-os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first decorated
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
 import torch  # noqa: E402
 

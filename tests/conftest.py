@@ -12,6 +12,10 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # notebook kernels too (they inherit it): see below
+# Without CUDA the Triton kernels run under Triton's interpreter. Triton reads the variable as it is imported (its own
+# tl.sum, tl.max, ... are built then), so it is set here, before any test module imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The tests run tiny models: one thread is fastest for their tensors, and far faster than two when the
 # machine's cores are busy with anything else.

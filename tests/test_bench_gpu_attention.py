@@ -9,9 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 bench = pytest.importorskip("bench_gpu_attention")

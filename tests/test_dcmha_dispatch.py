@@ -13,6 +13,7 @@
 
 import copy
 import os
+import subprocess
 import sys
 import types
 import warnings
@@ -20,9 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():  # the real kernels run under Triton's interpreter (read at their first use)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import dcinterp.dcmha as dcmha
 from dcinterp import DCFormerConfig, HookedDCFormer, memory
@@ -202,6 +200,25 @@ def test_kernels_that_cannot_be_imported_are_not_available(monkeypatch):
     assert dcmha.triton_unavailable(CUDA).startswith("the Triton kernels cannot be imported")
     with pytest.warns(UserWarning, match="DCMHA on cuda takes the materialised path: the Triton kernels cannot be"):
         assert dcmha.choose_path(dcmha=True, device=CUDA, square_tensor_read=False) == "materialised"
+
+
+@pytest.mark.parametrize("before, after", [(None, "1"), ("1", None)])
+def test_the_interpreter_switched_after_triton_was_imported_is_one_line(before, after):
+    """TRITON_INTERPRET=1 set (or unset) after triton was imported: Triton's own functions (tl.sum, ...) were built
+    the other way, and the kernels would fail deep inside Triton. The kernels are not available, and say why."""
+    pytest.importorskip("triton")
+    switch = "os.environ.pop('TRITON_INTERPRET', None)" if after is None else "os.environ['TRITON_INTERPRET'] = '1'"
+    script = (
+        f"import os, torch, triton\n{switch}\nimport dcinterp.dcmha as dcmha\n"
+        "print(dcmha.triton_unavailable(torch.device('cpu')))\nprint(dcmha.triton_unavailable(torch.device('cuda')))"
+    )
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    if before is not None:
+        environment["TRITON_INTERPRET"] = before
+    run = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    said = "set after triton was imported" if after == "1" else "unset after triton was imported under it"
+    assert run.stdout.count(f"TRITON_INTERPRET=1 was {said}") == 2, run.stdout
 
 
 # Through the model.
@@ -403,7 +420,7 @@ def test_the_triton_path_equals_the_materialised_path(model, model64, kernels, o
 @pytest.fixture
 def real_kernels(monkeypatch):
     """The Triton kernels themselves: natively with CUDA, else under Triton's interpreter (when TRITON_INTERPRET=1 was
-    set before their first use, as tests/test_triton_dcmha.py sets it for the whole run on a machine without CUDA)."""
+    set before triton was imported, as tests/conftest.py sets it for the whole run on a machine without CUDA)."""
     triton_kernels = pytest.importorskip("dcinterp.dcmha.triton_kernels")
     reason = triton_kernels.available(CUDA if torch.cuda.is_available() else CPU)
     if reason is not None:

@@ -1,7 +1,7 @@
 """The fused Triton DCMHA (dcinterp/dcmha/triton_kernels.py) against DCMHA's formulas in float64.
 
-On a machine without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set here before their first
-use; they are decorated then, so another test module importing dcinterp first changes nothing); with CUDA, natively.
+On a machine without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py
+before triton is first imported); with CUDA, natively.
 Every comparison is judged against a float64 run of the same inputs: the fused float32 result may be at most a small
 multiple of the float32 reference's own error (plus a floor, see `assert_as_exact`). The reference is DCMHA's
 formulas written here with einsums (`reference`), and, for the reference checkpoints' layers, the model's own
@@ -13,21 +13,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from dcinterp import HookedDCFormer  # noqa: E402
-from dcinterp.dcmha import triton_kernels  # noqa: E402
-from dcinterp.dcmha.triton_kernels import BRANCHES, available, fused_dcmha  # noqa: E402
-from tests.numerics import assert_as_exact_as  # noqa: E402
+from dcinterp import HookedDCFormer
+from dcinterp.dcmha import triton_kernels
+from dcinterp.dcmha.triton_kernels import BRANCHES, available, fused_dcmha
+from tests.numerics import assert_as_exact_as
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,33 +1,29 @@
 """A decoding step's pattern in two Triton launches (dcinterp/dcmha/decoding.py) against torch's ops in float64, and
 the model's choice between them (`dcinterp.dcmha.decoding_pattern_path`).
 
-On a machine without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set here before their first
-use). The model takes them only on CUDA: here the path's device check is told the tensors are on CUDA (they stay on
-this CPU) and the real kernels run interpreted. Every comparison is judged against a float64 run of the same inputs
-(tests/numerics.py): the kernels' error at most a few times that of torch's ops in the same dtype."""
+On a machine without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py
+before triton is first imported). The model takes them only on CUDA: here the path's device check is told the tensors
+are on CUDA (they stay on this CPU) and the real kernels run interpreted. Every comparison is judged against a float64
+run of the same inputs (tests/numerics.py): the kernels' error at most a few times that of torch's ops in the same
+dtype."""
 
-import os
 import warnings
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from hypothesis import given, seed, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import given, seed, settings
+from hypothesis import strategies as st
 
-from dcinterp import dcmha  # noqa: E402
-from dcinterp.dcmha import decoding  # noqa: E402
-from dcinterp.dcmha.decoding import fused_decoding_pattern, torch_decoding_pattern  # noqa: E402
-from dcinterp.dcmha.triton_kernels import available  # noqa: E402
-from tests.numerics import EPS32, assert_as_exact_as, float64_copy  # noqa: E402
-from tests.test_decode_step import CASES, CHUNKS, cached_steps, every_square_tensor_hooked, load  # noqa: E402
-from tests.told_cuda import CUDA, told_cuda  # noqa: E402
+from dcinterp import dcmha
+from dcinterp.dcmha import decoding
+from dcinterp.dcmha.decoding import fused_decoding_pattern, torch_decoding_pattern
+from dcinterp.dcmha.triton_kernels import available
+from tests.numerics import EPS32, assert_as_exact_as, float64_copy
+from tests.test_decode_step import CASES, CHUNKS, cached_steps, every_square_tensor_hooked, load
+from tests.told_cuda import CUDA, told_cuda
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BRANCHES = ("qp", "kp", "qg", "kg")

@@ -1,30 +1,26 @@
 """DCMHA's dynamic weights in one Triton kernel (dcinterp/dcmha/dynamic_weights.py) against torch's ops in float64,
 and the model's choice between them (`dcinterp.dcmha.dynamic_weights_path`).
 
-On a machine without CUDA the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, set here before its first
-use). The model takes the kernel only on CUDA: here the path's device check is told the tensors are on CUDA (they
-stay on this CPU) and the real kernel runs interpreted. Every comparison is judged against a float64 run of the same
-inputs: the kernel's error at most TIMES_REFERENCE_ERROR times that of torch's ops in the same dtype, plus a floor
-of 8 units of that dtype's rounding of the largest entry."""
+On a machine without CUDA the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py
+before triton is first imported). The model takes the kernel only on CUDA: here the path's device check is told the
+tensors are on CUDA (they stay on this CPU) and the real kernel runs interpreted. Every comparison is judged against a
+float64 run of the same inputs: the kernel's error at most TIMES_REFERENCE_ERROR times that of torch's ops in the same
+dtype, plus a floor of 8 units of that dtype's rounding of the largest entry."""
 
 import os
 import warnings
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from dcinterp import HookedDCFormer, dcmha  # noqa: E402
-from dcinterp.dcmha import dynamic_weights  # noqa: E402
-from dcinterp.dcmha.dynamic_weights import fused_dynamic_weights, torch_dynamic_weights  # noqa: E402
-from dcinterp.dcmha.triton_kernels import available  # noqa: E402
-from tests.numerics import float64_copy  # noqa: E402
-from tests.told_cuda import CUDA, told_cuda  # noqa: E402
+from dcinterp import HookedDCFormer, dcmha
+from dcinterp.dcmha import dynamic_weights
+from dcinterp.dcmha.dynamic_weights import fused_dynamic_weights, torch_dynamic_weights
+from dcinterp.dcmha.triton_kernels import available
+from tests.numerics import float64_copy
+from tests.told_cuda import CUDA, told_cuda
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

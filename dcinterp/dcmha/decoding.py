@@ -23,8 +23,9 @@ them with no hook attached).
 The kernels have no backward: `dcinterp.dcmha.decoding_pattern_path` takes them only where no gradient is needed.
 Not yet timed on a card.
 
-Triton decides when a kernel is decorated whether it runs natively or under its CPU interpreter
-(`TRITON_INTERPRET=1`), so the kernels are decorated at their first use, not when dcinterp is imported.
+Triton decides when a kernel is decorated whether it runs natively or under its CPU interpreter (`TRITON_INTERPRET=1`),
+so the kernels are decorated at their first use, not when dcinterp is imported (Triton's own functions, tl.sum and the
+like, are decorated when triton is imported: the variable must be set before that).
 
 Index names: b batch, t queries, s keys, h/m/n heads, r rank.
 """

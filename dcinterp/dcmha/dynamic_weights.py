@@ -19,8 +19,9 @@ It has no backward: `dcinterp.dcmha.dynamic_weights_path` takes it only where no
 at 16 to 512 positions, 0.09 against 0.17 at 2,048, 0.38 against 0.17 at 8,192 (each program reads all of its
 branch's W_in, which cuBLAS tiles better); float32 0.12 against 0.15 at 16 to 512, 0.39 against 0.28 at 2,048.
 
-Triton decides when a kernel is decorated whether it runs natively or under its CPU interpreter
-(`TRITON_INTERPRET=1`), so the kernel is decorated at its first use, not when dcinterp is imported.
+Triton decides when a kernel is decorated whether it runs natively or under its CPU interpreter (`TRITON_INTERPRET=1`),
+so the kernel is decorated at its first use, not when dcinterp is imported (Triton's own functions, tl.sum and the like,
+are decorated when triton is imported: the variable must be set before that).
 
 Index names: p positions (batch and sequence flattened), d model dim, c branch, k hidden unit, r rank, h head.
 """

@@ -82,8 +82,9 @@ float32 inputs use IEEE float32 products (not TF32); float16 / bfloat16 inputs m
 FlashAttention, and everything accumulates in float32. Not supported: second derivatives (`create_graph=True`: the
 backward raises; the materialised path gives them).
 
-Triton decides when a kernel is decorated whether it runs natively or under its CPU interpreter
-(`TRITON_INTERPRET=1`), so the kernels are decorated at their first use, not when dcinterp is imported.
+Triton decides when a kernel is decorated whether it runs natively or under its CPU interpreter (`TRITON_INTERPRET=1`),
+so the kernels are decorated at their first use, not when dcinterp is imported (Triton's own functions, tl.sum and the
+like, are decorated when triton is imported: the variable must be set before that).
 
 Index names: b batch, t queries, s keys, h/m/n heads, e head dim, r rank.
 """
@@ -91,6 +92,7 @@ Index names: b batch, t queries, s keys, h/m/n heads, e head dim, r rank.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Literal
 
 import torch
@@ -144,13 +146,20 @@ def available(device: torch.device) -> str | None:
     if _TRITON_UNUSABLE is not None:
         return _TRITON_UNUSABLE
     interpreted = _kernels_interpreted()
+    if interpreted and not _triton_interpreted():
+        return (
+            "TRITON_INTERPRET=1 was set after triton was imported (Triton's own functions were built for a GPU "
+            "then): set it before the first import of triton, or of anything that imports it"
+        )
+    if not interpreted and _triton_interpreted():
+        return "TRITON_INTERPRET=1 was unset after triton was imported under it: unset it before the first import"
     if device.type == "cuda":
         if not torch.cuda.is_available():
             return "CUDA is not available"
         return None
     if device.type == "cpu":
         if not interpreted:
-            return "the Triton kernels run on a CPU only under TRITON_INTERPRET=1 (set before their first use)"
+            return "the Triton kernels run on a CPU only under TRITON_INTERPRET=1 (set before triton is imported)"
         return None
     return f"the Triton kernels do not run on {device.type}"
 
@@ -160,6 +169,13 @@ def _kernels_interpreted() -> bool:
     if _decorated:
         return _decorated_interpreted
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _triton_interpreted() -> bool:
+    """Whether Triton's own functions (tl.sum, tl.max, ...), decorated when triton was imported, run under its
+    interpreter: TRITON_INTERPRET was 1 then. The kernels calling them must run the same way."""
+    interpreter = sys.modules.get("triton.runtime.interpreter")  # never imported by a native run
+    return interpreter is not None and isinstance(tl.sum, interpreter.InterpretedFunction)
 
 
 # --- the kernels (plain functions, decorated by `_decorate` at first use) ------------------------------------------
