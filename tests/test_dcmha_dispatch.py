@@ -477,6 +477,36 @@ def test_a_card_the_kernels_do_not_fit_gives_one_warning_and_the_materialised_re
     assert_as_exact_as(out, reference, exact, "logits")
 
 
+def test_a_card_the_backward_kernels_do_not_fit_gives_one_warning_and_the_materialised_gradients(
+    model, model64, kernels, on_cuda
+):
+    """The forward's kernels built, the backward's refused at their first launch (as the first call with gradients
+    launches them): one warning, the gradients of the materialised formula, no traceback from inside autograd."""
+    OutOfResources = pytest.importorskip("triton.runtime.errors").OutOfResources
+
+    class RefusedBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, z):
+            return z.clone()
+
+        @staticmethod
+        def backward(ctx, gz):
+            raise OutOfResources(110_592, 101_376, "shared memory")
+
+    forward = kernels.fused_dcmha
+    kernels.fused_dcmha = lambda *args, **kwargs: RefusedBackward.apply(forward(*args, **kwargs))
+    tokens = tokens_for(model, length=12)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out = run(model, tokens)
+    said = [str(w.message) for w in record if "materialised path" in str(w.message)]
+    assert len(said) == 1 and "Triton cannot build the fused kernels for it (out of resource: shared memory" in said[0]
+    with all_branches_hooked(model), all_branches_hooked(model64):
+        reference, exact = run(model, tokens), run(model64, tokens)
+    for i, (a, b, c) in enumerate(zip(out, reference, exact, strict=True)):
+        assert_as_exact_as(a, b, c, f"[{i}]")
+
+
 def test_second_derivatives_on_the_triton_path_fall_back_on_the_materialised_formula(model, model64, kernels, on_cuda):
     """The kernels' backward refuses create_graph; a Hessian-vector product still equals the materialised one."""
     tokens = tokens_for(model, batch=1, length=12)

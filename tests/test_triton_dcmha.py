@@ -323,6 +323,55 @@ def test_without_gradients_the_same_forward(backward):
         assert torch.equal(z, fused_dcmha(*inputs, window=None, official=False, **options, forward=backward))
 
 
+def test_a_card_without_room_for_the_pipelined_loads_takes_the_launch_unpipelined(monkeypatch):
+    """Each kernel through the maps refused by the card while num_stages > 1 (Triton's OutOfResources, as a head dim
+    of 256 is on a 99 KiB card): the first of each group of kernels sharing settings is launched again with
+    num_stages=1, and the rest of its group takes it at once; the same z and gradients bit for bit; the call's
+    settings keep it: the next call of the same shapes is refused nothing."""
+    names = [
+        "_product_maps_kernel", "_row_statistics_kernel", "_post_maps_kernel", "_head_output_kernel",
+        "_row_gradient_kernel", "_pre_gradient_maps_kernel", "_head_query_gradient_kernel", "_head_key_gradient_kernel",
+    ]  # fmt: skip
+    inputs = make_inputs(1, 40, 3, 16, 2)
+
+    def run():
+        args = [to(x, torch.float32, True) for x in inputs]
+        z = fused_dcmha(*args, window=None, official=False, map_blocks=MAP_BLOCKS, backward="maps")
+        leaves = [x for x in args[:3] + flat(*args[3:]) if x is not None]
+        return z, torch.autograd.grad(z, leaves, torch.ones_like(z))
+
+    pipelined = run()
+    refused, stages = [], {}
+
+    class Refusing:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **constants):
+                stages[self.kernel.fn.__name__] = constants["num_stages"]
+                if constants["num_stages"] > 1:
+                    refused.append(self.kernel.fn.__name__)
+                    raise triton_kernels.OutOfResources(232_000, 101_376, "shared memory")
+                return self.kernel[grid](*args, **constants)
+
+            return launch
+
+    for name in names:
+        monkeypatch.setattr(triton_kernels, name, Refusing(getattr(triton_kernels, name)))
+    triton_kernels._launches.clear()
+    unpipelined = run()
+    first_of_each_group = ["_product_maps_kernel", "_row_statistics_kernel", "_row_gradient_kernel"]
+    assert refused == [*first_of_each_group, "_head_key_gradient_kernel"] and stages == dict.fromkeys(names, 1)
+    (z, grads), (z_unpipelined, grads_unpipelined) = pipelined, unpipelined
+    assert torch.equal(z, z_unpipelined)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_unpipelined, strict=True))
+    refused.clear()
+    run()
+    assert refused == []
+    triton_kernels._launches.clear()
+
+
 def test_the_backward_of_a_long_prompt_goes_a_chunk_of_queries_at_a_time(monkeypatch):
     """With room for the maps and their gradients of 16 queries only, the backward through the maps goes 16 queries
     at a time (3 chunks, the last one short, in a window), each chunk's key side added to the last's: the gradients

@@ -267,10 +267,16 @@ def triton_z(q, k, v, mask, pre, post, *, window: int | None, official: bool, pa
             return fused(*inputs)
         return FirstOrderKernel.apply(fused, reference, *inputs)
     except _compile_refusals() as refusal:  # the card's limits: said once, then the materialised path everywhere
-        reason = f"Triton cannot build the fused kernels for it ({str(refusal).splitlines()[0]})"
-        _refused[str(q.device)] = reason
-        _warn_once(reason, q.device)
+        _refuse_kernels(refusal, q.device)
         return reference(*inputs)
+
+
+def _refuse_kernels(refusal: Exception, device: torch.device) -> None:
+    """Triton refused to build the fused kernels for the device (at their first launch, forward or backward): said
+    once, and the device's later calls take the materialised path."""
+    reason = f"Triton cannot build the fused kernels for it ({str(refusal).splitlines()[0]})"
+    _refused[str(device)] = reason
+    _warn_once(reason, device)
 
 
 def _stages(weights, pre, post) -> tuple:
@@ -298,13 +304,23 @@ class FirstOrderKernel(torch.autograd.Function):
     def backward(ctx, gy):
         inputs = ctx.saved_tensors
         wanted = [i for i, x in enumerate(inputs) if x is not None and ctx.needs_input_grad[2 + i]]
-        if torch.is_grad_enabled():  # create_graph=True
+
+        def by_reference(create_graph: bool):
             with torch.enable_grad():
                 y = ctx.reference(*inputs)
-                grads = torch.autograd.grad(y, [inputs[i] for i in wanted], gy, create_graph=True, allow_unused=True)
+                return torch.autograd.grad(
+                    y, [inputs[i] for i in wanted], gy, create_graph=create_graph, allow_unused=True
+                )
+
+        if torch.is_grad_enabled():  # create_graph=True
+            grads = by_reference(create_graph=True)
         else:
             leaves, y = ctx.graph
-            grads = torch.autograd.grad(y, [leaves[i] for i in wanted], gy, allow_unused=True)
+            try:
+                grads = torch.autograd.grad(y, [leaves[i] for i in wanted], gy, allow_unused=True)
+            except _compile_refusals() as refusal:  # the backward's kernels, first launched here, refused
+                _refuse_kernels(refusal, gy.device)
+                grads = by_reference(create_graph=False)
         out = [None] * len(inputs)
         for i, g in zip(wanted, grads, strict=True):
             out[i] = g if g is not None else torch.zeros_like(inputs[i])

@@ -104,8 +104,10 @@ from ._grids import cdiv, checked_once, next_power_of_2, signature
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.errors import OutOfResources
 except ImportError as error:  # dcinterp runs without triton (or an old one): available() says why the kernels cannot
     triton = tl = None
+    OutOfResources = ()  # (nothing to catch)
     _TRITON_UNUSABLE = f"triton is not installed ({error})"
 else:
     _TRITON_UNUSABLE = None
@@ -883,13 +885,13 @@ def _store_weight_gradients(
 
 def _row_gradient_kernel(
     q, k, v, dz, maps, grads, row_max, row_sum, row_d, real, pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1,
-    post_qg, post_kg, T, S, H, E, R: tl.constexpr, past, span, scale, EP: tl.constexpr, BQ: tl.constexpr,
-    BK: tl.constexpr, PRE_QP: tl.constexpr, PRE_KP: tl.constexpr, PRE_QG: tl.constexpr, PRE_KG: tl.constexpr,
-    POST_QP: tl.constexpr, POST_KP: tl.constexpr, POST_QG: tl.constexpr, POST_KG: tl.constexpr,
+    post_qg, post_kg, T, S, H, E, R: tl.constexpr, past, span, scale, RP: tl.constexpr, EP: tl.constexpr,
+    BQ: tl.constexpr, BK: tl.constexpr, PRE_QP: tl.constexpr, PRE_KP: tl.constexpr, PRE_QG: tl.constexpr,
+    PRE_KG: tl.constexpr, POST_QP: tl.constexpr, POST_KP: tl.constexpr, POST_QG: tl.constexpr, POST_KG: tl.constexpr,
     PADDING: tl.constexpr, HALF: tl.constexpr
 ):
     """The softmax's D = sum_s P dP of one head (program axis 0) over one block of queries (axis 1) of one batch row
-    (axis 2), into row_d ([b, H, T])."""
+    (axis 2), into row_d ([b, H, T]). (RP is not used: the gradient kernels' settings are passed whole.)"""
     h_idx = tl.program_id(0) + tl.arange(0, 1)
     h_ok = h_idx < H
     t0 = tl.program_id(1) * BQ
@@ -1211,6 +1213,21 @@ def _pointers(tensors, stand_in: Tensor) -> list[Tensor]:
     return [stand_in if w is None else w for w in tensors]
 
 
+def _run(kernel, grid, settings: dict, *args, **constants) -> None:
+    """kernel[grid](*args, **constants), `settings` (BQ, BK, num_warps, num_stages) among the constants. Where the
+    card's shared memory cannot hold the loads those settings pipeline (Triton's OutOfResources at the first launch:
+    a head dim of 256 on a card of 99 KiB a block, sm_86 or sm_89), the launch again without software pipelining,
+    num_stages=1: the same arithmetic in the same order, its loads not prefetched. `settings` (the call's `_Launch`'s)
+    keeps it, so that later calls of the same signature take it at once."""
+    try:
+        kernel[grid](*args, **constants)
+    except OutOfResources:
+        if settings["num_stages"] == 1:
+            raise
+        settings["num_stages"] = constants["num_stages"] = 1
+        kernel[grid](*args, **constants)
+
+
 def _forward(launch: _Launch, q, k, v, real, weights) -> tuple[Tensor, Tensor, Tensor]:
     """z (in q's dtype) and the softmax's row max and sum ([b, h, t], float32)."""
     z = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -1291,20 +1308,22 @@ def _maps_launches(launch: _Launch, q, k, v, real, weights, maps, past) -> tuple
     tiles = (cdiv(launch.n_keys, summed["BK"]), cdiv(n_queries, summed["BQ"]), batch)
     heads = (n_heads, cdiv(n_queries, one_head["BQ"]), batch)
     if pre["QP"] or pre["KP"]:
-        _product_maps_kernel[tiles](
-            q, k, maps, pre_qw1, pre_kw1, *scalars, FIRST=0, QP=pre["QP"], KP=pre["KP"], HALF=flags["HALF"], **summed
-        )
-    _row_statistics_kernel[heads](
-        q, k, maps, *stats, real, pre_qw2, pre_kw2, pre_qg, pre_kg, *scalars, **pre, **masks, **one_head
-    )
-    if flags["POST_QP"] or flags["POST_KP"]:
-        _post_maps_kernel[tiles](
-            q, k, maps, *stats, real, pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1, *scalars,
-            **launch.post_maps, **masks, **summed,
+        _run(
+            _product_maps_kernel, tiles, summed, q, k, maps, pre_qw1, pre_kw1, *scalars, FIRST=0, QP=pre["QP"],
+            KP=pre["KP"], HALF=flags["HALF"], **summed,
         )  # fmt: skip
-    _head_output_kernel[heads](
-        q, k, v, z, maps, *stats, real, pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw2, post_kw2, post_qg, post_kg,
-        *scalars, **launch.branches, **masks, **one_head,
+    _run(
+        _row_statistics_kernel, heads, one_head, q, k, maps, *stats, real, pre_qw2, pre_kw2, pre_qg, pre_kg,
+        *scalars, **pre, **masks, **one_head,
+    )  # fmt: skip
+    if flags["POST_QP"] or flags["POST_KP"]:
+        _run(
+            _post_maps_kernel, tiles, summed, q, k, maps, *stats, real, pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw1,
+            post_kw1, *scalars, **launch.post_maps, **masks, **summed,
+        )  # fmt: skip
+    _run(
+        _head_output_kernel, heads, one_head, q, k, v, z, maps, *stats, real, pre_qw2, pre_kw2, pre_qg, pre_kg,
+        post_qw2, post_kw2, post_qg, post_kg, *scalars, **launch.branches, **masks, **one_head,
     )  # fmt: skip
     return z, *stats
 
@@ -1391,35 +1410,36 @@ def _maps_backward_launches(
     key_heads = (n_heads, cdiv(launch.n_keys, key_gradient["BK"]), batch)
     statistics = (row_max, row_sum, row_d, real)
     if _any_map(launch, ("PRE",)):
-        _product_maps_kernel[tiles](
-            q, k, maps, pre_qw1, pre_kw1, *scalars, FIRST=0, QP=flags["PRE_QP"], KP=flags["PRE_KP"],
-            HALF=flags["HALF"], **summed,
+        _run(
+            _product_maps_kernel, tiles, summed, q, k, maps, pre_qw1, pre_kw1, *scalars, FIRST=0,
+            QP=flags["PRE_QP"], KP=flags["PRE_KP"], HALF=flags["HALF"], **summed,
         )  # fmt: skip
     if _any_map(launch, ("POST",)):
-        _post_maps_kernel[tiles](
-            q, k, maps, row_max, row_sum, real, pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1, *scalars,
-            **launch.post_maps, **masks, **summed,
+        _run(
+            _post_maps_kernel, tiles, summed, q, k, maps, row_max, row_sum, real, pre_qw2, pre_kw2, pre_qg, pre_kg,
+            post_qw1, post_kw1, *scalars, **launch.post_maps, **masks, **summed,
         )  # fmt: skip
-        _product_maps_kernel[tiles](
-            dz, v, grads, post_qw2, post_kw2, *scalars[:-1], 1.0, FIRST=2 * launch.rank, QP=flags["POST_QP"],
-            KP=flags["POST_KP"], HALF=flags["HALF"], **summed,
+        _run(
+            _product_maps_kernel, tiles, summed, dz, v, grads, post_qw2, post_kw2, *scalars[:-1], 1.0,
+            FIRST=2 * launch.rank, QP=flags["POST_QP"], KP=flags["POST_KP"], HALF=flags["HALF"], **summed,
         )  # fmt: skip
     gradients = (pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1, post_qg, post_kg)
-    _row_gradient_kernel[heads](
-        q, k, v, dz, maps, grads, *statistics, *gradients, *scalars, **both, **masks,
-        **{key: value for key, value in gradient.items() if key != "RP"},
-    )  # fmt: skip
-    if _any_map(launch, ("PRE",)):
-        _pre_gradient_maps_kernel[gradient_tiles](
-            q, k, v, dz, maps, grads, *statistics, *gradients, *scalars, **both, **masks, **gradient
-        )
-    _head_query_gradient_kernel[heads](
-        q, k, v, dz, maps, grads, *statistics, *pointers, dq, *_pointers(d_query_side, dq), *scalars, **both,
+    _run(
+        _row_gradient_kernel, heads, gradient, q, k, v, dz, maps, grads, *statistics, *gradients, *scalars, **both,
         **masks, **gradient,
     )  # fmt: skip
-    _head_key_gradient_kernel[key_heads](
-        q, k, v, dz, maps, grads, *statistics, *pointers, dk, dv, *_pointers(d_key_side, dk), *scalars, **both,
-        **masks, **key_gradient,
+    if _any_map(launch, ("PRE",)):
+        _run(
+            _pre_gradient_maps_kernel, gradient_tiles, gradient, q, k, v, dz, maps, grads, *statistics, *gradients,
+            *scalars, **both, **masks, **gradient,
+        )  # fmt: skip
+    _run(
+        _head_query_gradient_kernel, heads, gradient, q, k, v, dz, maps, grads, *statistics, *pointers, dq,
+        *_pointers(d_query_side, dq), *scalars, **both, **masks, **gradient,
+    )  # fmt: skip
+    _run(
+        _head_key_gradient_kernel, key_heads, key_gradient, q, k, v, dz, maps, grads, *statistics, *pointers, dk, dv,
+        *_pointers(d_key_side, dk), *scalars, **both, **masks, **key_gradient,
     )  # fmt: skip
     return dq, d_query_side
 
