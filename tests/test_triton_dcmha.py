@@ -9,6 +9,7 @@ materialised path. What the interpreter cannot check, that the kernels compile f
 compiler targeting an H100 (no GPU needed)."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -582,96 +583,41 @@ def test_the_models_layers(name):
         assert_as_exact(z, single[f"{attn}.hook_z"], exact[f"{attn}.hook_z"], f"layer {layer} z")
 
 
-COMPILE_FOR_A_CARD = """
-import sys
-
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from dcinterp.dcmha import triton_kernels
-
-arch, shared_memory, heads = (int(argument) for argument in sys.argv[1:])
-triton_kernels._decorate()
-every = dict(HP=heads, BQ=16, BK=16, BE=32, PADDING=True, HALF=True, R=2, RP=2, EP=128, FIRST=0, QP=True, KP=True,
-             QG=True, KG=True)
-every.update({f"{stage}_{branch}": True for stage in ("PRE", "POST") for branch in ("QP", "KP", "QG", "KG")})
-scalars = dict(T="i32", S="i32", H="i32", E="i32", R="i32", past="i32", span="i32", scale="fp32")
-tiles = ("_forward_kernel", "_backward_query_kernel", "_backward_key_kernel")
-maps = ("_product_maps_kernel", "_row_statistics_kernel", "_post_maps_kernel", "_head_output_kernel",
-        "_row_gradient_kernel", "_pre_gradient_maps_kernel", "_head_query_gradient_kernel", "_head_key_gradient_kernel")
-for name in tiles + maps:
-    kernel = getattr(triton_kernels, name)
-    constants = {arg: value for arg, value in every.items() if arg in kernel.arg_names}
-    if name in maps:  # the default launch
-        launch = (
-            triton_kernels.KEY_GRADIENT_KERNELS if name == "_head_key_gradient_kernel" else
-            triton_kernels.GRADIENT_KERNELS if "gradient" in name else
-            triton_kernels.MAPS_KERNELS if "maps" in name else triton_kernels.HEAD_KERNELS
-        )
-        constants.update({key: value for key, value in launch.items() if key in kernel.arg_names})
-        options = {key: value for key, value in launch.items() if key.startswith("num_")}
-    else:
-        options = dict(num_warps=triton_kernels._num_warps(constants["HP"]), num_stages=1)
-    signature = {
-        arg: "constexpr" if arg in constants else scalars.get(arg) or
-        ("*bf16" if arg in ("q", "k", "v", "dz", "z", "maps", "grads", "a", "b") else
-         "*i8" if arg == "real" else "*fp32")
-        for arg in kernel.arg_names
-    }
-    paths = {(kernel.arg_names.index(arg),): value for arg, value in constants.items()}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=paths)
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
-    assert compiled.metadata.shared <= shared_memory, (name, compiled.metadata.shared)
-
-from dcinterp.dcmha import dynamic_weights
-
-dynamic_weights._decorate()
-kernel = dynamic_weights._dynamic_weights_kernel
-constants = dict(BP=16, BD=64, KP=128, HP=32, IN_BIAS=True, GATE_BIAS=True, HALF=True)  # DCPythia-6.9B's K = 4 H = 128
-sizes = ("P", "D", "K", "H", "R")
-signature = {arg: "constexpr" if arg in constants else "i32" if arg in sizes else "*bf16" for arg in kernel.arg_names}
-paths = {(kernel.arg_names.index(arg),): value for arg, value in constants.items()}
-source = ASTSource(fn=kernel, signature=signature, constexprs=paths)
-compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
-assert compiled.metadata.shared <= shared_memory, ("_dynamic_weights_kernel", compiled.metadata.shared)
-
-from dcinterp.dcmha import decoding
-
-decoding._decorate()
-constants = dict(HP=32, BK=decoding.TILE // 32, R=2, QP=True, KP=True, QG=True, KG=True)
-for kernel in (decoding._decoding_logits_kernel, decoding._decoding_pattern_kernel):
-    signature = {
-        arg: "constexpr" if arg in constants else "fp32" if arg == "scale" else
-        "*fp32" if arg in ("mask", "logits", "block_max", "block_sum") else
-        "*bf16" if arg in ("scores", "pattern", "qw1", "qw2", "qg", "kw1", "kw2", "kg") else "i32"
-        for arg in kernel.arg_names
-    }
-    paths = {(kernel.arg_names.index(arg),): value for arg, value in constants.items()}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=paths)
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
-    assert compiled.metadata.shared <= shared_memory, (kernel.fn.__name__, compiled.metadata.shared)
-"""
-
-
 @pytest.mark.parametrize(
-    "arch, shared_memory, heads",
+    "arch, head_dim",
     [
-        (90, 227 * 1024, 4),  # Hopper: H100, H200
-        (86, 99 * 1024, 32),  # a 24 GB workstation's Ampere: RTX 3090, A5000, A10 (Ada's sm_89 has the same limit)
+        (90, 128),  # Hopper: H100, H200
+        (90, 256),
+        (86, 128),  # a 24 GB workstation's Ampere: RTX 3090, A5000, A10 (Ada's sm_89 has the same limit)
+        (86, 256),  # the kernels through the maps only unpipelined (num_stages=1), as their launch retries
     ],
 )
-def test_the_kernels_compile_for_a_card(arch, shared_memory, heads):
-    """Triton's compiler, without a GPU, takes each kernel down to a binary for the card (bfloat16, every branch on,
-    padding; the tiles kernels for `heads` heads of 128; the dynamic weights' kernel with both biases; the decoding
-    kernels), within the shared memory a block may take there: what the interpreter never checks (layouts, 3D dots,
-    shared memory) is checked here, in a process of its own, where the kernels are decorated natively."""
+def test_the_kernels_compile_for_a_card(arch, head_dim):
+    """benchmarks/kernel_resources.py: Triton's compiler, without a GPU, takes every kernel down to a binary for the
+    card (bfloat16, 32 heads, every branch on, padding, pointers and sizes specialised as a launch's), within the
+    shared memory a block may take there, the kernels through the maps unpipelined where their launch would be: what
+    the interpreter never checks (layouts, dots, shared memory) is checked here, in a process of its own, where the
+    kernels are decorated natively."""
     environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    environment["TRITON_DEFAULT_FP_FUSION"] = environment.get("TRITON_DEFAULT_FP_FUSION", "1")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_resources.py"
     run = subprocess.run(
-        [sys.executable, "-c", COMPILE_FOR_A_CARD, str(arch), str(shared_memory), str(heads)],
+        [sys.executable, str(script), "--arch", str(arch), "--head-dim", str(head_dim)],
         env=environment,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
+    fits = dict(re.findall(r"^\| `(\w+)` \|.*\| (yes|unpipelined|no) \|$", run.stdout, re.MULTILINE))
+    expected = {"yes", "unpipelined"} if (arch, head_dim) == (86, 256) else {"yes"}
+    assert len(fits) == 14 and set(fits.values()) == expected, run.stdout
+
+
+@pytest.mark.parametrize(
+    "argument, message",
+    [(("--arch", "70"), "--arch must be one of [80, 86, 89, 90]"), (("--head-dim", "96"), "must be a power of two")],
+)
+def test_kernel_resources_says_what_is_wrong_in_one_line(argument, message):
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_resources.py"
+    run = subprocess.run([sys.executable, str(script), *argument], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and message in run.stderr.strip().splitlines()[-1]

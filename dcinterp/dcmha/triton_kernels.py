@@ -69,14 +69,14 @@ Registers, in the tiles kernels: a program holds [heads, queries, keys] tiles (3
 chunks of 32 (QK^T and P' V are `tl.dot`s batched over the heads, one chunk at a time), and the sums over key or
 query blocks (z, dq, dk, dv, the weights' gradients) are added into float32 buffers in global memory, each row owned
 by exactly one program. Nothing is summed by atomics and every loop runs in a fixed order, so the same inputs give
-the same bits. Compiled by Triton 3.9 for an H100 (sm_90, bfloat16, eight warps; no GPU is needed to compile, as
-tests/test_triton_dcmha.py does), 32 heads of 128 take 64 KiB of shared memory and spill 0.6-0.9 KiB a thread; 16
-heads of 64 spill 40 bytes in the key-side backward, none elsewhere. Timed and profiled on an H100
-(docs/hooked-model.md, "GPU"): one program of 8 warps an SM (246-255 registers a thread), latency-bound, 7% of the
-SM's compute throughput. For the 24 GB cards of a workstation (sm_86: RTX 3090, A5000, A10; sm_89: RTX 4090, L4;
-99 KiB of shared memory a block) and the A100 (sm_80) every kernel compiles within the card's shared memory at 32
-heads of 128 or 256 (Triton 3.9, bfloat16: the tiles kernels 64 KiB, the maps' at most 41 KiB at 128 and 81 KiB at
-256; the test compiles sm_86 at 128); not timed on such a card.
+the same bits. Timed and profiled on an H100 (docs/hooked-model.md, "GPU"): one program of 8 warps an SM (246-255
+registers a thread), latency-bound, 7% of the SM's compute throughput.
+
+What each kernel takes of a card (registers, spills, shared memory), read without one: benchmarks/kernel_resources.py.
+For the 24 GB cards of a workstation (sm_86: RTX 3090, A5000, A10; sm_89: RTX 4090, L4; 99 KiB of shared memory a
+block) and the A100 (sm_80) every kernel fits at 32 heads of 128 and 256, but for two at 256 on sm_86 and sm_89: the
+output's and the row gradient's kernels through the maps fit there only unpipelined, which their launch falls back on
+(`_run`). Not timed on such a card.
 
 float32 inputs use IEEE float32 products (not TF32); float16 / bfloat16 inputs multiply in their own dtype, like
 FlashAttention, and everything accumulates in float32. Not supported: second derivatives (`create_graph=True`: the

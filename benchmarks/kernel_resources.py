@@ -1,0 +1,199 @@
+"""What each of DCMHA's Triton kernels takes of a GPU, compiled for it on a machine without one: registers a thread,
+bytes spilled to local memory, shared memory a block, and whether that fits the card.
+
+    python benchmarks/kernel_resources.py [--arch 90] [--head-dim 128] [--heads 32] [--dtype bfloat16] [--json OUT]
+
+Each kernel is built by Triton's compiler as a launch builds it (`triton.compile` for the target: pointers aligned
+and every size divisible by 16 specialised, as at 4,096 tokens; every branch of both stages on, rank 2, left padding),
+with the launch settings the model takes (`MAPS_KERNELS`, `HEAD_KERNELS`, `GRADIENT_KERNELS`, `KEY_GRADIENT_KERNELS`
+for the kernels through the maps; blocks of 16 x 16 for the tiles kernels). A kernel through the maps that needs
+more shared memory than the card's block may take is built again unpipelined (num_stages=1), as its launch does
+(`triton_kernels._run`): "unpipelined" in the table. Registers and spills are ptxas' report (the ptxas Triton ships;
+"n/a" where it cannot run): a thread holds at most 255 registers, and what does not fit spills to local memory, slow
+on every card. Numbers from this machine's Triton: the card's own Triton may build the
+kernels otherwise. Exit 1 (one line each) when a kernel does not fit even unpipelined: the model would take the
+materialised path there (`dcinterp.dcmha.choose_path`); 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, said (it warns where it is not)
+
+# the shared memory a block may take (opt-in) on each architecture, in bytes
+SHARED_MEMORY = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
+CARDS = {80: "A100", 86: "RTX 3090, A5000, A10", 89: "RTX 4090, L4", 90: "H100, H200"}
+TILES = ("_forward_kernel", "_backward_query_kernel", "_backward_key_kernel")
+MAPS = {
+    "_product_maps_kernel": "MAPS_KERNELS",
+    "_row_statistics_kernel": "HEAD_KERNELS",
+    "_post_maps_kernel": "MAPS_KERNELS",
+    "_head_output_kernel": "HEAD_KERNELS",
+    "_row_gradient_kernel": "GRADIENT_KERNELS",
+    "_pre_gradient_maps_kernel": "GRADIENT_KERNELS",
+    "_head_query_gradient_kernel": "GRADIENT_KERNELS",
+    "_head_key_gradient_kernel": "KEY_GRADIENT_KERNELS",
+}
+# the pointers in the inputs' dtype (the rest float32, `real` int8)
+HALF_POINTERS = ("q", "k", "v", "dz", "z", "maps", "grads", "a", "b", "x", "W_in", "b_in", "W_out", "W_gate", "b_gate",
+                 "w1", "w2", "gates", "scores", "pattern", "qw1", "qw2", "qg", "kw1", "kw2", "kg")  # fmt: skip
+
+
+def build(kernel, signature: dict, constants: dict, options: dict, arch: int, sizes: dict):
+    """The kernel compiled for sm_<arch>, specialised as a launch with these sizes would be."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    aligned = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(kernel.arg_names)
+        if signature[name].startswith("*") or (name in sizes and sizes[name] % 16 == 0)
+    }
+    paths = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=paths, attrs=aligned)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def registers_and_spills(compiled, arch: int) -> tuple[int | None, int | None]:
+    """Registers a thread and bytes it spills to local memory, as ptxas (the one Triton ships and calls) reports
+    them assembling the kernel's PTX; (None, None) where it cannot be run."""
+    from triton.backends.nvidia import compiler
+
+    try:
+        ptxas = compiler.get_ptxas(arch).path
+    except (AttributeError, TypeError):  # an older Triton's
+        ptxas = compiler.get_ptxas().path
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "kernel.ptx"
+        source.write_text(compiled.asm["ptx"])
+        gpu = f"--gpu-name={compiler.sm_arch_from_capability(arch)}"
+        command = [ptxas, "-v", "--regAllocOptLevel=2", gpu, str(source), "-o", str(source.with_suffix(".o"))]
+        report = subprocess.run(command, capture_output=True, text=True).stderr
+    registers, spilled = re.search(r"Used (\d+) registers", report), re.search(r"(\d+) bytes spill stores", report)
+    return (int(registers[1]) if registers else None), (int(spilled[1]) if spilled else None)
+
+
+def kernels(head_dim: int, heads: int, dtype: str):
+    """(name, kernel, signature, constants, options) of every kernel, as the model launches them."""
+    from dcinterp.dcmha import decoding, dynamic_weights, triton_kernels
+
+    for module in (triton_kernels, dynamic_weights, decoding):
+        module._decorate()
+    pointer = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}[dtype]
+    half = dtype != "float32"
+    every = dict(HP=heads, BQ=16, BK=16, BE=32, PADDING=True, HALF=half, R=2, RP=2, EP=max(16, head_dim), FIRST=0)
+    every.update(QP=True, KP=True, QG=True, KG=True)
+    every.update({f"{stage}_{branch}": True for stage in ("PRE", "POST") for branch in ("QP", "KP", "QG", "KG")})
+    scalars = dict(T="i32", S="i32", H="i32", E="i32", R="i32", past="i32", span="i32", scale="fp32")
+
+    def signature(kernel, constants, half_pointers=HALF_POINTERS, floats=()):
+        return {
+            name: "constexpr" if name in constants else scalars.get(name) or ("fp32" if name in floats else
+                  pointer if name in half_pointers else "*i8" if name == "real" else "*fp32")
+            for name in kernel.arg_names
+        }  # fmt: skip
+
+    for name in TILES + tuple(MAPS):
+        kernel = getattr(triton_kernels, name)
+        constants = {arg: value for arg, value in every.items() if arg in kernel.arg_names}
+        if name in MAPS:
+            settings = getattr(triton_kernels, MAPS[name])
+            constants.update({key: value for key, value in settings.items() if key in kernel.arg_names})
+            options = {key: value for key, value in settings.items() if key.startswith("num_")}
+        else:
+            options = dict(num_warps=triton_kernels._num_warps(heads), num_stages=1)
+        yield name, kernel, signature(kernel, constants), constants, options
+    kernel = dynamic_weights._dynamic_weights_kernel
+    constants = dict(BP=dynamic_weights.BLOCK_POSITIONS, BD=dynamic_weights.BLOCK_DIM, KP=4 * heads, HP=heads,
+                     IN_BIAS=True, GATE_BIAS=True, HALF=half)  # fmt: skip
+    sizes = ("P", "D", "K", "H", "R")
+    yield (kernel.fn.__name__, kernel, {**signature(kernel, constants), **dict.fromkeys(sizes, "i32")}, constants,
+           dict(num_warps=4))  # fmt: skip
+    constants = dict(HP=heads, BK=max(16, decoding.TILE // heads), R=2, QP=True, KP=True, QG=True, KG=True)
+    for kernel in (decoding._decoding_logits_kernel, decoding._decoding_pattern_kernel):
+        stage = ("scores", "pattern", "qw1", "qw2", "qg", "kw1", "kw2", "kg")
+        types = signature(kernel, constants, half_pointers=stage, floats=("scale",))
+        types.update({name: "i32" for name, kind in types.items() if kind == "*fp32" and name not in (
+            "mask", "logits", "block_max", "block_sum")})  # fmt: skip
+        yield kernel.fn.__name__, kernel, types, constants, dict(num_warps=4)
+
+
+def measure(arch: int, head_dim: int, heads: int, dtype: str) -> list[dict]:
+    """One row a kernel: its launch, registers, spilled bytes, shared memory, and how it fits the card."""
+    limit, rows = SHARED_MEMORY[arch], []
+    sizes = dict(T=4096, S=4096, H=heads, E=head_dim, past=0, span=4097, P=4096, D=32 * heads, K=4 * heads)
+    for name, kernel, signature, constants, options in kernels(head_dim, heads, dtype):
+        compiled = build(kernel, signature, constants, options, arch, sizes)
+        fits = "yes"
+        if compiled.metadata.shared > limit and name in MAPS and options.get("num_stages", 1) > 1:
+            options = {**options, "num_stages": 1}
+            compiled = build(kernel, signature, constants, options, arch, sizes)
+            fits = "unpipelined"
+        if compiled.metadata.shared > limit:
+            fits = "no"
+        registers, spilled = registers_and_spills(compiled, arch)
+        launch = {key: constants[key] for key in ("BQ", "BK") if key in constants} | options
+        rows.append(dict(kernel=name, launch=launch, registers=registers, spilled_bytes=spilled,
+                         shared_bytes=compiled.metadata.shared, fits=fits))  # fmt: skip
+    return rows
+
+
+def table(rows: list[dict], arch: int, heads: int, head_dim: int, dtype: str) -> str:
+    lines = [
+        f"sm_{arch} ({CARDS[arch]}, {SHARED_MEMORY[arch] // 1024} KiB of shared memory a block), {dtype}, "
+        f"{heads} heads of {head_dim}",
+        "",
+        "| kernel | launch | registers | spilled bytes | shared KiB | fits |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        launch = ", ".join(f"{key} {value}" for key, value in row["launch"].items())
+        registers, spilled = ("n/a" if row[key] is None else row[key] for key in ("registers", "spilled_bytes"))
+        shared = f"{row['shared_bytes'] / 1024:.1f}"
+        lines.append(f"| `{row['kernel']}` | {launch} | {registers} | {spilled} | {shared} | {row['fits']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, default=90, help=f"the card's sm_ number, one of {sorted(SHARED_MEMORY)}")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=32, help="a power of two (the padded heads of the tiles kernels)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--json", type=Path, help="also write the rows, one JSON line each, to this file")
+    args = parser.parse_args(argv)
+    if args.arch not in SHARED_MEMORY:
+        parser.error(f"--arch must be one of {sorted(SHARED_MEMORY)} (got {args.arch})")
+    if args.head_dim not in (16, 32, 64, 128, 256):
+        parser.error(f"--head-dim must be a power of two from 16 to 256 (got {args.head_dim})")
+    if args.heads < 1 or args.heads & (args.heads - 1):
+        parser.error(f"--heads must be a power of two (got {args.heads})")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("the kernels are compiled for a GPU here: run it without TRITON_INTERPRET=1")
+    try:
+        import triton  # noqa: F401
+    except ImportError as error:
+        print(f"kernel_resources: triton is not installed ({error})", file=sys.stderr)
+        return 2
+    rows = measure(args.arch, args.head_dim, args.heads, args.dtype)
+    if args.json:
+        args.json.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    print(table(rows, args.arch, args.heads, args.head_dim, args.dtype))
+    refused = [row for row in rows if row["fits"] == "no"]
+    for row in refused:
+        print(f"kernel_resources: {row['kernel']} needs {row['shared_bytes']} bytes of shared memory, sm_{args.arch} "
+              f"gives a block {SHARED_MEMORY[args.arch]}", file=sys.stderr)  # fmt: skip
+    return 1 if refused else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
