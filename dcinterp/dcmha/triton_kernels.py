@@ -791,12 +791,26 @@ def _load_maps(maps, row, first, t_idx, t_ok, s_idx, s_ok, seen, T, S, R: tl.con
     return tl.where(seen[None, :, :], tile.to(tl.float32), 0.0)
 
 
-def _add_head_weights(buffer, row, idx, ok, n, N, H, R: tl.constexpr, RP: tl.constexpr, value):
-    """buffer[row, idx, r, n] += value[r, positions] for every r < R, in a float32 [b, N, R, H] buffer."""
+def _put_head_weights(buffer, row, idx, ok, n, N, H, R: tl.constexpr, RP: tl.constexpr, value, ADD: tl.constexpr):
+    """buffer[row, idx, r, n] = value[r, positions] for every r < R, of a [b, N, R, H] buffer (a gate's: R = 1), in
+    its dtype; ADD: += into a float32 buffer (the key side of a prompt's chunks of queries)."""
     r_idx = tl.arange(0, RP)
     offsets = ((row * N + idx[None, :]) * R + r_idx[:, None]) * H + n
     mask = (r_idx[:, None] < R) & ok[None, :]
-    tl.store(buffer + offsets, tl.load(buffer + offsets, mask=mask, other=0.0) + value, mask=mask)
+    if ADD:
+        value += tl.load(buffer + offsets, mask=mask, other=0.0)
+    tl.store(buffer + offsets, value.to(buffer.dtype.element_ty), mask=mask)
+
+
+def _put_head_rows(buffer, row, idx, ok, h_idx, h_ok, N, H, E, EP: tl.constexpr, value, ADD: tl.constexpr):
+    """One head's rows of a [b, N, H, E] buffer = value ([1, positions, EP]), in its dtype; ADD: += into a float32
+    buffer."""
+    e = tl.arange(0, EP)
+    offsets = ((row * N + idx[None, :, None]) * H + h_idx[:, None, None]) * E + e[None, None, :]
+    mask = h_ok[:, None, None] & ok[None, :, None] & (e < E)[None, None, :]
+    if ADD:
+        value += tl.load(buffer + offsets, mask=mask, other=0.0)
+    tl.store(buffer + offsets, value.to(buffer.dtype.element_ty), mask=mask)
 
 
 def _head_gradients(
@@ -866,21 +880,21 @@ def _add_weight_gradients(
 def _store_weight_gradients(
     d_pre_g, d_pre_w1, d_pre_w2, d_post_g, d_post_w1, d_post_w2, d_pre_gate, d_pre_weights1, d_pre_weights2,
     d_post_gate, d_post_weights1, d_post_weights2, row, idx, ok, n, N, H, R: tl.constexpr, RP: tl.constexpr,
-    PRE_GATE: tl.constexpr, PRE_PROJECTION: tl.constexpr, POST_GATE: tl.constexpr, POST_PROJECTION: tl.constexpr
+    PRE_GATE: tl.constexpr, PRE_PROJECTION: tl.constexpr, POST_GATE: tl.constexpr, POST_PROJECTION: tl.constexpr,
+    ADD: tl.constexpr
 ):
-    """Head n's sums of `_add_weight_gradients` added into the float32 [b, N, R, H] (a gate's [b, N, H]) buffers of
-    one side's weights' gradients (d_pre_g, ...), for positions idx of that side."""
-    h_idx = n + tl.arange(0, 1)
+    """Head n's sums of `_add_weight_gradients` put into the [b, N, R, H] (a gate's [b, N, H]) gradients of one
+    side's weights (d_pre_g, ...), for positions idx of that side (ADD: added into float32 buffers)."""
     if PRE_GATE:
-        _accumulate(d_pre_g, row, idx, ok, 0, h_idx, h_idx < H, N, 1, H, d_pre_gate)
+        _put_head_weights(d_pre_g, row, idx, ok, n, N, H, 1, 1, d_pre_gate, ADD)
     if PRE_PROJECTION:
-        _add_head_weights(d_pre_w1, row, idx, ok, n, N, H, R, RP, d_pre_weights1)
-        _add_head_weights(d_pre_w2, row, idx, ok, n, N, H, R, RP, d_pre_weights2)
+        _put_head_weights(d_pre_w1, row, idx, ok, n, N, H, R, RP, d_pre_weights1, ADD)
+        _put_head_weights(d_pre_w2, row, idx, ok, n, N, H, R, RP, d_pre_weights2, ADD)
     if POST_GATE:
-        _accumulate(d_post_g, row, idx, ok, 0, h_idx, h_idx < H, N, 1, H, d_post_gate)
+        _put_head_weights(d_post_g, row, idx, ok, n, N, H, 1, 1, d_post_gate, ADD)
     if POST_PROJECTION:
-        _add_head_weights(d_post_w1, row, idx, ok, n, N, H, R, RP, d_post_weights1)
-        _add_head_weights(d_post_w2, row, idx, ok, n, N, H, R, RP, d_post_weights2)
+        _put_head_weights(d_post_w1, row, idx, ok, n, N, H, R, RP, d_post_weights1, ADD)
+        _put_head_weights(d_post_w2, row, idx, ok, n, N, H, R, RP, d_post_weights2, ADD)
 
 
 def _row_gradient_kernel(
@@ -976,8 +990,8 @@ def _head_query_gradient_kernel(
     PADDING: tl.constexpr, HALF: tl.constexpr
 ):
     """The query side of the backward of one head (program axis 0) for one block of queries (axis 1) of one batch
-    row (axis 2), summed over the keys in registers: dq and the gradients of both stages' qw1, qw2, qg (added into
-    zeroed float32 buffers)."""
+    row (axis 2), summed over the keys in registers: dq and the gradients of both stages' qw1, qw2, qg, stored in
+    their dtypes (each row is this program's alone)."""
     n = tl.program_id(0)
     h_idx = n + tl.arange(0, 1)
     h_ok = h_idx < H
@@ -1016,11 +1030,10 @@ def _head_query_gradient_kernel(
             d_composed, maps, grads, row, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP, PRE_QG, PRE_QP, POST_QG,
             POST_QP, 0
         )
-    e = tl.arange(0, EP)
-    _accumulate_rows(dq, row, t_idx, t_ok, h_idx, h_ok, e, e < E, T, H, E, d_queries)
+    _put_head_rows(dq, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP, d_queries, False)
     _store_weight_gradients(
         d_pre_qg, d_pre_qw1, d_pre_qw2, d_post_qg, d_post_qw1, d_post_qw2, d_pre_gate, d_pre_w1, d_pre_w2,
-        d_post_gate, d_post_w1, d_post_w2, row, t_idx, t_ok, n, T, H, R, RP, PRE_QG, PRE_QP, POST_QG, POST_QP
+        d_post_gate, d_post_w1, d_post_w2, row, t_idx, t_ok, n, T, H, R, RP, PRE_QG, PRE_QP, POST_QG, POST_QP, False
     )
 
 
@@ -1030,11 +1043,11 @@ def _head_key_gradient_kernel(
     d_post_kw2, d_post_kg, T, S, H, E, R: tl.constexpr, past, span, scale, RP: tl.constexpr, EP: tl.constexpr,
     BQ: tl.constexpr, BK: tl.constexpr, PRE_QP: tl.constexpr, PRE_KP: tl.constexpr, PRE_QG: tl.constexpr,
     PRE_KG: tl.constexpr, POST_QP: tl.constexpr, POST_KP: tl.constexpr, POST_QG: tl.constexpr, POST_KG: tl.constexpr,
-    PADDING: tl.constexpr, HALF: tl.constexpr
+    PADDING: tl.constexpr, HALF: tl.constexpr, ADD: tl.constexpr
 ):
     """The key side of the backward of one head (program axis 0) for one block of keys (axis 1) of one batch row
     (axis 2), summed over the queries that see it in registers: dk, dv and the gradients of both stages' kw1, kw2,
-    kg (added into float32 buffers: a long prompt's chunks of queries add up)."""
+    kg, stored in their dtypes (ADD: added into float32 buffers, where a long prompt's chunks of queries add up)."""
     n = tl.program_id(0)
     h_idx = n + tl.arange(0, 1)
     h_ok = h_idx < H
@@ -1080,12 +1093,13 @@ def _head_key_gradient_kernel(
             d_composed, maps, grads, row, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP, PRE_KG, PRE_KP, POST_KG,
             POST_KP, 1
         )
-    e = tl.arange(0, EP)
-    _accumulate_rows(dk, row, s_idx, s_ok, h_idx, h_ok, e, e < E, S, H, E, d_keys)
-    _accumulate_rows(dv, row, s_idx, s_ok, h_idx, h_ok, e, e < E, S, H, E, d_values)
+    every_key = s_idx < S  # the keys no query sees among them too: their gradients are 0
+    _put_head_rows(dk, row, s_idx, every_key, h_idx, h_ok, S, H, E, EP, d_keys, ADD)
+    _put_head_rows(dv, row, s_idx, every_key, h_idx, h_ok, S, H, E, EP, d_values, ADD)
     _store_weight_gradients(
         d_pre_kg, d_pre_kw1, d_pre_kw2, d_post_kg, d_post_kw1, d_post_kw2, d_pre_gate, d_pre_w1, d_pre_w2,
-        d_post_gate, d_post_w1, d_post_w2, row, s_idx, s_ok, n, S, H, R, RP, PRE_KG, PRE_KP, POST_KG, POST_KP
+        d_post_gate, d_post_w1, d_post_w2, row, s_idx, every_key, n, S, H, R, RP, PRE_KG, PRE_KP, POST_KG, POST_KP,
+        ADD
     )
 
 # fmt: on
@@ -1123,7 +1137,8 @@ _KERNELS = (
     "_post_maps_kernel",
     "_head_output_kernel",
     "_load_maps",
-    "_add_head_weights",
+    "_put_head_weights",
+    "_put_head_rows",
     "_head_gradients",
     "_add_weight_gradients",
     "_store_weight_gradients",
@@ -1353,43 +1368,55 @@ def _backward_through_tiles(launch: _Launch, q, k, v, real, weights, row_max, ro
 def _backward_through_maps(launch: _Launch, q, k, v, real, weights, row_max, row_sum, dz) -> tuple:
     """The gradients of q, k, v and of each dynamic weight (None for a weight that is None), by the kernels through
     the maps, a chunk of queries at a time as the forward through the maps goes (its maps recomputed, bit for bit,
-    beside their gradients: twice the forward's buffer in the same room, `maps_room`)."""
-    float32 = dict(dtype=torch.float32, device=q.device)
+    beside their gradients: twice the forward's buffer in the same room, `maps_room`). The kernels store each
+    gradient in its input's dtype; with several chunks, the key side's are added up in float32 buffers first."""
     n_queries, chunk = launch.n_queries, _chunk_of_queries(launch, q, buffers=2)
     maps = grads = q  # stand-ins, never read, where no branch has maps
     if _any_map(launch):
         shape = (launch.batch, 4 * launch.rank, min(chunk, n_queries), launch.n_keys)
         maps, grads = (torch.empty(shape, dtype=_maps_dtype(launch, q), device=q.device) for _ in range(2))
-    dk, dv = torch.zeros(k.shape, **float32), torch.zeros(v.shape, **float32)
-    d_key_side = [None if weights[i] is None else torch.zeros(weights[i].shape, **float32) for i in KEY_SIDE]
+    add = chunk < n_queries  # several chunks: the key side's sums added up in float32 buffers
+    key_inputs = (k, v, *(weights[i] for i in KEY_SIDE))
+    key_side = [
+        None
+        if x is None
+        else torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if add
+        else torch.empty_like(x)
+        for x in key_inputs
+    ]
     dz = dz.contiguous()
     parts = []
     for first in range(0, n_queries, chunk):
         last = min(first + chunk, n_queries)
-        part = _query_rows(weights, first, last)
-        rows = (q[:, first:last].contiguous(), dz[:, first:last].contiguous())
-        statistics = (row_max[..., first:last].contiguous(), row_sum[..., first:last].contiguous())
+        part, rows, statistics = weights, (q, dz), (row_max, row_sum)
+        if add:
+            part = _query_rows(weights, first, last)
+            rows = (q[:, first:last].contiguous(), dz[:, first:last].contiguous())
+            statistics = (row_max[..., first:last].contiguous(), row_sum[..., first:last].contiguous())
         parts.append(
             _maps_backward_launches(
-                launch, *rows, k, v, real, part, *statistics, maps, grads, dk, dv, d_key_side, launch.past + first
+                launch, *rows, k, v, real, part, *statistics, maps, grads, key_side, add, launch.past + first
             )
         )
-    dq = torch.cat([dq for dq, _ in parts], dim=1)
+    query_side = parts[0]
+    if add:
+        query_side = [None if d[0] is None else torch.cat(d, dim=1) for d in zip(*parts, strict=True)]
+        key_side = [None if d is None else d.to(x.dtype) for d, x in zip(key_side, key_inputs, strict=True)]
     d_weights = [None] * len(weights)
     for index, i in enumerate(QUERY_SIDE):
-        if weights[i] is not None:
-            d_weights[i] = torch.cat([d_query_side[index] for _, d_query_side in parts], dim=1)
+        d_weights[i] = query_side[1 + index]
     for index, i in enumerate(KEY_SIDE):
-        d_weights[i] = d_key_side[index]
-    d_weights = [None if d is None else d.to(w.dtype) for d, w in zip(d_weights, weights, strict=True)]
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *d_weights
+        d_weights[i] = key_side[2 + index]
+    return query_side[0], key_side[0], key_side[1], *d_weights
 
 
 def _maps_backward_launches(
-    launch: _Launch, q, dz, k, v, real, weights, row_max, row_sum, maps, grads, dk, dv, d_key_side, past
-) -> tuple[Tensor, list]:
+    launch: _Launch, q, dz, k, v, real, weights, row_max, row_sum, maps, grads, key_side, add, past
+) -> list:
     """The backward's kernels on the queries q (at positions past, past + 1, ...) against every key: dq and the
-    query-side weights' gradients returned (float32), dk, dv and the key side's added into their buffers."""
+    query-side weights' gradients returned ([dq, *QUERY_SIDE's], in their dtypes), dk, dv and the key side's
+    (`key_side`: [dk, dv, *KEY_SIDE's]) stored, or with `add` added into their float32 buffers."""
     flags, batch, n_queries, n_heads = launch.flags, q.shape[0], q.shape[1], launch.n_heads
     float32 = dict(dtype=torch.float32, device=q.device)
     scalars = (n_queries, launch.n_keys, n_heads, launch.d_head, launch.rank, past, launch.span, launch.scale)
@@ -1402,8 +1429,9 @@ def _maps_backward_launches(
     )
     real = q if real is None else real
     row_d = torch.empty(batch, n_heads, n_queries, **float32)
-    dq = torch.zeros(q.shape, **float32)
-    d_query_side = [None if weights[i] is None else torch.zeros(weights[i].shape, **float32) for i in QUERY_SIDE]
+    dq = torch.empty_like(q)
+    d_query_side = [None if weights[i] is None else torch.empty_like(weights[i]) for i in QUERY_SIDE]
+    dk, dv, *d_key_side = key_side
     tiles = (cdiv(launch.n_keys, summed["BK"]), cdiv(n_queries, summed["BQ"]), batch)
     gradient_tiles = (cdiv(launch.n_keys, gradient["BK"]), cdiv(n_queries, gradient["BQ"]), batch)
     heads = (n_heads, cdiv(n_queries, gradient["BQ"]), batch)
@@ -1439,9 +1467,9 @@ def _maps_backward_launches(
     )  # fmt: skip
     _run(
         _head_key_gradient_kernel, key_heads, key_gradient, q, k, v, dz, maps, grads, *statistics, *pointers, dk, dv,
-        *_pointers(d_key_side, dk), *scalars, **both, **masks, **key_gradient,
+        *_pointers(d_key_side, dk), *scalars, **both, **masks, **key_gradient, ADD=add,
     )  # fmt: skip
-    return dq, d_query_side
+    return [dq, *d_query_side]
 
 
 _FORWARDS = {"maps": _forward_through_maps, "tiles": _forward}
