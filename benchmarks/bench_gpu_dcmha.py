@@ -350,6 +350,7 @@ def main() -> None:
         print(json.dumps(entry), flush=True)
         if sink:
             sink.write(json.dumps(entry) + "\n")
+            sink.flush()  # each line kept, should the run be cut
 
     for shape_name, shape in shapes.items():
         models = four_models(make_model(shape, True, device, dtype), make_model(shape, False, device, dtype))

@@ -2,7 +2,7 @@
 each kernel's time, and the whole against SDPA's at 512-8,192 tokens.
 
     python benchmarks/sweep_gpu_maps.py [--json OUT.jsonl]               # one H200: about 2.5 minutes
-    python benchmarks/sweep_gpu_maps.py --backward [--json OUT.jsonl]    # not yet run on a card
+    python benchmarks/sweep_gpu_maps.py --backward [--json OUT.jsonl]    # one H100: over 6.5 minutes
 
 One layer at DCPythia-6.9B's width (32 heads of 128, rank 2, every branch of both stages), bfloat16, batch 1, causal.
 First it checks the kernels on the card against DCMHA's formulas in float64 (float32: at most 4 times the float32
@@ -70,6 +70,7 @@ def main(argv=None) -> int:
         print(json.dumps(row), flush=True)
         if log:
             log.write(json.dumps(row) + "\n")
+            log.flush()  # each line kept, should the run be cut
 
     def through(backward: str):
         def fused(q, k, v, pre, post, past=0):
