@@ -1377,14 +1377,12 @@ def _backward_through_maps(launch: _Launch, q, k, v, real, weights, row_max, row
         maps, grads = (torch.empty(shape, dtype=_maps_dtype(launch, q), device=q.device) for _ in range(2))
     add = chunk < n_queries  # several chunks: the key side's sums added up in float32 buffers
     key_inputs = (k, v, *(weights[i] for i in KEY_SIDE))
-    key_side = [
-        None
-        if x is None
-        else torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        if add
-        else torch.empty_like(x)
-        for x in key_inputs
-    ]
+    if add:
+        key_side = [
+            None if x is None else torch.zeros(x.shape, dtype=torch.float32, device=q.device) for x in key_inputs
+        ]
+    else:
+        key_side = [None if x is None else torch.empty_like(x) for x in key_inputs]
     dz = dz.contiguous()
     parts = []
     for first in range(0, n_queries, chunk):
