@@ -325,10 +325,10 @@ def test_without_gradients_the_same_forward(backward):
 
 
 def test_a_card_without_room_for_the_pipelined_loads_takes_the_launch_unpipelined(monkeypatch):
-    """Each kernel through the maps refused by the card while num_stages > 1 (Triton's OutOfResources, as a head dim
-    of 256 is on a 99 KiB card): the first of each group of kernels sharing settings is launched again with
-    num_stages=1, and the rest of its group takes it at once; the same z and gradients bit for bit; the call's
-    settings keep it: the next call of the same shapes is refused nothing."""
+    """Each kernel through the maps refused by the card while num_stages > 1 (Triton's OutOfResources, as a head dim of
+    256 is on a 99 KiB card): the first of each group of kernels sharing settings is launched again with num_stages=1,
+    and the rest of its group takes it at once; the same z and gradients bit for bit (here, under the interpreter); the
+    call's settings keep it: the next call of the same shapes is refused nothing."""
     names = [
         "_product_maps_kernel", "_row_statistics_kernel", "_post_maps_kernel", "_head_output_kernel",
         "_row_gradient_kernel", "_pre_gradient_maps_kernel", "_head_query_gradient_kernel", "_head_key_gradient_kernel",
