@@ -65,19 +65,23 @@ def build(kernel, signature: dict, constants: dict, options: dict, arch: int, si
 
 def registers_and_spills(compiled, arch: int) -> tuple[int | None, int | None]:
     """Registers a thread and bytes it spills to local memory, as ptxas (the one Triton ships and calls) reports
-    them assembling the kernel's PTX; (None, None) where it cannot be run."""
-    from triton.backends.nvidia import compiler
-
+    them assembling the kernel's PTX; (None, None) where it cannot be run (another Triton's layout of its tools)."""
     try:
+        from triton.backends.nvidia import compiler
+
         ptxas = compiler.get_ptxas(arch).path
-    except (AttributeError, TypeError):  # an older Triton's
-        ptxas = compiler.get_ptxas().path
+        gpu = f"--gpu-name={compiler.sm_arch_from_capability(arch)}"
+    except (ImportError, AttributeError, TypeError):
+        return None, None
     with tempfile.TemporaryDirectory() as folder:
         source = Path(folder) / "kernel.ptx"
         source.write_text(compiled.asm["ptx"])
-        gpu = f"--gpu-name={compiler.sm_arch_from_capability(arch)}"
-        command = [ptxas, "-v", "--regAllocOptLevel=2", gpu, str(source), "-o", str(source.with_suffix(".o"))]
-        report = subprocess.run(command, capture_output=True, text=True).stderr
+        command = [ptxas, "-v", gpu, str(source), "-o", str(source.with_suffix(".o"))]
+        # Triton 3.9's own options (--regAllocOptLevel=2 works around a bug of ptxas 13); an older ptxas, without
+        report = subprocess.run([*command[:2], "--regAllocOptLevel=2", *command[2:]], capture_output=True, text=True)
+        if report.returncode != 0:
+            report = subprocess.run(command, capture_output=True, text=True)
+        report = report.stderr
     registers, spilled = re.search(r"Used (\d+) registers", report), re.search(r"(\d+) bytes spill stores", report)
     return (int(registers[1]) if registers else None), (int(spilled[1]) if spilled else None)
 
