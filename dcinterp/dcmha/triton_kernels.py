@@ -1229,18 +1229,18 @@ def _pointers(tensors, stand_in: Tensor) -> list[Tensor]:
 
 
 def _run(kernel, grid, settings: dict, *args, **constants) -> None:
-    """kernel[grid](*args, **constants), `settings` (BQ, BK, num_warps, num_stages) among the constants. Where the
-    card's shared memory cannot hold the loads those settings pipeline (Triton's OutOfResources at the first launch:
-    a head dim of 256 on a card of 99 KiB a block, sm_86 or sm_89), the launch again without software pipelining,
-    num_stages=1: the same arithmetic in the same order, its loads not prefetched. `settings` (the call's `_Launch`'s)
-    keeps it, so that later calls of the same signature take it at once."""
+    """kernel[grid](*args, **constants, **settings), `settings` a call's launch settings (BQ, BK, num_warps,
+    num_stages, ...). Where the card's shared memory cannot hold the loads they pipeline (Triton's OutOfResources at
+    the first launch: a head dim of 256 on a card of 99 KiB a block, sm_86 or sm_89), the launch again without
+    software pipelining, num_stages=1: the same arithmetic in the same order, its loads not prefetched. `settings`
+    (the call's `_Launch`'s) keeps it, so that later calls of the same signature take it at once."""
     try:
-        kernel[grid](*args, **constants)
+        kernel[grid](*args, **constants, **settings)
     except OutOfResources:
         if settings["num_stages"] == 1:
             raise
-        settings["num_stages"] = constants["num_stages"] = 1
-        kernel[grid](*args, **constants)
+        settings["num_stages"] = 1
+        kernel[grid](*args, **constants, **settings)
 
 
 def _forward(launch: _Launch, q, k, v, real, weights) -> tuple[Tensor, Tensor, Tensor]:
@@ -1325,20 +1325,20 @@ def _maps_launches(launch: _Launch, q, k, v, real, weights, maps, past) -> tuple
     if pre["QP"] or pre["KP"]:
         _run(
             _product_maps_kernel, tiles, summed, q, k, maps, pre_qw1, pre_kw1, *scalars, FIRST=0, QP=pre["QP"],
-            KP=pre["KP"], HALF=flags["HALF"], **summed,
+            KP=pre["KP"], HALF=flags["HALF"],
         )  # fmt: skip
     _run(
         _row_statistics_kernel, heads, one_head, q, k, maps, *stats, real, pre_qw2, pre_kw2, pre_qg, pre_kg,
-        *scalars, **pre, **masks, **one_head,
+        *scalars, **pre, **masks,
     )  # fmt: skip
     if flags["POST_QP"] or flags["POST_KP"]:
         _run(
             _post_maps_kernel, tiles, summed, q, k, maps, *stats, real, pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw1,
-            post_kw1, *scalars, **launch.post_maps, **masks, **summed,
+            post_kw1, *scalars, **launch.post_maps, **masks,
         )  # fmt: skip
     _run(
         _head_output_kernel, heads, one_head, q, k, v, z, maps, *stats, real, pre_qw2, pre_kw2, pre_qg, pre_kg,
-        post_qw2, post_kw2, post_qg, post_kg, *scalars, **launch.branches, **masks, **one_head,
+        post_qw2, post_kw2, post_qg, post_kg, *scalars, **launch.branches, **masks,
     )  # fmt: skip
     return z, *stats
 
@@ -1438,34 +1438,34 @@ def _maps_backward_launches(
     if _any_map(launch, ("PRE",)):
         _run(
             _product_maps_kernel, tiles, summed, q, k, maps, pre_qw1, pre_kw1, *scalars, FIRST=0,
-            QP=flags["PRE_QP"], KP=flags["PRE_KP"], HALF=flags["HALF"], **summed,
+            QP=flags["PRE_QP"], KP=flags["PRE_KP"], HALF=flags["HALF"],
         )  # fmt: skip
     if _any_map(launch, ("POST",)):
         _run(
             _post_maps_kernel, tiles, summed, q, k, maps, row_max, row_sum, real, pre_qw2, pre_kw2, pre_qg, pre_kg,
-            post_qw1, post_kw1, *scalars, **launch.post_maps, **masks, **summed,
+            post_qw1, post_kw1, *scalars, **launch.post_maps, **masks,
         )  # fmt: skip
         _run(
             _product_maps_kernel, tiles, summed, dz, v, grads, post_qw2, post_kw2, *scalars[:-1], 1.0,
-            FIRST=2 * launch.rank, QP=flags["POST_QP"], KP=flags["POST_KP"], HALF=flags["HALF"], **summed,
+            FIRST=2 * launch.rank, QP=flags["POST_QP"], KP=flags["POST_KP"], HALF=flags["HALF"],
         )  # fmt: skip
     gradients = (pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1, post_qg, post_kg)
     _run(
         _row_gradient_kernel, heads, gradient, q, k, v, dz, maps, grads, *statistics, *gradients, *scalars, **both,
-        **masks, **gradient,
+        **masks,
     )  # fmt: skip
     if _any_map(launch, ("PRE",)):
         _run(
             _pre_gradient_maps_kernel, gradient_tiles, gradient, q, k, v, dz, maps, grads, *statistics, *gradients,
-            *scalars, **both, **masks, **gradient,
+            *scalars, **both, **masks,
         )  # fmt: skip
     _run(
         _head_query_gradient_kernel, heads, gradient, q, k, v, dz, maps, grads, *statistics, *pointers, dq,
-        *_pointers(d_query_side, dq), *scalars, **both, **masks, **gradient,
+        *_pointers(d_query_side, dq), *scalars, **both, **masks,
     )  # fmt: skip
     _run(
         _head_key_gradient_kernel, key_heads, key_gradient, q, k, v, dz, maps, grads, *statistics, *pointers, dk, dv,
-        *_pointers(d_key_side, dk), *scalars, **both, **masks, **key_gradient, ADD=add,
+        *_pointers(d_key_side, dk), *scalars, **both, **masks, ADD=add,
     )  # fmt: skip
     return [dq, *d_query_side]
 
