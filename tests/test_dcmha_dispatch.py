@@ -51,14 +51,14 @@ def kernels(monkeypatch):
     module.calls = []
     module.available = lambda device: module.reason
 
-    def fused_dcmha(q, k, v, pre, post, *, window, official, past=0, real=None):
+    def fused_dcmha(q, k, v, pre, post, *, window, official, past=0, real=None, fallback=None):
         module.calls.append(dict(queries=q.shape[1], keys=k.shape[1], window=window, past=past, real=real))
         semantics = "official-inference" if official else "training"
         mask = attention_mask(q.shape[1], window, q.device, q.dtype, semantics, past, real)
-        return FirstOrderOnly.apply(
-            mask, pre, post, q, k, v, *(w for s in (pre, post) if s for w in s if w is not None)
-        )
+        weights = [w for stage in (pre, post) for w in (stage or (None,) * 6)]
+        return FirstOrderOnly.apply(mask, fallback, module.refusal, q, k, v, *weights)
 
+    module.refusal = None  # an error the stand-in's backward takes as Triton refusing the backward's kernels
     module.fused_dcmha = fused_dcmha
     monkeypatch.setitem(sys.modules, "dcinterp.dcmha.triton_kernels", module)
     monkeypatch.setattr(dcmha, "triton_kernels", module, raising=False)
@@ -83,31 +83,35 @@ def card_memory(monkeypatch):
 
 
 class FirstOrderOnly(torch.autograd.Function):
-    """`materialised.attend`, whose backward raises under create_graph=True (as the fused kernels' does)."""
+    """`materialised.attend` with the real kernels' backward contract: first order, and where that cannot be had
+    (create_graph=True, or `refusal` given: Triton refusing the backward's kernels) `fallback`'s gradients, or an
+    error without one."""
 
     @staticmethod
-    def forward(ctx, mask, pre, post, q, k, v, *weights):
-        ctx.mask, ctx.pre, ctx.post = mask, pre, post
+    def forward(ctx, mask, fallback, refusal, q, k, v, *weights):
+        ctx.mask, ctx.fallback, ctx.refusal = mask, fallback, refusal
         ctx.save_for_backward(q, k, v, *weights)
         with torch.no_grad():
-            return materialised.attend(q, k, v, mask, *restage(weights, pre, post))
+            return materialised.attend(q, k, v, mask, *restage(weights))
 
     @staticmethod
     def backward(ctx, gz):
-        if torch.is_grad_enabled():
-            raise RuntimeError("fused_dcmha: no second derivatives (create_graph=True)")
-        inputs = [None if x is None else x.detach().requires_grad_(True) for x in ctx.saved_tensors]
-        q, k, v, *weights = inputs
+        q, k, v, *weights = ctx.saved_tensors
+        if torch.is_grad_enabled() or ctx.refusal is not None:
+            if ctx.fallback is None:
+                raise ctx.refusal or RuntimeError("fused_dcmha: no second derivatives (create_graph=True)")
+            return None, None, None, *ctx.fallback(ctx.refusal, gz, q, k, v, tuple(weights))
+        inputs = [None if x is None else x.detach().requires_grad_(True) for x in (q, k, v, *weights)]
         with torch.enable_grad():
-            z = materialised.attend(q, k, v, ctx.mask, *restage(weights, ctx.pre, ctx.post))
+            z = materialised.attend(*inputs[:3], ctx.mask, *restage(inputs[3:]))
             live = [x for x in inputs if x is not None]
             grads = iter(torch.autograd.grad(z, live, gz, allow_unused=True))
         return None, None, None, *(None if x is None else next(grads) for x in inputs)
 
 
-def restage(weights, pre, post):
-    it = iter(weights)
-    return tuple(None if s is None else tuple(None if w is None else next(it) for w in s) for s in (pre, post))
+def restage(weights):
+    """(pre, post) of the twelve weights, a stage None where every one of its weights is."""
+    return tuple(None if all(w is None for w in stage) else tuple(stage) for stage in (weights[:6], weights[6:]))
 
 
 @pytest.fixture
@@ -484,17 +488,7 @@ def test_a_card_the_backward_kernels_do_not_fit_gives_one_warning_and_the_materi
     launches them): one warning, the gradients of the materialised formula, no traceback from inside autograd."""
     OutOfResources = pytest.importorskip("triton.runtime.errors").OutOfResources
 
-    class RefusedBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, z):
-            return z.clone()
-
-        @staticmethod
-        def backward(ctx, gz):
-            raise OutOfResources(110_592, 101_376, "shared memory")
-
-    forward = kernels.fused_dcmha
-    kernels.fused_dcmha = lambda *args, **kwargs: RefusedBackward.apply(forward(*args, **kwargs))
+    kernels.refusal = OutOfResources(110_592, 101_376, "shared memory")
     tokens = tokens_for(model, length=12)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")

@@ -495,6 +495,72 @@ def test_second_derivatives_raise_clearly():
         torch.autograd.grad(z.sum(), q, create_graph=True)
 
 
+def by_reference(calls, window=None):
+    """A `fallback` giving `reference`'s gradients (recorded: each call's refusal), differentiable under
+    create_graph=True."""
+
+    def fallback(refusal, dz, q, k, v, weights):
+        calls.append(refusal)
+        inputs, second_order = (q, k, v, *weights), torch.is_grad_enabled()
+        wanted = [x for x in inputs if x is not None and x.requires_grad]
+        with torch.enable_grad():
+            z = reference(q, k, v, tuple(weights[:6]), tuple(weights[6:]), window=window, official=False)
+            grads = iter(torch.autograd.grad(z, wanted, dz, create_graph=second_order))
+        return [next(grads) if x is not None and x.requires_grad else None for x in inputs]
+
+    return fallback
+
+
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_a_fallback_gives_the_second_derivatives(backward):
+    """Under create_graph=True the backward is the fallback's (told no refusal): a Hessian-vector product of the
+    kernels' z equals the formulas'."""
+    inputs = make_inputs(1, 19, 2, 16, 2)
+    direction = torch.randn(inputs[0].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def hvp(dtype, fused):
+        q, k, v, pre, post = [to(x, dtype, True) for x in inputs]
+        if fused:
+            z = fused_dcmha(q, k, v, pre, post, window=7, official=False, fallback=by_reference(calls, window=7),
+                            **BACKWARDS[backward])  # fmt: skip
+        else:
+            z = reference(q, k, v, pre, post, window=7, official=False)
+        (dq,) = torch.autograd.grad(z.pow(2).sum(), q, create_graph=True)
+        return torch.autograd.grad((dq * direction.to(dtype)).sum(), q)[0]
+
+    calls = []
+    out = hvp(torch.float32, fused=True)
+    assert calls == [None]
+    assert_as_exact(out, hvp(torch.float32, fused=False), hvp(torch.float64, fused=False), "Hessian-vector product")
+
+
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_a_card_refusing_the_backward_kernels_takes_the_fallback(backward, monkeypatch):
+    """Triton's OutOfResources at the backward's first launch reaches the fallback, whose gradients are the call's;
+    without a fallback it is raised as it is."""
+    OutOfResources = pytest.importorskip("triton.runtime.errors").OutOfResources
+    refusal = OutOfResources(110_592, 101_376, "shared memory")
+
+    def refused(*args):
+        raise refusal
+
+    forward, _ = triton_kernels._BACKWARDS[backward]
+    monkeypatch.setitem(triton_kernels._BACKWARDS, backward, (forward, refused))
+    q, k, v, pre, post = [to(x, torch.float32, True) for x in make_inputs(1, 12, 2, 16, 1)]
+    calls = []
+    z = fused_dcmha(q, k, v, pre, post, window=None, official=False, fallback=by_reference(calls),
+                    **BACKWARDS[backward])  # fmt: skip
+    leaves = [q, k, v, *flat(pre, post)]
+    grads = torch.autograd.grad(z.sum(), leaves)
+    assert calls == [refusal]
+    expected = torch.autograd.grad(reference(q, k, v, pre, post, window=None, official=False).sum(), leaves)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)  # the fallback's own gradients, as they are
+    z = fused_dcmha(q, k, v, pre, post, window=None, official=False, **BACKWARDS[backward])
+    with pytest.raises(OutOfResources):
+        z.sum().backward()
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

@@ -250,25 +250,27 @@ def compute_decoding_pattern(path: DecodingPatternPath, scores: Tensor, mask: Te
 
 def triton_z(q, k, v, mask, pre, post, *, window: int | None, official: bool, past: int, real: Tensor | None):
     """z by the Triton kernels (`triton_kernels.fused_dcmha`; the arguments are its own, less `mask`, the additive
-    mask of the same keys, which `materialised.attend` takes for second derivatives)."""
+    mask of the same keys, with which `materialised.attend` gives the gradients where the kernels cannot: second
+    derivatives, or a card refusing the backward's kernels)."""
     from . import triton_kernels
 
-    def fused(q, k, v, *weights):
-        pre_, post_ = _stages(weights, pre, post)
-        return triton_kernels.fused_dcmha(q, k, v, pre_, post_, window=window, official=official, past=past, real=real)
+    def fallback(refusal, dz, q, k, v, weights):
+        if refusal is not None:
+            _refuse_kernels(refusal, q.device)
+        inputs, second_order = (q, k, v, *weights), torch.is_grad_enabled()
+        wanted = [x for x in inputs if x is not None and x.requires_grad]
+        with torch.enable_grad():
+            z = materialised.attend(q, k, v, mask, weights[:6] if pre else None, weights[6:] if post else None)
+            grads = iter(torch.autograd.grad(z, wanted, dz, create_graph=second_order, allow_unused=True))
+        return [next(grads) if x is not None and x.requires_grad else None for x in inputs]
 
-    def reference(q, k, v, *weights):
-        return materialised.attend(q, k, v, mask, *_stages(weights, pre, post))
-
-    weights = [w for stage in (pre, post) if stage is not None for w in stage]
-    inputs = (q, k, v, *weights)
     try:
-        if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs):
-            return fused(*inputs)
-        return FirstOrderKernel.apply(fused, reference, *inputs)
+        return triton_kernels.fused_dcmha(
+            q, k, v, pre, post, window=window, official=official, past=past, real=real, fallback=fallback
+        )
     except _compile_refusals() as refusal:  # the card's limits: said once, then the materialised path everywhere
         _refuse_kernels(refusal, q.device)
-        return reference(*inputs)
+        return materialised.attend(q, k, v, mask, pre, post)
 
 
 def _refuse_kernels(refusal: Exception, device: torch.device) -> None:
@@ -277,51 +279,3 @@ def _refuse_kernels(refusal: Exception, device: torch.device) -> None:
     reason = f"Triton cannot build the fused kernels for it ({str(refusal).splitlines()[0]})"
     _refused[str(device)] = reason
     _warn_once(reason, device)
-
-
-def _stages(weights, pre, post) -> tuple:
-    """(pre, post) from the flat weights, None for a stage that is off."""
-    n_pre = 0 if pre is None else len(pre)
-    return (None if pre is None else tuple(weights[:n_pre]), None if post is None else tuple(weights[n_pre:]))
-
-
-class FirstOrderKernel(torch.autograd.Function):
-    """y = fast(*inputs), differentiated by fast's own backward; under `create_graph=True` the backward is
-    instead that of `reference(*inputs)` (the same function), recomputed under autograd so that its gradients
-    can be differentiated again. None among the inputs stands for a branch that is off."""
-
-    @staticmethod
-    def forward(ctx, fast, reference, *inputs):
-        ctx.reference = reference
-        ctx.save_for_backward(*inputs)
-        with torch.enable_grad():
-            leaves = [None if x is None else x.detach().requires_grad_(x.requires_grad) for x in inputs]
-            y = fast(*leaves)
-        ctx.graph = (leaves, y)
-        return y.detach()
-
-    @staticmethod
-    def backward(ctx, gy):
-        inputs = ctx.saved_tensors
-        wanted = [i for i, x in enumerate(inputs) if x is not None and ctx.needs_input_grad[2 + i]]
-
-        def by_reference(create_graph: bool):
-            with torch.enable_grad():
-                y = ctx.reference(*inputs)
-                return torch.autograd.grad(
-                    y, [inputs[i] for i in wanted], gy, create_graph=create_graph, allow_unused=True
-                )
-
-        if torch.is_grad_enabled():  # create_graph=True
-            grads = by_reference(create_graph=True)
-        else:
-            leaves, y = ctx.graph
-            try:
-                grads = torch.autograd.grad(y, [leaves[i] for i in wanted], gy, allow_unused=True)
-            except _compile_refusals() as refusal:  # the backward's kernels, first launched here, refused
-                _refuse_kernels(refusal, gy.device)
-                grads = by_reference(create_graph=False)
-        out = [None] * len(inputs)
-        for i, g in zip(wanted, grads, strict=True):
-            out[i] = g if g is not None else torch.zeros_like(inputs[i])
-        return None, None, *out

@@ -79,8 +79,9 @@ output's and the row gradient's kernels through the maps fit there only unpipeli
 (`_run`). Not timed on such a card.
 
 float32 inputs use IEEE float32 products (not TF32); float16 / bfloat16 inputs multiply in their own dtype, like
-FlashAttention, and everything accumulates in float32. Not supported: second derivatives (`create_graph=True`: the
-backward raises; the materialised path gives them).
+FlashAttention, and everything accumulates in float32. Not computed by the kernels: second derivatives
+(`create_graph=True`: the backward takes `fused_dcmha`'s `fallback`, the materialised formula in dcinterp's dispatch,
+or raises without one).
 
 Triton decides when a kernel is decorated whether it runs natively or under its CPU interpreter (`TRITON_INTERPRET=1`),
 so the kernels are decorated at their first use, not when dcinterp is imported (Triton's own functions, tl.sum and the
@@ -93,6 +94,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -104,10 +106,11 @@ from ._grids import cdiv, checked_once, next_power_of_2, signature
 try:
     import triton
     import triton.language as tl
+    from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 except ImportError as error:  # dcinterp runs without triton (or an old one): available() says why the kernels cannot
     triton = tl = None
-    OutOfResources = ()  # (nothing to catch)
+    OutOfResources = CompilationError = ()  # (nothing to catch)
     _TRITON_UNUSABLE = f"triton is not installed ({error})"
 else:
     _TRITON_UNUSABLE = None
@@ -139,6 +142,9 @@ MAPS_BYTES = 256 * 2**20
 BACKWARD = "maps"
 BRANCHES = ("qw1", "qw2", "kw1", "kw2", "qg", "kg")  # a stage's dynamic weights, in this order
 QUERY_SIDE, KEY_SIDE = (0, 1, 4, 6, 7, 10), (2, 3, 5, 8, 9, 11)  # both stages' weights of [b, t, ...] and [b, s, ...]
+# fallback(refusal, dz, q, k, v, weights) -> gradients of (q, k, v, *weights): `fused_dcmha`'s backward where its own
+# kernels cannot give them
+Fallback = Callable[[Exception | None, Tensor, Tensor, Tensor, Tensor, tuple], tuple]
 
 
 def available(device: torch.device) -> str | None:
@@ -1476,25 +1482,36 @@ _BACKWARDS = {"maps": (_forward_through_maps, _backward_through_maps), "tiles": 
 
 
 class FusedDCMHA(torch.autograd.Function):
-    """z of DCMHA whose backward is the fused kernels': the forward saves the inputs and the row statistics only."""
+    """z of DCMHA whose backward is the fused kernels': the forward saves the inputs and the row statistics only.
+    Where the kernels cannot give the gradients (second derivatives; Triton refusing to build the backward's kernels
+    for the card) the backward calls `fallback` (`fused_dcmha`'s), or raises without one."""
 
     @staticmethod
-    def forward(ctx, launch: _Launch, backward: str, q, k, v, real, *weights):
+    def forward(ctx, launch: _Launch, backward: str, fallback, q, k, v, real, *weights):
         forward, ctx.backward = _BACKWARDS[backward]
         z, row_max, row_sum = forward(launch, q, k, v, real, weights)
-        ctx.launch = launch
+        ctx.launch, ctx.fallback = launch, fallback
         ctx.save_for_backward(q, k, v, real, row_max, row_sum, *weights)
         return z
 
     @staticmethod
     def backward(ctx, dz):
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "the fused Triton DCMHA has no second derivatives (create_graph=True): use the materialised path"
-            )
         q, k, v, real, row_max, row_sum, *weights = ctx.saved_tensors
-        dq, dk, dv, *d_weights = ctx.backward(ctx.launch, q, k, v, real, weights, row_max, row_sum, dz)
-        return None, None, dq, dk, dv, None, *d_weights
+        if torch.is_grad_enabled():
+            if ctx.fallback is None:
+                raise RuntimeError(
+                    "the fused Triton DCMHA has no second derivatives (create_graph=True): use the materialised path"
+                )
+            gradients = ctx.fallback(None, dz, q, k, v, weights)
+        else:
+            try:
+                gradients = ctx.backward(ctx.launch, q, k, v, real, weights, row_max, row_sum, dz)
+            except (OutOfResources, CompilationError) as refusal:  # the card's limits, not a bug
+                if ctx.fallback is None:
+                    raise
+                gradients = ctx.fallback(refusal, dz, q, k, v, weights)
+        dq, dk, dv, *d_weights = gradients
+        return None, None, None, dq, dk, dv, None, *d_weights
 
 
 def fused_dcmha(
@@ -1512,6 +1529,7 @@ def fused_dcmha(
     forward: Literal["maps", "tiles"] = "maps",
     backward: Literal["maps", "tiles"] | None = None,
     map_blocks: tuple[int, int] | None = None,
+    fallback: Fallback | None = None,
 ) -> Float[Tensor, "b t h e"]:
     """z of DCMHA, differentiable in q, k, v and every dynamic weight (fused backward). s = past + t.
 
@@ -1522,8 +1540,12 @@ def fused_dcmha(
     of the head dim for the tiles kernels, powers of two of at least 16. forward: which forward computes z when no
     gradient is needed ("maps", the faster, or "tiles"). backward: which kernels compute the gradients ("maps" or
     "tiles"; None: `BACKWARD`), each with the forward of the same name (this module's docstring). map_blocks: queries
-    and keys of a tile of the kernels through the maps (None: MAPS_KERNELS' and HEAD_KERNELS'). Second derivatives
-    (create_graph=True) raise: take the materialised path for them."""
+    and keys of a tile of the kernels through the maps (None: MAPS_KERNELS' and HEAD_KERNELS'). fallback: what the
+    backward takes where the kernels cannot, `fallback(refusal, dz, q, k, v, weights)` giving the gradients of q, k,
+    v and of the twelve weights (pre's then post's, None for those that are None or want none): under
+    create_graph=True (second derivatives; refusal None) and where Triton refuses to build the backward's kernels
+    for the card (refusal its error, raised at their first launch). Without one those raise: the materialised path
+    (`dcinterp.dcmha.materialised.attend`) gives second derivatives; dcinterp's dispatch falls back on it."""
     reason = available(q.device)
     if reason is not None:
         raise RuntimeError(f"fused_dcmha: {reason}")
@@ -1540,7 +1562,7 @@ def fused_dcmha(
         real = real.to(device=q.device, dtype=torch.int8).contiguous()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, *weights)):
-        return FusedDCMHA.apply(launch, backward, q, k, v, real, *weights)
+        return FusedDCMHA.apply(launch, backward, fallback, q, k, v, real, *weights)
     return _FORWARDS[forward](launch, q, k, v, real, weights)[0]
 
 
