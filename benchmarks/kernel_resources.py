@@ -1,5 +1,6 @@
 """What each of DCMHA's Triton kernels takes of a GPU, compiled for it on a machine without one: registers a thread,
-bytes spilled to local memory, shared memory a block, and whether that fits the card.
+bytes spilled to local memory, what an iteration of its main loop executes, shared memory a block, and whether that
+fits the card.
 
     python benchmarks/kernel_resources.py [--arch 90] [--head-dim 128] [--heads 32] [--dtype bfloat16] [--json OUT]
 
@@ -10,9 +11,11 @@ for the kernels through the maps; blocks of 16 x 16 for the tiles kernels). A ke
 more shared memory than the card's block may take is built again unpipelined (num_stages=1), as its launch does
 (`triton_kernels._run`): "unpipelined" in the table. Registers and spills are ptxas' report (the ptxas Triton ships;
 "n/a" where it cannot run): a thread holds at most 255 registers, and what does not fit spills to local memory, slow
-on every card. Numbers from this machine's Triton: the card's own Triton may build the
-kernels otherwise. Exit 1 (one line each) when a kernel does not fit even unpipelined: the model would take the
-materialised path there (`dcinterp.dcmha.choose_path`); 2 on bad arguments.
+on every card. The main loop (`main_loop`: the kernel's longest, over key or query blocks, or over the heads of a
+tile) is read in the binary by the nvdisasm Triton ships: a warp's instructions an iteration, and of them barriers,
+shuffles and local-memory accesses ("n/a" without nvdisasm). Numbers from this machine's Triton: the card's own
+Triton may build the kernels otherwise. Exit 1 (one line each) when a kernel does not fit even unpipelined: the model
+would take the materialised path there (`dcinterp.dcmha.choose_path`); 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -63,16 +66,18 @@ def build(kernel, signature: dict, constants: dict, options: dict, arch: int, si
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def registers_and_spills(compiled, arch: int) -> tuple[int | None, int | None]:
-    """Registers a thread and bytes it spills to local memory, as ptxas (the one Triton ships and calls) reports
-    them assembling the kernel's PTX; (None, None) where it cannot be run (another Triton's layout of its tools)."""
+def assembled(compiled, arch: int) -> dict:
+    """The kernel as ptxas (the one Triton ships and calls) assembles its PTX: registers a thread and bytes it spills
+    to local memory (ptxas' report), and its main loop's instructions (`main_loop`); None for what cannot be had
+    (another Triton's layout of its tools)."""
+    out = dict(registers=None, spilled_bytes=None, main_loop=None)
     try:
         from triton.backends.nvidia import compiler
 
         ptxas = compiler.get_ptxas(arch).path
         gpu = f"--gpu-name={compiler.sm_arch_from_capability(arch)}"
     except (ImportError, AttributeError, TypeError):
-        return None, None
+        return out
     with tempfile.TemporaryDirectory() as folder:
         source = Path(folder) / "kernel.ptx"
         source.write_text(compiled.asm["ptx"])
@@ -81,9 +86,45 @@ def registers_and_spills(compiled, arch: int) -> tuple[int | None, int | None]:
         report = subprocess.run([*command[:2], "--regAllocOptLevel=2", *command[2:]], capture_output=True, text=True)
         if report.returncode != 0:
             report = subprocess.run(command, capture_output=True, text=True)
-        report = report.stderr
-    registers, spilled = re.search(r"Used (\d+) registers", report), re.search(r"(\d+) bytes spill stores", report)
-    return (int(registers[1]) if registers else None), (int(spilled[1]) if spilled else None)
+        nvdisasm = Path(ptxas).with_name("nvdisasm")
+        if report.returncode == 0 and nvdisasm.exists():
+            sass = subprocess.run([nvdisasm, "-c", str(source.with_suffix(".o"))], capture_output=True, text=True)
+            out["main_loop"] = main_loop(sass.stdout) if sass.returncode == 0 else None
+    registers = re.search(r"Used (\d+) registers", report.stderr)
+    spilled = re.search(r"(\d+) bytes spill stores", report.stderr)
+    out["registers"] = int(registers[1]) if registers else None
+    out["spilled_bytes"] = int(spilled[1]) if spilled else None
+    return out
+
+
+def main_loop(sass: str) -> dict:
+    """The longest loop of a kernel's SASS (nvdisasm's listing: from a label to the branch back to it), what one
+    iteration of a warp executes: its instructions, and of them the block's barriers (a layout conversion or an
+    operand's staging through shared memory), shuffles between lanes (sums across a tile's rows) and accesses to
+    local memory (spills); {} without a loop. A static count: a latency-bound kernel's time follows it more
+    than its arithmetic, but only a card times it."""
+    lines = sass.splitlines()
+    labels = {line[:-1]: i for i, line in enumerate(lines) if re.fullmatch(r"\.L_x_\d+:", line.strip())}
+    loops = []
+    for i, line in enumerate(lines):
+        branch = re.search(r"\bBRA\s+`\((\.L_x_\d+)\)", line)
+        if branch and labels.get(branch[1], i) < i:
+            opcodes = [found[1] for found in map(OPCODE.match, lines[labels[branch[1]] : i + 1]) if found is not None]
+            loops.append(opcodes)
+    loops = [opcodes for opcodes in loops if len(opcodes) > 1]  # not the branch to itself that ends every kernel
+    if not loops:
+        return {}
+    opcodes = max(loops, key=len)
+    return dict(
+        instructions=len(opcodes),
+        barriers=opcodes.count("BAR"),
+        shuffles=opcodes.count("SHFL"),
+        local=opcodes.count("LDL") + opcodes.count("STL"),
+    )
+
+
+# an instruction of nvdisasm's listing: its address in a comment, an optional predicate, the opcode (its modifiers cut)
+OPCODE = re.compile(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
 
 def kernels(head_dim: int, heads: int, dtype: str):
@@ -144,10 +185,9 @@ def measure(arch: int, head_dim: int, heads: int, dtype: str) -> list[dict]:
             fits = "unpipelined"
         if compiled.metadata.shared > limit:
             fits = "no"
-        registers, spilled = registers_and_spills(compiled, arch)
         launch = {key: constants[key] for key in ("BQ", "BK") if key in constants} | options
-        rows.append(dict(kernel=name, launch=launch, registers=registers, spilled_bytes=spilled,
-                         shared_bytes=compiled.metadata.shared, fits=fits))  # fmt: skip
+        rows.append(dict(kernel=name, launch=launch, **assembled(compiled, arch), shared_bytes=compiled.metadata.shared,
+                         fits=fits))  # fmt: skip
     return rows
 
 
@@ -156,14 +196,16 @@ def table(rows: list[dict], arch: int, heads: int, head_dim: int, dtype: str) ->
         f"sm_{arch} ({CARDS[arch]}, {SHARED_MEMORY[arch] // 1024} KiB of shared memory a block), {dtype}, "
         f"{heads} heads of {head_dim}",
         "",
-        "| kernel | launch | registers | spilled bytes | shared KiB | fits |",
-        "|---|---|---|---|---|---|",
+        "| kernel | launch | registers | spilled bytes | main loop: instructions, barriers, shuffles, local | "
+        "shared KiB | fits |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         launch = ", ".join(f"{key} {value}" for key, value in row["launch"].items())
         registers, spilled = ("n/a" if row[key] is None else row[key] for key in ("registers", "spilled_bytes"))
         shared = f"{row['shared_bytes'] / 1024:.1f}"
-        lines.append(f"| `{row['kernel']}` | {launch} | {registers} | {spilled} | {shared} | {row['fits']} |")
+        loop = "n/a" if row["main_loop"] is None else ", ".join(map(str, row["main_loop"].values())) or "no loop"
+        lines.append(f"| `{row['kernel']}` | {launch} | {registers} | {spilled} | {loop} | {shared} | {row['fits']} |")
     return "\n".join(lines)
 
 

@@ -677,6 +677,39 @@ def test_the_kernels_compile_for_a_card(arch, head_dim):
     fits = dict(re.findall(r"^\| `(\w+)` \|.*\| (yes|unpipelined|no) \|$", run.stdout, re.MULTILINE))
     expected = {"yes", "unpipelined"} if (arch, head_dim) == (86, 256) else {"yes"}
     assert len(fits) == 14 and set(fits.values()) == expected, run.stdout
+    # every kernel through the maps loops (over key or query blocks, or a tile's heads): its loop read in the binary
+    loops = re.findall(
+        r"^\| `_(?:product|row|post|head|pre)\w+` \|.* \| (\d+), (\d+), (\d+), (\d+) \|", run.stdout, re.M
+    )
+    assert len(loops) == 8 and all(int(instructions) > 100 for instructions, *_ in loops), run.stdout
+
+
+def test_kernel_resources_reads_the_main_loop_of_a_listing(monkeypatch):
+    """`main_loop`: the longest loop (a label to the branch back to it) of nvdisasm's listing, its instructions counted
+    by opcode whatever their predicate; a kernel's closing branch to itself is no loop."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from kernel_resources import main_loop
+
+    def instruction(address, text):
+        return f"        /*{address:04x}*/                   {text} ;"
+
+    listing = [
+        instruction(0, "MOV R1, c[0x0][0x28]"),
+        ".L_x_0:",
+        instruction(16, "LDL R2, [R1]"),
+        instruction(32, "@!P0 BRA `(.L_x_0)"),  # a short loop
+        ".L_x_1:",
+        instruction(48, "SHFL.BFLY PT, R3, R2, 0x1, 0x1f"),
+        instruction(64, "BAR.SYNC.DEFER_BLOCKING 0x0"),
+        instruction(80, "@P1 STL [R1+0x4], R3"),
+        instruction(96, "FFMA R4, R3, R3, R4"),
+        instruction(112, "@P2 BRA `(.L_x_1)"),  # the main loop
+        instruction(128, "EXIT"),
+        ".L_x_2:",
+        instruction(144, "BRA `(.L_x_2)"),
+    ]
+    assert main_loop("\n".join(listing)) == dict(instructions=5, barriers=1, shuffles=1, local=1)
+    assert main_loop("\n".join(listing[-2:])) == {}
 
 
 @pytest.mark.parametrize(
