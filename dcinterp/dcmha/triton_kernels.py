@@ -60,8 +60,8 @@ gk, bit for bit), then
 - `_pre_gradient_maps_kernel`, per tile: dhq and dhk, summing each head's dA = P (dP - D);
 - `_head_query_gradient_kernel`, per (head, query block), over its keys: dq and both stages' query-side weights'
   gradients, in registers;
-- `_head_key_gradient_kernel`, per (head, key block), over the queries that see it: dk, dv and the key side's, added
-  to the earlier chunks'.
+- `_head_key_gradient_kernel`, per (head, key block), over the queries that see it: dk, dv and the key side's (the
+  weights' products kept in tiles and summed over the queries once, after the loop), added to the earlier chunks'.
 The gradient maps take a second buffer of the maps' size: both together in at most `maps_room(q)`.
 
 Registers, in the tiles kernels: a program holds [heads, queries, keys] tiles (32 x 16 x 16 at 32 heads, the default
@@ -859,28 +859,44 @@ def _add_weight_gradients(
     d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2, scores, pattern, d_composed_pattern,
     d_composed, maps, grads, row, t_idx, t_ok, s_idx, s_ok, seen, T, S, R: tl.constexpr, RP: tl.constexpr,
     PRE_GATE: tl.constexpr, PRE_PROJECTION: tl.constexpr, POST_GATE: tl.constexpr, POST_PROJECTION: tl.constexpr,
-    SIDE: tl.constexpr
+    SIDE: tl.constexpr, SUMMED: tl.constexpr
 ):
     """One head's gradients of one side's dynamic weights of both stages (SIDE 0: the query side's qg, qw1, qw2,
-    summed over a tile's keys; 1: the key side's, over its queries) with one [1, queries, keys] tile's sums added:
+    summed over a tile's keys; 1: the key side's, over its queries) with one [1, queries, keys] tile's terms added:
     a gate's is the sum of dX' X, w2's of dX' times the stage's map, w1's of the map's gradient times X (X: the
-    scores before the pre-compose, the pattern before the post-compose)."""
-    if PRE_GATE:  # (axis 2 - SIDE: the other side's positions are summed over)
-        d_pre_gate += tl.sum(d_composed * scores, axis=2 - SIDE)
+    scores before the pre-compose, the pattern before the post-compose). SUMMED: the tile's sums added ([1 or RP,
+    positions] accumulators); else its products, in accumulators of the tile's shape, summed once after the loop
+    (`_summed_weight_gradients`)."""
+    if PRE_GATE:
+        d_pre_gate += _tile_sum(d_composed * scores, 2 - SIDE, SUMMED)
     if PRE_PROJECTION:  # the pre-compose's maps are planes SIDE R .. SIDE R + R - 1
-        d_pre_w2 += tl.sum(d_composed * _load_maps(maps, row, SIDE * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP),
-                           2 - SIDE)
-        d_pre_w1 += tl.sum(_load_maps(grads, row, SIDE * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP) * scores,
-                           2 - SIDE)
+        planes = _load_maps(maps, row, SIDE * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP)
+        d_pre_w2 += _tile_sum(d_composed * planes, 2 - SIDE, SUMMED)
+        planes = _load_maps(grads, row, SIDE * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP)
+        d_pre_w1 += _tile_sum(planes * scores, 2 - SIDE, SUMMED)
     if POST_GATE:
-        d_post_gate += tl.sum(d_composed_pattern * pattern, axis=2 - SIDE)
+        d_post_gate += _tile_sum(d_composed_pattern * pattern, 2 - SIDE, SUMMED)
     if POST_PROJECTION:  # the post-compose's, (2 + SIDE) R ..
-        first = (2 + SIDE) * R
-        d_post_w2 += tl.sum(d_composed_pattern * _load_maps(maps, row, first, t_idx, t_ok, s_idx, s_ok, seen, T, S,
-                                                            R, RP), 2 - SIDE)
-        d_post_w1 += tl.sum(_load_maps(grads, row, first, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP) * pattern,
-                            2 - SIDE)
+        planes = _load_maps(maps, row, (2 + SIDE) * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP)
+        d_post_w2 += _tile_sum(d_composed_pattern * planes, 2 - SIDE, SUMMED)
+        planes = _load_maps(grads, row, (2 + SIDE) * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP)
+        d_post_w1 += _tile_sum(planes * pattern, 2 - SIDE, SUMMED)
     return d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2
+
+
+def _tile_sum(x, axis: tl.constexpr, SUMMED: tl.constexpr):
+    """x summed over `axis` if SUMMED, else x as it is."""
+    if SUMMED:
+        x = tl.sum(x, axis=axis)
+    return x
+
+
+def _summed_weight_gradients(d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2, axis: tl.constexpr):
+    """The accumulators of `_add_weight_gradients` (not SUMMED) summed over the tile's `axis`."""
+    return (
+        tl.sum(d_pre_gate, axis=axis), tl.sum(d_pre_w1, axis=axis), tl.sum(d_pre_w2, axis=axis),
+        tl.sum(d_post_gate, axis=axis), tl.sum(d_post_w1, axis=axis), tl.sum(d_post_w2, axis=axis),
+    )
 
 
 def _store_weight_gradients(
@@ -1034,7 +1050,7 @@ def _head_query_gradient_kernel(
         d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2 = _add_weight_gradients(
             d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2, scores, pattern, d_composed_pattern,
             d_composed, maps, grads, row, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP, PRE_QG, PRE_QP, POST_QG,
-            POST_QP, 0
+            POST_QP, 0, True
         )
     _put_head_rows(dq, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP, d_queries, False)
     _store_weight_gradients(
@@ -1053,7 +1069,8 @@ def _head_key_gradient_kernel(
 ):
     """The key side of the backward of one head (program axis 0) for one block of keys (axis 1) of one batch row
     (axis 2), summed over the queries that see it in registers: dk, dv and the gradients of both stages' kw1, kw2,
-    kg, stored in their dtypes (ADD: added into float32 buffers, where a long prompt's chunks of queries add up)."""
+    kg (their products accumulated in tiles, summed over the queries once, after the loop), stored in their dtypes
+    (ADD: added into float32 buffers, where a long prompt's chunks of queries add up)."""
     n = tl.program_id(0)
     h_idx = n + tl.arange(0, 1)
     h_ok = h_idx < H
@@ -1067,12 +1084,14 @@ def _head_key_gradient_kernel(
     v_rows = _head_rows(v, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP)
     d_keys = tl.zeros((1, BK, EP), dtype=tl.float32)
     d_values = tl.zeros((1, BK, EP), dtype=tl.float32)
-    d_pre_gate = tl.zeros((1, BK), dtype=tl.float32)
-    d_post_gate = tl.zeros((1, BK), dtype=tl.float32)
-    d_pre_w1 = tl.zeros((RP, BK), dtype=tl.float32)
-    d_pre_w2 = tl.zeros((RP, BK), dtype=tl.float32)
-    d_post_w1 = tl.zeros((RP, BK), dtype=tl.float32)
-    d_post_w2 = tl.zeros((RP, BK), dtype=tl.float32)
+    # the weights' gradients as products of the tiles' shape, summed over the queries once after the loop: per
+    # iteration, a sum across the rows of a tile (spread over the warps) took most of the loop's instructions
+    d_pre_gate = tl.zeros((1, BQ, BK), dtype=tl.float32)
+    d_post_gate = tl.zeros((1, BQ, BK), dtype=tl.float32)
+    d_pre_w1 = tl.zeros((RP, BQ, BK), dtype=tl.float32)
+    d_pre_w2 = tl.zeros((RP, BQ, BK), dtype=tl.float32)
+    d_post_w1 = tl.zeros((RP, BQ, BK), dtype=tl.float32)
+    d_post_w2 = tl.zeros((RP, BQ, BK), dtype=tl.float32)
     for t0 in range(first_query, end_query, BQ):
         t_idx = t0 + tl.arange(0, BQ)
         t_ok = t_idx < end_query  # nor queries past the last that sees the block
@@ -1097,8 +1116,11 @@ def _head_key_gradient_kernel(
         d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2 = _add_weight_gradients(
             d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2, scores, pattern, d_composed_pattern,
             d_composed, maps, grads, row, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP, PRE_KG, PRE_KP, POST_KG,
-            POST_KP, 1
+            POST_KP, 1, False
         )
+    d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2 = _summed_weight_gradients(
+        d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2, 1
+    )
     every_key = s_idx < S  # the keys no query sees among them too: their gradients are 0
     _put_head_rows(dk, row, s_idx, every_key, h_idx, h_ok, S, H, E, EP, d_keys, ADD)
     _put_head_rows(dv, row, s_idx, every_key, h_idx, h_ok, S, H, E, EP, d_values, ADD)
@@ -1147,6 +1169,8 @@ _KERNELS = (
     "_put_head_rows",
     "_head_gradients",
     "_add_weight_gradients",
+    "_tile_sum",
+    "_summed_weight_gradients",
     "_store_weight_gradients",
     "_row_gradient_kernel",
     "_pre_gradient_maps_kernel",
