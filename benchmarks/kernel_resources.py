@@ -101,8 +101,8 @@ def main_loop(sass: str) -> dict:
     """The longest loop of a kernel's SASS (nvdisasm's listing: from a label to the branch back to it), what one
     iteration of a warp executes: its instructions, and of them the block's barriers (a layout conversion or an
     operand's staging through shared memory), shuffles between lanes (sums across a tile's rows) and accesses to
-    local memory (spills); {} without a loop. A static count: a latency-bound kernel's time follows it more
-    than its arithmetic, but only a card times it."""
+    local memory (spills); {} without a loop. A static count, not a time: it did not rank the H100's times of the
+    key side's launches (docs/hooked-model.md, "Read without a card")."""
     lines = sass.splitlines()
     labels = {line[:-1]: i for i, line in enumerate(lines) if re.fullmatch(r"\.L_x_\d+:", line.strip())}
     loops = []
@@ -110,8 +110,8 @@ def main_loop(sass: str) -> dict:
         branch = re.search(r"\bBRA\s+`\((\.L_x_\d+)\)", line)
         if branch and labels.get(branch[1], i) < i:
             opcodes = [found[1] for found in map(OPCODE.match, lines[labels[branch[1]] : i + 1]) if found is not None]
-            loops.append(opcodes)
-    loops = [opcodes for opcodes in loops if len(opcodes) > 1]  # not the branch to itself that ends every kernel
+            if len(opcodes) > 1:  # not the branch to itself that ends every kernel
+                loops.append(opcodes)
     if not loops:
         return {}
     opcodes = max(loops, key=len)
