@@ -46,6 +46,7 @@ MAPS = {
     "_head_key_gradient_kernel": "KEY_GRADIENT_KERNELS",
 }
 # the pointers in the inputs' dtype (the rest float32, `real` int8)
+BACKWARD_STRIDES = ("dw1_c", "dw1_p", "dw2_c", "dw2_p", "dgates_c", "dgates_p")  # the dynamic weights' backward's
 HALF_POINTERS = ("q", "k", "v", "dz", "z", "maps", "grads", "a", "b", "x", "W_in", "b_in", "W_out", "W_gate", "b_gate",
                  "w1", "w2", "gates", "scores", "pattern", "qw1", "qw2", "qg", "kw1", "kw2", "kg")  # fmt: skip
 
@@ -159,10 +160,15 @@ def kernels(head_dim: int, heads: int, dtype: str):
         yield name, kernel, signature(kernel, constants), constants, options
     kernel = dynamic_weights._dynamic_weights_kernel
     constants = dict(BP=dynamic_weights.BLOCK_POSITIONS, BD=dynamic_weights.BLOCK_DIM, KP=4 * heads, HP=heads,
-                     IN_BIAS=True, GATE_BIAS=True, HALF=half)  # fmt: skip
+                     IN_BIAS=True, GATE_BIAS=True, HALF=half, SAVE=True)  # fmt: skip
     sizes = ("P", "D", "K", "H", "R")
     yield (kernel.fn.__name__, kernel, {**signature(kernel, constants), **dict.fromkeys(sizes, "i32")}, constants,
            dict(num_warps=4))  # fmt: skip
+    kernel = dynamic_weights._dynamic_weights_backward_kernel
+    constants = dict(BP=dynamic_weights.BLOCK_POSITIONS, KP=4 * heads, HP=heads, WEIGHTS=False)
+    types = signature(kernel, constants, half_pointers=("gates", "W_out", "dw1", "dw2", "dgates", "dpre", "dgate"))
+    types.update({name: "i32" for name in (*sizes, *BACKWARD_STRIDES) if name in types})
+    yield kernel.fn.__name__, kernel, types, constants, dict(num_warps=dynamic_weights.BACKWARD_WARPS)
     constants = dict(HP=heads, BK=max(16, decoding.TILE // heads), R=2, QP=True, KP=True, QG=True, KG=True)
     for kernel in (decoding._decoding_logits_kernel, decoding._decoding_pattern_kernel):
         stage = ("scores", "pattern", "qw1", "qw2", "qg", "kw1", "kw2", "kg")
@@ -176,6 +182,8 @@ def measure(arch: int, head_dim: int, heads: int, dtype: str) -> list[dict]:
     """One row a kernel: its launch, registers, spilled bytes, shared memory, and how it fits the card."""
     limit, rows = SHARED_MEMORY[arch], []
     sizes = dict(T=4096, S=4096, H=heads, E=head_dim, past=0, span=4097, P=4096, D=32 * heads, K=4 * heads)
+    # the dynamic weights' backward reads its gradients as the model gives them: [b, p, 4, R, H] and [b, p, 4, H]
+    sizes.update(dict(zip(BACKWARD_STRIDES, (2 * heads, 8 * heads) * 2 + (heads, 4 * heads), strict=True)))
     for name, kernel, signature, constants, options in kernels(head_dim, heads, dtype):
         compiled = build(kernel, signature, constants, options, arch, sizes)
         fits = "yes"

@@ -307,15 +307,14 @@ class Attention(nn.Module):
 
     def dynamic_weights(self, x: Float[Tensor, "b p d"]) -> dict[str, tuple[Tensor, ...]]:
         """Per stage: (qw1, qw2, kw1, kw2 [b, p, rank, head], qg, kg [b, p, head]), computed from x: by torch's ops, or
-        without gradients on CUDA at up to 1,024 positions by one fused Triton kernel (`dcinterp.dcmha.
-        dynamic_weights_path` says which); gradients always take torch's ops."""
+        on CUDA at up to 1,024 positions by one fused Triton kernel (`dcinterp.dcmha.dynamic_weights_path` says
+        which)."""
         params = (self.W_dyn_in, self.b_dyn_in, self.W_dyn_out, self.W_dyn_gate, self.b_dyn_gate)
         inputs = [t for t in (x, *params) if t is not None]
         path = dcmha.dynamic_weights_path(
             device=x.device,
             dtypes={t.dtype for t in inputs},
             positions=x.shape[0] * x.shape[1],
-            gradient_needed=_gradient_needed(inputs),
             functorch_active=torch._C._are_functorch_transforms_active(),
         )
         w1, w2, gates = (w.unbind(2) for w in dcmha.compute_dynamic_weights(path, x, *params))  # per branch c

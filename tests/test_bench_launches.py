@@ -63,10 +63,11 @@ def test_a_decoding_steps_count_takes_the_pattern_as_two_kernels_on_cuda():
     [
         ([], 5, "attention module"),
         (["--decode"], 3, "attention module"),
-        (["--gradients"], 0, "attention module's forward"),  # 20 keys: the materialised path
-        # the forward through the maps (four), its backward (the maps again, their gradients, D, the two sides: seven)
-        (["--gradients", "--fused-min-keys", "0"], 11, "attention module's forward"),
-        (["--gradients", "--fused-min-keys", "0", "--backward", "tiles"], 3, "attention module's forward"),
+        # with gradients, the dynamic weights' kernel and its backward's (two), and 20 keys take the materialised path
+        (["--gradients"], 2, "attention module's forward"),
+        # and the forward through the maps (four), its backward (the maps again, their gradients, D, both sides: seven)
+        (["--gradients", "--fused-min-keys", "0"], 13, "attention module's forward"),
+        (["--gradients", "--fused-min-keys", "0", "--backward", "tiles"], 5, "attention module's forward"),
     ],
     ids=["forward", "decoding-step", "gradients", "gradients-through-the-maps", "gradients-through-the-tiles"],
 )

@@ -86,6 +86,125 @@ def test_half_precision(dtype):
     check(make_weights(2, 17, 40, 12, 3, 2, True, seed=1), dtype)
 
 
+# The backward.
+
+INPUTS = ("x", "W_in", "b_in", "W_out", "W_gate", "b_gate")
+
+
+def gradients(function, inputs, output_grads, wanted, dtype=torch.float32):
+    """The gradients of `wanted` (names in INPUTS) of <function(inputs), output_grads>, inputs cast to dtype."""
+    cast = [
+        None if t is None else t.to(dtype).requires_grad_(name in wanted)
+        for name, t in zip(INPUTS, inputs, strict=True)
+    ]
+    outputs = function(*cast)
+    pairs = [(o, g.to(dtype)) for o, g in zip(outputs, output_grads, strict=True) if g is not None]
+    chosen = [t for name, t in zip(INPUTS, cast, strict=True) if name in wanted]
+    return torch.autograd.grad([o for o, _ in pairs], chosen, [g for _, g in pairs])
+
+
+def output_gradients(inputs, seed=2, strided=False):
+    """Random gradients of (w1, w2, gates) [b, p, 4, ...]; `strided`: w1's and w2's stored with rank and head
+    swapped (the kernel then reads a contiguous copy)."""
+    generator = torch.Generator().manual_seed(seed)
+    x, _, _, W_out, W_gate, _ = inputs
+    R, H = W_out.shape[2] // 2, W_gate.shape[2]
+    weight = (*x.shape[:2], 4, R, H)
+    draw = [
+        torch.randn(*shape, generator=generator, dtype=torch.float64) for shape in (weight, weight, weight[:-2] + (H,))
+    ]
+    if strided:
+        draw[:2] = [g.transpose(-1, -2).contiguous().transpose(-1, -2) for g in draw[:2]]
+    return [g.to(DEVICE) for g in draw]
+
+
+def check_gradients(inputs, output_grads, wanted, dtype=torch.float32):
+    exact = gradients(torch_dynamic_weights, inputs, output_grads, wanted, torch.float64)
+    reference = gradients(torch_dynamic_weights, inputs, output_grads, wanted, dtype)
+    fused = gradients(fused_dynamic_weights, inputs, output_grads, wanted, dtype)
+    names = [name for name in INPUTS if name in wanted]
+    for name, new, ref, ex in zip(names, fused, reference, exact, strict=True):
+        assert new.shape == ex.shape and new.dtype == dtype, (name, new.shape, new.dtype)
+        assert_as_exact(new, ref, ex, f"d{name}", dtype)
+
+
+@pytest.mark.parametrize(
+    "batch, positions, D, K, H, R, biases, strided",
+    [
+        (2, 19, 37, 12, 3, 2, True, False),
+        (1, 33, 50, 20, 5, 1, False, True),
+        (1, 1, 16, 24, 6, 2, True, False),
+        (2, 5, 64, 128, 32, 2, False, True),
+    ],
+    ids=["odd-sizes-biases", "rank-1-strided", "one-position", "32-heads-strided"],
+)
+def test_the_kernels_gradients_are_torchs(batch, positions, D, K, H, R, biases, strided):
+    """Every input's gradient (the weights' too) against torch's ops, float64-judged; the outputs' gradients in the
+    layout the model gives them or with their trailing dims permuted."""
+    inputs = make_weights(batch, positions, D, K, H, R, biases)
+    check_gradients(inputs, output_gradients(inputs, strided=strided), INPUTS if biases else INPUTS[:2] + ("W_out",))
+
+
+def test_the_inputs_gradient_alone_and_an_output_unused():
+    """As an attribution asks: x's gradient only (the weights frozen), and gates that reach no loss."""
+    inputs = make_weights(2, 9, 24, 16, 4, 2, True, seed=3)
+    w1, w2, _ = output_gradients(inputs)
+    check_gradients(inputs, (w1, w2, None), ("x",))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_gradients(dtype):
+    inputs = make_weights(2, 17, 40, 12, 3, 2, True, seed=1)
+    check_gradients(inputs, output_gradients(inputs), INPUTS, dtype)
+
+
+def test_second_derivatives_are_torchs():
+    """Under create_graph=True the backward is torch's ops, recomputed: a Hessian-vector product of x through the
+    kernel equals torch's, float64-judged."""
+    inputs = make_weights(1, 7, 24, 16, 4, 2, True, seed=4)
+    direction = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+
+    def hessian_vector(function, dtype):
+        x = inputs[0].to(dtype).requires_grad_(True)
+        w1, w2, gates = function(x, *[None if t is None else t.to(dtype) for t in inputs[1:]])
+        loss = (w1.sin().sum() + (w2 * w2).sum() + gates.pow(3).sum()) / 10
+        (dx,) = torch.autograd.grad(loss, x, create_graph=True)
+        return torch.autograd.grad((dx * direction.to(dtype).to(DEVICE)).sum(), x)[0]
+
+    exact = hessian_vector(torch_dynamic_weights, torch.float64)
+    assert_as_exact(hessian_vector(fused_dynamic_weights, torch.float32),
+                    hessian_vector(torch_dynamic_weights, torch.float32), exact, "Hessian-vector product")  # fmt: skip
+
+
+def test_a_card_refusing_the_backward_kernel_takes_torchs_ops(monkeypatch):
+    """Triton refusing to build the backward's kernel at its first launch: `on_refusal` is told, and the gradients
+    are torch's ops' bit for bit; without `on_refusal` the error is raised."""
+    OutOfResources = pytest.importorskip("triton.runtime.errors").OutOfResources
+    inputs = [t.float().requires_grad_(True) for t in make_weights(1, 5, 16, 8, 2, 1, True, seed=6)]
+
+    class Refused:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise OutOfResources(232_000, 101_376, "shared memory")
+
+            return launch
+
+    dynamic_weights._decorate()
+    monkeypatch.setattr(dynamic_weights, "_dynamic_weights_backward_kernel", Refused())
+    told = []
+
+    def loss(outputs):  # linear: the outputs' gradients do not depend on their rounding
+        return sum((i + 1) * output.sum() for i, output in enumerate(outputs))
+
+    grads = torch.autograd.grad(loss(fused_dynamic_weights(*inputs, on_refusal=told.append)), inputs)
+    assert len(told) == 1 and isinstance(told[0], OutOfResources)
+    expected = torch.autograd.grad(loss(torch_dynamic_weights(*inputs)), inputs)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(OutOfResources):
+        torch.autograd.grad(loss(fused_dynamic_weights(*inputs)), inputs)
+
+
 def test_bad_input_says_which_argument():
     x, W_in, b_in, W_out, W_gate, b_gate = [t.float() for t in make_weights(1, 3, 16, 8, 2, 1, True)]
     fused_dynamic_weights(x, W_in, b_in, W_out, W_gate, b_gate)  # checked once: other arguments still are
@@ -105,7 +224,6 @@ def test_bad_input_says_which_argument():
     [
         (dict(), "triton"),
         (dict(device=torch.device("cpu")), "torch"),
-        (dict(gradient_needed=True), "torch"),
         (dict(functorch_active=True), "torch"),
         (dict(dtypes={torch.float64}), "torch"),
         (dict(dtypes={torch.bfloat16}), "triton"),
@@ -117,7 +235,7 @@ def test_bad_input_says_which_argument():
     ],
 )
 def test_the_rules(monkeypatch, facts, path):
-    facts = {"device": CUDA, "dtypes": {torch.float32}, "positions": 100, "gradient_needed": False, **facts}
+    facts = {"device": CUDA, "dtypes": {torch.float32}, "positions": 100, **facts}
     unavailable = facts.pop("unavailable", None)
     monkeypatch.setattr(dcmha, "triton_unavailable", lambda device: unavailable)
     monkeypatch.setattr(dcmha, "_refused_dynamic_weights", facts.pop("refused", {}))
@@ -171,13 +289,21 @@ def test_without_gradients_the_model_takes_the_kernel_and_its_logits(models, on_
     assert_as_exact(logits, reference, exact, "logits")
 
 
-def test_with_gradients_the_model_takes_torchs_ops(models, on_cuda):
-    model, _ = models
-    tokens = tokens_for(model, batch=1, length=9)
-    embeddings = model.embed(tokens).detach().requires_grad_(True)
-    model(embeddings, start_at_layer=0)[0, -1].sum().backward()
-    assert on_cuda["paths"] == ["torch"] * model.cfg.n_layers and on_cuda["calls"] == 0
-    assert embeddings.grad is not None and embeddings.grad.abs().sum() > 0
+def test_with_gradients_the_model_takes_the_kernel_and_its_gradients(models, on_cuda, monkeypatch):
+    """An integrated-gradients step (the gradient of a logit to the input embeddings): every layer's dynamic weights
+    by the kernel, forward and backward, the gradient as near float64's as torch's ops'."""
+    model, model64 = models
+
+    def input_gradient(model):
+        embeddings = model.embed(tokens_for(model, batch=1, length=9)).detach().requires_grad_(True)
+        model(embeddings, start_at_layer=0)[0, -1].logsumexp(-1).backward()
+        return embeddings.grad
+
+    gradient = input_gradient(model)
+    assert on_cuda["paths"] == ["triton"] * model.cfg.n_layers and on_cuda["calls"] == model.cfg.n_layers
+    exact = input_gradient(model64)  # float64: torch's ops
+    torch_path(monkeypatch)
+    assert_as_exact(gradient, input_gradient(model), exact, "the input's gradient")
 
 
 def test_a_card_the_kernel_does_not_fit_gives_one_warning_and_torchs_result(models, on_cuda, monkeypatch):
@@ -185,7 +311,7 @@ def test_a_card_the_kernel_does_not_fit_gives_one_warning_and_torchs_result(mode
     device the tensors are on told (`dynamic_weights_path` then answers "torch" for it: test_the_rules)."""
     OutOfResources = pytest.importorskip("triton.runtime.errors").OutOfResources
 
-    def refuse(*args):
+    def refuse(*args, **kwargs):
         raise OutOfResources(232_000, 101_376, "shared memory")
 
     monkeypatch.setattr(dynamic_weights, "fused_dynamic_weights", refuse)

@@ -29,18 +29,18 @@ Paths, and when `choose_path` takes each (first rule that applies):
 
 The dynamic weights (w1, w2 and the gates of every branch, from the layer's input) are computed one of two ways,
 said by `dynamic_weights_path` (`dcinterp.dcmha.dynamic_weights`):
-- `triton` (`fused_dynamic_weights`, one kernel launch in place of about a dozen): on CUDA where the Triton kernels
-  run, in float32, float16 or bfloat16, for at most `FUSED_DYNAMIC_WEIGHTS_POSITIONS` positions (batch times
-  sequence: past those, torch's matmuls are faster), when no gradient is needed (under `torch.no_grad()`, or
-  nothing requires grad) and no functorch transform is active. Triton refusing to build it for the card says so
-  in one warning, and the device's calls then take torch's ops.
-- `torch` (`torch_dynamic_weights`): otherwise; gradients always take torch's ops (the kernel has no backward).
+- `triton` (`fused_dynamic_weights`, one kernel launch in place of about a dozen, and with gradients a backward of
+  one launch and two matmuls in place of about twenty ops): on CUDA where the Triton kernels run, in float32,
+  float16 or bfloat16, for at most `FUSED_DYNAMIC_WEIGHTS_POSITIONS` positions (batch times sequence: past those,
+  torch's matmuls are faster), when no functorch transform is active. Triton refusing to build a kernel for the
+  card (forward or backward) says so in one warning, and the device's calls then take torch's ops.
+- `torch` (`torch_dynamic_weights`): otherwise.
 
 Every path gives z equal to the materialised one up to float rounding. The hooks on the dynamic weights
 (`hook_qw1`, ..., `hook_kg`) act on every path: the weights pass through them before the path is taken.
 Second derivatives (`create_graph=True`) are exact on every path: the blocked path differentiates its blocks
 again, and the Triton path recomputes its backward with `materialised.attend` (its kernels' backward is first
-order only).
+order only), the dynamic weights' kernel with torch's ops.
 """
 
 from __future__ import annotations
@@ -186,13 +186,11 @@ def dynamic_weights_path(
     device: torch.device,
     dtypes: set[torch.dtype],
     positions: int,
-    gradient_needed: bool,
     functorch_active: bool = False,
 ) -> DynamicWeightsPath:
     """How a layer's dynamic weights are computed (this module's docstring): `dtypes`, those of the layer's input
-    and its W_dyn_* / b_dyn_* parameters; `positions`: the input's batch times sequence; `gradient_needed`: grad
-    mode is on and one of them requires grad."""
-    if device.type != "cuda" or gradient_needed or functorch_active or str(device) in _refused_dynamic_weights:
+    and its W_dyn_* / b_dyn_* parameters; `positions`: the input's batch times sequence."""
+    if device.type != "cuda" or functorch_active or str(device) in _refused_dynamic_weights:
         return "torch"
     if positions > FUSED_DYNAMIC_WEIGHTS_POSITIONS:
         return "torch"
@@ -203,18 +201,21 @@ def dynamic_weights_path(
 
 def compute_dynamic_weights(path: DynamicWeightsPath, x: Tensor, W_in, b_in, W_out, W_gate, b_gate) -> tuple:
     """(w1, w2 [b, p, 4, R, H], gates [b, p, 4, H]) by `path` (`dynamic_weights_path`). Triton refusing to build
-    the kernel for the card is said once; that call and the device's later ones take torch's ops."""
+    a kernel for the card is said once; that call (or backward) and the device's later ones take torch's ops."""
     from . import dynamic_weights
+
+    def refused(refusal: Exception) -> None:
+        reason = f"Triton cannot build the dynamic weights' kernels for it ({str(refusal).splitlines()[0]})"
+        _refused_dynamic_weights[str(x.device)] = reason
+        _warn_once(reason, x.device, fallback="DCMHA's dynamic weights on {device} take torch's ops")
 
     weights = (x, W_in, b_in, W_out, W_gate, b_gate)
     if path == "torch":
         return dynamic_weights.torch_dynamic_weights(*weights)
     try:
-        return dynamic_weights.fused_dynamic_weights(*weights)
+        return dynamic_weights.fused_dynamic_weights(*weights, on_refusal=refused)
     except _compile_refusals() as refusal:
-        reason = f"Triton cannot build the dynamic weights' kernel for it ({str(refusal).splitlines()[0]})"
-        _refused_dynamic_weights[str(x.device)] = reason
-        _warn_once(reason, x.device, fallback="DCMHA's dynamic weights on {device} take torch's ops")
+        refused(refusal)
         return dynamic_weights.torch_dynamic_weights(*weights)
 
 

@@ -13,11 +13,17 @@ launches, not on the arithmetic. `fused_dynamic_weights` computes the same in on
 one program per block of positions and branch; float32 sums, no intermediate rounding to a half dtype). Half inputs
 are multiplied in their dtype (the products are exact in float32, as in cuBLAS), float32 ones in IEEE float32 (not
 TF32); the interpreter, whose bfloat16 dot is wrong, takes the same products in float32.
-It has no backward: `dcinterp.dcmha.dynamic_weights_path` takes it only where no gradient is needed, and only up to
-`dcinterp.dcmha.FUSED_DYNAMIC_WEIGHTS_POSITIONS` positions. Timed on an H100 (Triton 3.6, the 6.9B width: d_model
-4096, 32 heads, K 128, R 2; each call's wall time, launches included): bfloat16 0.06 ms against torch's 0.18-0.27 ms
-at 16 to 512 positions, 0.09 against 0.17 at 2,048, 0.38 against 0.17 at 8,192 (each program reads all of its
-branch's W_in, which cuBLAS tiles better); float32 0.12 against 0.15 at 16 to 512, 0.39 against 0.28 at 2,048.
+`dcinterp.dcmha.dynamic_weights_path` takes it up to `dcinterp.dcmha.FUSED_DYNAMIC_WEIGHTS_POSITIONS` positions.
+Timed on an H100 (Triton 3.6, the 6.9B width: d_model 4096, 32 heads, K 128, R 2; each call's wall time, launches
+included): bfloat16 0.06 ms against torch's 0.18-0.27 ms at 16 to 512 positions, 0.09 against 0.17 at 2,048, 0.38
+against 0.17 at 8,192 (each program reads all of its branch's W_in, which cuBLAS tiles better); float32 0.12 against
+0.15 at 16 to 512, 0.39 against 0.28 at 2,048.
+
+Backward: torch's ops take about twenty launches for x's gradient alone. With gradients the kernel keeps the gelu's
+input (float32 [4, p, K]), and `_dynamic_weights_backward_kernel` (one program per block of positions and branch)
+recomputes the hidden units and w1 before its norm from it, and gives the gradients of the gelu's and the tanh's
+inputs, dpre [p, 4, K] and dgate [p, 4, H]; then x's is two matmuls, dpre W_in^T + dgate W_gate^T (the weights'
+gradients, where they require grad, are matmuls and sums of the same). Not timed on a card yet.
 
 Triton decides when a kernel is decorated whether it runs natively or under its CPU interpreter (`TRITON_INTERPRET=1`),
 so the kernel is decorated at its first use, not when dcinterp is imported (Triton's own functions, tl.sum and the like,
@@ -29,6 +35,7 @@ Index names: p positions (batch and sequence flattened), d model dim, c branch, 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -40,11 +47,16 @@ from ._grids import cdiv, checked_once, next_power_of_2, signature
 try:
     import triton
     import triton.language as tl
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    _REFUSALS = (OutOfResources, CompilationError)  # Triton cannot build a kernel for the card at hand
 except ImportError:  # dcinterp runs without triton; dcinterp.dcmha.triton_unavailable says why the kernel cannot
     triton = tl = None
 
 BLOCK_POSITIONS = 16  # positions per program (tl.dot's smallest tile)
 BLOCK_DIM = 64  # a chunk of the model dim, summed over in turn
+BACKWARD_WARPS = 8  # at 32 heads (K 128) the backward's tiles spill 700 bytes a thread with 4 warps, 308 with 8 (sm_90)
 
 DynamicWeights = tuple[Float[Tensor, "b p 4 r h"], Float[Tensor, "b p 4 r h"], Float[Tensor, "b p 4 h"]]
 
@@ -78,14 +90,14 @@ def _dot(a, b, HALF: tl.constexpr):
 
 
 def _dynamic_weights_kernel(
-    x, W_in, b_in, W_out, W_gate, b_gate, w1, w2, gates,
+    x, W_in, b_in, W_out, W_gate, b_gate, w1, w2, gates, pre,
     P, D, K, H, R,
     BP: tl.constexpr, BD: tl.constexpr, KP: tl.constexpr, HP: tl.constexpr,
-    IN_BIAS: tl.constexpr, GATE_BIAS: tl.constexpr, HALF: tl.constexpr,
+    IN_BIAS: tl.constexpr, GATE_BIAS: tl.constexpr, HALF: tl.constexpr, SAVE: tl.constexpr,
 ):
     """Branch c's w1, w2 [4, P, R, H] and gates [4, P, H] (branch-major) of a block of BP positions; x [P, D]. KP, HP:
     K and H padded to powers of two (the padding loads as 0, which gelu and the products keep 0). HALF: x, W_in and
-    W_gate share a half dtype."""
+    W_gate share a half dtype. SAVE: the gelu's input also stored, in float32, to pre [4, P, K] (for the backward)."""
     c = tl.program_id(1)
     p = tl.program_id(0) * BP + tl.arange(0, BP)
     p_ok = p < P
@@ -105,7 +117,9 @@ def _dynamic_weights_kernel(
         gate += _dot(xs, W, HALF)
     if IN_BIAS:
         hidden += tl.load(b_in + c * K + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    hidden = 0.5 * hidden * (1.0 + tl.math.erf(hidden * 0.7071067811865476))
+    if SAVE:
+        tl.store(pre + (c * P + p[:, None]) * K + k[None, :], hidden, mask=p_ok[:, None] & k_ok[None, :])
+    hidden = _gelu(hidden)
     if GATE_BIAS:
         gate += tl.load(b_gate + c * H + h, mask=h_ok, other=0.0).to(tl.float32)[None, :]
     # tanh(g) = sign(g) (1 - e) / (1 + e), e = exp(-2 |g|) <= 1: no overflow at any g
@@ -126,6 +140,60 @@ def _dynamic_weights_kernel(
         tl.store(w2 + (rows * R + r) * H + h[None, :], value.to(w2.dtype.element_ty), mask=ok)
 
 
+def _gelu(u):
+    """Exact (erf) gelu."""
+    return 0.5 * u * (1.0 + tl.math.erf(u * 0.7071067811865476))
+
+
+def _gelu_slope(u):
+    """d gelu(u) / du = Phi(u) + u phi(u)."""
+    return 0.5 * (1.0 + tl.math.erf(u * 0.7071067811865476)) + u * tl.exp(-0.5 * u * u) * 0.3989422804014327
+
+
+def _dynamic_weights_backward_kernel(
+    pre, gates, W_out, dw1, dw2, dgates, dpre, dgate, du,
+    P, K, H, R, dw1_c, dw1_p, dw2_c, dw2_p, dgates_c, dgates_p,
+    BP: tl.constexpr, KP: tl.constexpr, HP: tl.constexpr, WEIGHTS: tl.constexpr,
+):
+    """Branch c's gradients, of a block of BP positions, from those of its w1, w2 and gates (dw1, dw2 [4, P, R, H],
+    dgates [4, P, H], each of stride dw1_c, dw1_p, ... between branches and positions): dpre [P, 4, K], the gelu's
+    input's (pre [4, P, K], saved by the forward), and dgate [P, 4, H], the tanh's (gates [4, P, H], its output);
+    with WEIGHTS also du [P, 4, R, H], float32, the gradient of w1 before its RMS norm (for W_out's). The hidden
+    units and w1 before its norm are recomputed in float32 as the forward computed them."""
+    c = tl.program_id(1)
+    p = tl.program_id(0) * BP + tl.arange(0, BP)
+    p_ok = p < P
+    k = tl.arange(0, KP)
+    k_ok = k < K
+    h = tl.arange(0, HP)
+    h_ok = h < H
+    pk_ok = p_ok[:, None] & k_ok[None, :]
+    ph_ok = p_ok[:, None] & h_ok[None, :]
+    kh_ok = k_ok[:, None] & h_ok[None, :]
+    u_in = tl.load(pre + (c * P + p[:, None]) * K + k[None, :], mask=pk_ok, other=0.0)
+    hidden = _gelu(u_in)
+    d_hidden = tl.zeros([BP, KP], dtype=tl.float32)
+    for r in range(R):
+        W = tl.load(W_out + ((c * K + k[:, None]) * 2 * R + r) * H + h[None, :], mask=kh_ok, other=0.0).to(tl.float32)
+        u = tl.dot(hidden, W, input_precision="ieee")  # [BP, HP], w1 before its norm (the padded heads 0)
+        norm = tl.math.rsqrt(tl.sum(u * u, axis=1) / H + 1e-6)[:, None]
+        y = u * norm
+        dy = tl.load(dw1 + c * dw1_c + p[:, None] * dw1_p + r * H + h[None, :], mask=ph_ok, other=0.0).to(tl.float32)
+        d_u = norm * (dy - y * (tl.sum(y * dy, axis=1) / H)[:, None])
+        if WEIGHTS:
+            tl.store(du + ((p[:, None] * 4 + c) * R + r) * H + h[None, :], d_u, mask=ph_ok)
+        d_hidden += tl.dot(d_u, tl.trans(W), input_precision="ieee")
+        W = tl.load(W_out + ((c * K + k[:, None]) * 2 * R + R + r) * H + h[None, :], mask=kh_ok, other=0.0)
+        dv = tl.load(dw2 + c * dw2_c + p[:, None] * dw2_p + r * H + h[None, :], mask=ph_ok, other=0.0).to(tl.float32)
+        d_hidden += tl.dot(dv, tl.trans(W.to(tl.float32)), input_precision="ieee")
+    d_pre = d_hidden * _gelu_slope(u_in)
+    tl.store(dpre + (p[:, None] * 4 + c) * K + k[None, :], d_pre.to(dpre.dtype.element_ty), mask=pk_ok)
+    gate = tl.load(gates + (c * P + p[:, None]) * H + h[None, :], mask=ph_ok, other=0.0).to(tl.float32)
+    d_gate = tl.load(dgates + c * dgates_c + p[:, None] * dgates_p + h[None, :], mask=ph_ok, other=0.0)
+    d_gate = d_gate.to(tl.float32) * (1.0 - gate * gate)
+    tl.store(dgate + (p[:, None] * 4 + c) * H + h[None, :], d_gate.to(dgate.dtype.element_ty), mask=ph_ok)
+
+
 # fmt: on
 
 _decorated = False
@@ -134,22 +202,41 @@ _INTERPRETED = False  # the kernel's constant, set by _decorate
 
 def _decorate() -> None:
     """Decorate the kernels with triton.jit, once (natively, or under the interpreter if TRITON_INTERPRET=1 now)."""
-    global _decorated, _dynamic_weights_kernel, _dot, _INTERPRETED
+    global _decorated, _dynamic_weights_kernel, _dynamic_weights_backward_kernel, _dot, _gelu, _gelu_slope
+    global _INTERPRETED
     if not _decorated:
         _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
-        _dot, _dynamic_weights_kernel = triton.jit(_dot), triton.jit(_dynamic_weights_kernel)
+        _dot, _gelu, _gelu_slope = triton.jit(_dot), triton.jit(_gelu), triton.jit(_gelu_slope)
+        _dynamic_weights_kernel = triton.jit(_dynamic_weights_kernel)
+        _dynamic_weights_backward_kernel = triton.jit(_dynamic_weights_backward_kernel)
         _decorated = True
 
 
-def fused_dynamic_weights(x: Float[Tensor, "b p d"], W_in, b_in, W_out, W_gate, b_gate) -> DynamicWeights:
-    """(w1, w2, gates) of `torch_dynamic_weights` in one Triton launch, without a backward (the result is detached).
+def fused_dynamic_weights(
+    x: Float[Tensor, "b p d"], W_in, b_in, W_out, W_gate, b_gate, on_refusal: Callable[[Exception], None] | None = None
+) -> DynamicWeights:
+    """(w1, w2, gates) of `torch_dynamic_weights` in one Triton launch, and their gradients in one more.
 
     Each result in the dtype torch's ops give it (x's and the weights' promoted dtype), stored branch-major (each
     branch's `w1[:, :, c]` contiguous: what the compose kernels read without a copy); float32, float16 or bfloat16
-    inputs, summed in float32."""
+    inputs, summed in float32. With gradients (grad mode on and an argument requiring grad) the forward also keeps
+    the gelu's input (float32, [4, p, K]), and the backward takes one launch for the gradients of every branch's
+    hidden units and gates (`_dynamic_weights_backward_kernel`) and two matmuls for x's; the weights' (when they
+    require grad) take five more of torch's ops. Second derivatives (`create_graph=True`) are torch's ops', recomputed;
+    so is the backward where Triton refuses to build its kernel for the card: `on_refusal` is given that error first
+    (without it, it is raised)."""
     arguments = (x, W_in, b_in, W_out, W_gate, b_gate)
     checked_once(_checked, signature(*arguments), lambda: _check(*arguments))
     _decorate()
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in arguments):
+        w1, w2, gates = FusedDynamicWeights.apply(on_refusal, *arguments)
+    else:
+        w1, w2, gates, _ = _forward(*arguments, save=False)
+    return w1.permute(1, 2, 0, 3, 4), w2.permute(1, 2, 0, 3, 4), gates.permute(1, 2, 0, 3)
+
+
+def _forward(x, W_in, b_in, W_out, W_gate, b_gate, save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The kernel's w1, w2 [4, b, p, R, H] and gates [4, b, p, H], branch-major, and (`save`) the gelu's input."""
     batch, positions, D = x.shape
     K, H, R = W_in.shape[2], W_gate.shape[2], W_out.shape[2] // 2
     P = batch * positions
@@ -158,17 +245,110 @@ def fused_dynamic_weights(x: Float[Tensor, "b p d"], W_in, b_in, W_out, W_gate, 
     w1 = torch.empty(4, batch, positions, R, H, dtype=w_dtype, device=x.device)
     w2 = torch.empty_like(w1)
     gates = torch.empty(4, batch, positions, H, dtype=_promoted(x, W_gate, b_gate), device=x.device)
+    pre = torch.empty(4, P, K, dtype=torch.float32, device=x.device) if save else None
     W_in, W_out, W_gate = W_in.contiguous(), W_out.contiguous(), W_gate.contiguous()
     b_in = W_in if b_in is None else b_in.contiguous()  # never read without IN_BIAS
     b_gate = W_gate if b_gate is None else b_gate.contiguous()
     half = x.dtype == W_in.dtype == W_gate.dtype != torch.float32
     _dynamic_weights_kernel[(cdiv(P, BLOCK_POSITIONS), 4)](
-        x.reshape(P, D).contiguous(), W_in, b_in, W_out, W_gate, b_gate, w1, w2, gates,
+        x.reshape(P, D).contiguous(), W_in, b_in, W_out, W_gate, b_gate, w1, w2, gates, w1 if pre is None else pre,
         P, D, K, H, R,
         BP=BLOCK_POSITIONS, BD=BLOCK_DIM, KP=max(16, next_power_of_2(K)), HP=max(16, next_power_of_2(H)),
-        IN_BIAS=b_in is not W_in, GATE_BIAS=b_gate is not W_gate, HALF=half, num_warps=4,
+        IN_BIAS=b_in is not W_in, GATE_BIAS=b_gate is not W_gate, HALF=half, SAVE=save, num_warps=4,
     )  # fmt: skip
-    return w1.permute(1, 2, 0, 3, 4), w2.permute(1, 2, 0, 3, 4), gates.permute(1, 2, 0, 3)
+    return w1, w2, gates, pre
+
+
+class FusedDynamicWeights(torch.autograd.Function):
+    """The kernel's forward (keeping the gelu's input) and backward (`fused_dynamic_weights`); outputs branch-major."""
+
+    @staticmethod
+    def forward(ctx, on_refusal, x, W_in, b_in, W_out, W_gate, b_gate):
+        w1, w2, gates, pre = _forward(x, W_in, b_in, W_out, W_gate, b_gate, save=True)
+        ctx.on_refusal = on_refusal
+        ctx.save_for_backward(x, W_in, b_in, W_out, W_gate, b_gate, pre, gates)
+        return w1, w2, gates
+
+    @staticmethod
+    def backward(ctx, dw1, dw2, dgates):
+        *inputs, pre, gates = ctx.saved_tensors
+        needed = ctx.needs_input_grad[1:]
+        x, _, _, W_out, _, _ = inputs
+        shape = (4, x.shape[0], x.shape[1], W_out.shape[2] // 2, gates.shape[-1])
+        dw1 = x.new_zeros(shape, dtype=gates.dtype) if dw1 is None else dw1  # an output nobody used
+        dw2 = x.new_zeros(shape, dtype=gates.dtype) if dw2 is None else dw2
+        dgates = torch.zeros_like(gates) if dgates is None else dgates
+        if torch.is_grad_enabled():  # create_graph=True
+            return None, *_torch_gradients(inputs, needed, (dw1, dw2, dgates))
+        try:
+            return None, *_backward(inputs, needed, pre, gates, dw1, dw2, dgates)
+        except _REFUSALS as refusal:
+            if ctx.on_refusal is None:
+                raise
+            ctx.on_refusal(refusal)
+            return None, *_torch_gradients(inputs, needed, (dw1, dw2, dgates))
+
+
+def _backward(inputs, needed, pre, gates, dw1, dw2, dgates) -> list[Tensor | None]:
+    """The gradients of (x, W_in, b_in, W_out, W_gate, b_gate) where `needed`, from those of the branch-major
+    outputs: the kernel gives those of every branch's hidden units (dpre) and gates (dgate), matmuls the rest."""
+    x, W_in, b_in, W_out, W_gate, b_gate = inputs
+    batch, positions, D = x.shape
+    K, H, R = W_in.shape[2], W_gate.shape[2], W_out.shape[2] // 2
+    P = batch * positions
+    dpre = torch.empty(P, 4, K, dtype=W_in.dtype, device=x.device)
+    dgate = torch.empty(P, 4, H, dtype=W_gate.dtype, device=x.device)
+    du = torch.empty(P, 4, R, H, dtype=torch.float32, device=x.device) if needed[3] else None
+    (dw1, dw1_c, dw1_p), (dw2, dw2_c, dw2_p), (dgates, dgates_c, dgates_p) = map(
+        _by_branch_and_position, (dw1, dw2, dgates)
+    )
+    _dynamic_weights_backward_kernel[(cdiv(P, BLOCK_POSITIONS), 4)](
+        pre, gates, W_out.contiguous(), dw1, dw2, dgates, dpre, dgate, dpre if du is None else du,
+        P, K, H, R, dw1_c, dw1_p, dw2_c, dw2_p, dgates_c, dgates_p,
+        BP=BLOCK_POSITIONS, KP=max(16, next_power_of_2(K)), HP=max(16, next_power_of_2(H)), WEIGHTS=du is not None,
+        num_warps=BACKWARD_WARPS,
+    )  # fmt: skip
+    dpre, dgate = dpre.view(P, 4 * K), dgate.view(P, 4 * H)
+    grads: list[Tensor | None] = [None] * 6
+    if needed[0]:
+        dx = dpre @ W_in.reshape(D, 4 * K).t()
+        dx.addmm_(dgate.to(dx.dtype), W_gate.reshape(D, 4 * H).t().to(dx.dtype))
+        grads[0] = dx.view(batch, positions, D).to(x.dtype)
+    rows = x.reshape(P, D).t()
+    if needed[1]:
+        grads[1] = (rows.to(dpre.dtype) @ dpre).view(D, 4, K).to(W_in.dtype)
+    if needed[2]:
+        grads[2] = dpre.sum(0, dtype=torch.float32).view(4, K).to(b_in.dtype)
+    if needed[3]:
+        dw2 = dw2.permute(1, 2, 0, 3, 4).reshape(P, 4, R, H).float()
+        grads[3] = torch.einsum("cpk,pcjh->ckjh", F.gelu(pre), torch.cat([du, dw2], dim=2)).to(W_out.dtype)
+    if needed[4]:
+        grads[4] = (rows.to(dgate.dtype) @ dgate).view(D, 4, H).to(W_gate.dtype)
+    if needed[5]:
+        grads[5] = dgate.sum(0, dtype=torch.float32).view(4, H).to(b_gate.dtype)
+    return grads
+
+
+def _by_branch_and_position(g: Tensor) -> tuple[Tensor, int, int]:
+    """An output's gradient g [4, b, p, ...] as the backward kernel reads it: its trailing dims contiguous and (b, p)
+    one index of positions (else a contiguous copy), with its strides between branches and between positions."""
+    shape, strides = g.shape, g.stride()
+    trailing = strides[-1] == 1 and (g.ndim == 4 or strides[-2] == shape[-1])  # (r, h) or (h,) contiguous
+    if not (trailing and (shape[1] == 1 or strides[1] == shape[2] * strides[2])):
+        g = g.contiguous()
+    return g, g.stride(0), g.stride(2)
+
+
+def _torch_gradients(inputs, needed, grads) -> list[Tensor | None]:
+    """The gradients by torch's ops, the forward recomputed: second derivatives (with grad mode on, as under
+    `create_graph=True`), and a card refusing the backward's kernel."""
+    second_order = torch.is_grad_enabled()
+    wanted = [t for t, need in zip(inputs, needed, strict=True) if need]
+    with torch.enable_grad():
+        w1, w2, gates = torch_dynamic_weights(*inputs)
+        outputs = (w1.permute(2, 0, 1, 3, 4), w2.permute(2, 0, 1, 3, 4), gates.permute(2, 0, 1, 3))  # branch-major
+        found = iter(torch.autograd.grad(outputs, wanted, grads, create_graph=second_order, allow_unused=True))
+    return [next(found) if need else None for need in needed]
 
 
 def _promoted(*tensors) -> torch.dtype:
