@@ -173,8 +173,7 @@ def kernels(head_dim: int, heads: int, dtype: str):
     for kernel in (decoding._decoding_logits_kernel, decoding._decoding_pattern_kernel):
         stage = ("scores", "pattern", "qw1", "qw2", "qg", "kw1", "kw2", "kg")
         types = signature(kernel, constants, half_pointers=stage, floats=("scale",))
-        types.update({name: "i32" for name, kind in types.items() if kind == "*fp32" and name not in (
-            "mask", "logits", "block_max", "block_sum")})  # fmt: skip
+        types.update({name: "i32" for name in types if re.fullmatch(r"[a-z]+_s[a-z]", name) or name == "n_blocks"})
         yield kernel.fn.__name__, kernel, types, constants, dict(num_warps=4)
 
 
