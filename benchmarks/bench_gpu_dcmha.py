@@ -4,9 +4,10 @@ MHA and the SDPA twin, in one run (issue 37's table).
     python benchmarks/bench_gpu_dcmha.py [--quick] [--tokens 128,512,...] [--shapes 6.9b-wide,d1024]
                                          [--repeats 10] [--json OUT.jsonl] [--cpu] [--maps-mib 256]
                                          [--backward tiles|maps] [--fused-min-keys N] [--kernels]
+                                         [--dtype bfloat16|float16|float32]
 
 Random DCPythia-style models (LayerNorm, parallel residual, GELU MLP, QK-norm, rotary on a quarter of each head,
-vocabulary 8192), bfloat16, batch 1, frozen weights as analyses load them:
+vocabulary 8192), bfloat16 (or --dtype), batch 1, frozen weights as analyses load them:
 - `6.9b-wide`: 2 layers of DCPythia-6.9B's width, d_model 4096, 32 heads of 128, global;
 - `d1024`: 4 layers, d_model 1024, 16 heads of 64, windows of 256 keys on every other layer.
 Four models, the same weights, taking turns at every measurement:
@@ -302,6 +303,12 @@ def main() -> None:
         help="with gradients, the fused kernels from this many keys on, the materialised path below (default: "
         "dcinterp.dcmha.FUSED_MIN_KEYS, 2,048); 0 times the kernels' forward + backward at every length",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default="bfloat16",
+        help="the models' dtype on the card (default bfloat16; the smoke run is float32)",
+    )
     args = parser.parse_args()
     if args.fused_min_keys is not None:
         dcmha.FUSED_MIN_KEYS = args.fused_min_keys
@@ -312,7 +319,7 @@ def main() -> None:
 
     smoke = args.cpu or not torch.cuda.is_available()
     device = torch.device("cpu" if smoke else "cuda")
-    dtype = torch.float32 if smoke else torch.bfloat16
+    dtype = torch.float32 if smoke else getattr(torch, args.dtype)
     if smoke:
         shapes, token_counts, repeats, prompt_length = SMOKE_SHAPES, [20], args.repeats or 2, SMOKE_DECODE_PROMPT
         print(
@@ -326,7 +333,8 @@ def main() -> None:
         repeats, prompt_length = args.repeats or (3 if args.quick else 10), DECODE_PROMPT
         reason = dcmha.triton_unavailable(device)
         print(
-            f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bfloat16, batch 1, medians of {repeats}; "
+            f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, batch 1, medians of "
+            f"{repeats}; "
             f"Triton kernels: {'available' if reason is None else 'NOT available: ' + reason}; "
             f"maps held {triton_kernels.MAPS_TIMES_QUERIES}x the queries' bytes within "
             f"{triton_kernels.MAPS_MIN_BYTES / 2**20:g}-{triton_kernels.MAPS_BYTES / 2**20:g} MiB; "
@@ -345,7 +353,8 @@ def main() -> None:
                 for key in ("ms", "host_ms", "device_ms", "kernel_ms"):
                     if key in result:
                         result[f"cpu_smoke_{key}"] = result.pop(key)
-        entry = {"device": "cpu smoke run: not GPU numbers" if smoke else torch.cuda.get_device_name(), **entry}
+        device_name = "cpu smoke run: not GPU numbers" if smoke else torch.cuda.get_device_name()
+        entry = {"device": device_name, "dtype": str(dtype).split(".")[1], **entry}
         rows.append(entry)
         print(json.dumps(entry), flush=True)
         if sink:
@@ -411,7 +420,7 @@ def print_table(rows: list[dict], smoke: bool) -> None:
             paths = ", ".join(r["models"]["DCMHA fused"].get("paths", []))
             print(f"| {r['shape']} | {r['measurement']} | {r['tokens']:,} | " + " | ".join(ran) + f" | {paths} |")
         return
-    heading = f"{rows[0]['device']}, bfloat16, batch 1"
+    heading = f"{rows[0]['device']}, {rows[0]['dtype']}, batch 1"
     print(f"\n{heading}: milliseconds (medians); peak memory above the weights in MiB; ratios to the SDPA twin")
     print(
         "| shape | measurement | tokens | DCMHA fused | DCMHA materialised | MHA einsum | SDPA twin | fused / SDPA "

@@ -21,6 +21,9 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
+import triton  # (after the skip)
+import triton.language as tl
+
 from dcinterp import HookedDCFormer
 from dcinterp.dcmha import triton_kernels
 from dcinterp.dcmha.triton_kernels import BRANCHES, available, fused_dcmha
@@ -658,16 +661,47 @@ def test_the_models_layers(name):
         assert_as_exact(z, single[f"{attn}.hook_z"], exact[f"{attn}.hook_z"], f"layer {layer} z")
 
 
+def _float32_products(x, rounded, a, b, product):
+    """(a kernel, decorated by the test) TF32 roundings of x [16], and a [16, 16] @ b [16, 16] as the kernels through
+    the maps take float32 tiles."""
+    i = tl.arange(0, 16)
+    tl.store(rounded + i, triton_kernels._tf32(tl.load(x + i)))
+    m, n = tl.arange(0, 16)[:, None], tl.arange(0, 16)[None, :]
+    a_tile = tl.reshape(tl.load(a + m * 16 + n), (1, 16, 16))
+    b_tile = tl.reshape(tl.load(b + m * 16 + n), (1, 16, 16))
+    tl.store(product + m * 16 + n, tl.reshape(triton_kernels._head_dot(a_tile, b_tile, False), (16, 16)))
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the interpreter's emulation of the card's 3xTF32")
+def test_float32_products_are_3xtf32_as_on_a_card():
+    """Under the interpreter (which ignores a dot's input_precision) the kernels through the maps write out the card's
+    3xTF32 product: operands rounded to TF32 as cvt.rna.tf32.f32 (10 bits of mantissa, to nearest, ties away from
+    zero), three products of big and small parts; the result within float32's error of the exact one."""
+    triton_kernels._decorate()
+    kernel = triton.jit(_float32_products)
+    ulp = 2.0**-10  # TF32's, at 1
+    x = torch.tensor([1 + ulp / 2, 1 + ulp / 4, -(1 + 3 * ulp / 2), 1 + 3 * ulp / 4] + [0.0] * 12)
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(16, 16, generator=generator) for _ in range(2))
+    rounded, product = torch.empty(16), torch.empty(16, 16)
+    kernel[(1,)](x, rounded, a, b, product)
+    assert rounded[:4].tolist() == [1 + ulp, 1.0, -(1 + 2 * ulp), 1 + ulp]
+    exact = a.double() @ b.double()
+    error = (product.double() - exact).abs().max().item()
+    assert 0 < error < 64 * torch.finfo(torch.float32).eps * exact.abs().max().item()  # TF32 alone: ~1e-3 of it
+
+
 @pytest.mark.parametrize(
-    "arch, head_dim",
+    "arch, head_dim, dtype",
     [
-        (90, 128),  # Hopper: H100, H200
-        (90, 256),
-        (86, 128),  # a 24 GB workstation's Ampere: RTX 3090, A5000, A10 (Ada's sm_89 has the same limit)
-        (86, 256),  # the kernels through the maps only unpipelined (num_stages=1), as their launch retries
+        (90, 128, "bfloat16"),  # Hopper: H100, H200
+        (90, 256, "bfloat16"),
+        (86, 128, "bfloat16"),  # a 24 GB workstation's Ampere: RTX 3090, A5000, A10 (Ada's sm_89 has the same limit)
+        (86, 256, "bfloat16"),  # the kernels through the maps only unpipelined (num_stages=1), as their launch retries
+        (90, 128, "float32"),  # float32's products by 3xTF32 in the kernels through the maps
     ],
 )
-def test_the_kernels_compile_for_a_card(arch, head_dim):
+def test_the_kernels_compile_for_a_card(arch, head_dim, dtype):
     """benchmarks/kernel_resources.py: Triton's compiler, without a GPU, takes every kernel down to a binary for the
     card (bfloat16, 32 heads, every branch on, padding, pointers and sizes specialised as a launch's), within the
     shared memory a block may take there, the kernels through the maps unpipelined where their launch would be: what
@@ -676,7 +710,7 @@ def test_the_kernels_compile_for_a_card(arch, head_dim):
     environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_resources.py"
     run = subprocess.run(
-        [sys.executable, str(script), "--arch", str(arch), "--head-dim", str(head_dim)],
+        [sys.executable, str(script), "--arch", str(arch), "--head-dim", str(head_dim), "--dtype", dtype],
         env=environment,
         capture_output=True,
         text=True,
@@ -684,13 +718,15 @@ def test_the_kernels_compile_for_a_card(arch, head_dim):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     fits = dict(re.findall(r"^\| `(\w+)` \|.*\| (yes|unpipelined|no) \|$", run.stdout, re.MULTILINE))
-    expected = {"yes", "unpipelined"} if (arch, head_dim) == (86, 256) else {"yes"}
+    expected = {"yes", "unpipelined"} if (arch, head_dim) == (86, 256) or dtype == "float32" else {"yes"}
     assert len(fits) == 15 and set(fits.values()) == expected, run.stdout
-    # every kernel through the maps loops (over key or query blocks, or a tile's heads): its loop read in the binary
-    loops = re.findall(
-        r"^\| `_(?:product|row|post|head|pre)\w+` \|.* \| (\d+), (\d+), (\d+), (\d+) \|", run.stdout, re.M
+    # every kernel through the maps loops (over key or query blocks, or a tile's heads): its loop read in the binary;
+    # none kept to 32 registers, spilling kilobytes a thread (as ptxas built them in float32 by IEEE FMA products)
+    maps = re.findall(
+        r"^\| `_(?:product|row|post|head|pre)\w+` \|[^|]*\| (\d+) \| (\d+) \| (\d+), \d+, \d+, \d+ \|", run.stdout, re.M
     )
-    assert len(loops) == 8 and all(int(instructions) > 100 for instructions, *_ in loops), run.stdout
+    assert len(maps) == 8 and all(int(instructions) > 100 for *_, instructions in maps), run.stdout
+    assert all(int(registers) > 32 and int(spilled) < 8192 for registers, spilled, _ in maps), run.stdout
 
 
 def test_kernel_resources_reads_the_main_loop_of_a_listing(monkeypatch):

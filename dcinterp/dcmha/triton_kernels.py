@@ -78,8 +78,10 @@ block) and the A100 (sm_80) every kernel fits at 32 heads of 128 and 256, but fo
 output's and the row gradient's kernels through the maps fit there only unpipelined, which their launch falls back on
 (`_run`). Not timed on such a card.
 
-float32 inputs use IEEE float32 products (not TF32); float16 / bfloat16 inputs multiply in their own dtype, like
-FlashAttention, and everything accumulates in float32. Not computed by the kernels: second derivatives
+float32 inputs use IEEE float32 products in the tiles kernels and 3xTF32 ones in the kernels through the maps
+(`_tf32x3_dot`: float32's precision nearly, on the tensor cores; in IEEE products ptxas kept those to 32 registers,
+spilling kilobytes); float16 / bfloat16 inputs multiply in their own dtype, like FlashAttention, and everything
+accumulates in float32. Not computed by the kernels: second derivatives
 (`create_graph=True`: the backward takes `fused_dcmha`'s `fallback`, the materialised formula in dcinterp's dispatch,
 or raises without one).
 
@@ -549,9 +551,35 @@ def _backward_key_kernel(
 
 
 def _head_dot(a, b, HALF: tl.constexpr):
-    """`_dot` of one head's [1, m, k] and [1, k, n] tiles, as a 2D product."""
-    product = _dot(tl.reshape(a, (a.shape[1], a.shape[2])), tl.reshape(b, (b.shape[1], b.shape[2])), HALF)
-    return tl.reshape(product, (1, a.shape[1], b.shape[2]))
+    """One head's [1, m, k] @ [1, k, n] tiles, as a 2D product: half tiles as `_dot` takes them, float32 ones by
+    3xTF32 (`_tf32x3_dot`), on the tensor cores. In IEEE float32 (FMA, no tensor core) the kernels through the maps
+    need so many registers that ptxas keeps 32 and spills 10-35 KB a thread (Triton 3.6 and 3.9, sm_90, 32 heads of
+    128: benchmarks/kernel_resources.py --dtype float32); by 3xTF32, 0.2-3.6 KB."""
+    a, b = tl.reshape(a, (a.shape[1], a.shape[2])), tl.reshape(b, (b.shape[1], b.shape[2]))
+    if HALF:
+        product = _dot(a, b, HALF)
+    else:
+        product = _tf32x3_dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.reshape(product, (1, a.shape[0], b.shape[1]))
+
+
+def _tf32x3_dot(a, b):
+    """a @ b of float32 tiles as three TF32 products, big x big + big x small + small x big, each operand split into
+    its TF32 rounding (big) and the TF32 rounding of the rest (small): about float32's precision (what is dropped,
+    small x small, is some 2^-22 of a product). Triton's input_precision="tf32x3" natively; its interpreter ignores
+    input_precision, so there the three products are written out, and the CPU's tests judge what a card computes."""
+    if not _INTERPRETED:
+        return tl.dot(a, b, input_precision="tf32x3")
+    a_big, b_big = _tf32(a), _tf32(b)
+    product = tl.dot(_tf32(a - a_big), b_big, input_precision="ieee")
+    product = tl.dot(a_big, _tf32(b - b_big), product, input_precision="ieee")
+    return tl.dot(a_big, b_big, product, input_precision="ieee")
+
+
+def _tf32(x):
+    """float32 x rounded to TF32 (10 bits of mantissa, to nearest, ties away from zero: the card's cvt.rna.tf32.f32)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
 
 
 def _head_weights(w, row, idx, ok, n, N, H, R, RP: tl.constexpr):
@@ -1152,6 +1180,8 @@ _KERNELS = (
     "_backward_query_kernel",
     "_backward_key_kernel",
     "_head_dot",
+    "_tf32x3_dot",
+    "_tf32",
     "_head_weights",
     "_load_map",
     "_store_maps",
