@@ -98,13 +98,7 @@ def _dynamic_weights_kernel(
     """Branch c's w1, w2 [4, P, R, H] and gates [4, P, H] (branch-major) of a block of BP positions; x [P, D]. KP, HP:
     K and H padded to powers of two (the padding loads as 0, which gelu and the products keep 0). HALF: x, W_in and
     W_gate share a half dtype. SAVE: the gelu's input also stored, in float32, to pre [4, P, K] (for the backward)."""
-    c = tl.program_id(1)
-    p = tl.program_id(0) * BP + tl.arange(0, BP)
-    p_ok = p < P
-    k = tl.arange(0, KP)
-    k_ok = k < K
-    h = tl.arange(0, HP)
-    h_ok = h < H
+    c, p, p_ok, k, k_ok, h, h_ok = _program_indices(P, K, H, BP, KP, HP)
     hidden = tl.zeros([BP, KP], dtype=tl.float32)
     gate = tl.zeros([BP, HP], dtype=tl.float32)
     for start in range(0, D, BD):
@@ -140,6 +134,14 @@ def _dynamic_weights_kernel(
         tl.store(w2 + (rows * R + r) * H + h[None, :], value.to(w2.dtype.element_ty), mask=ok)
 
 
+def _program_indices(P, K, H, BP: tl.constexpr, KP: tl.constexpr, HP: tl.constexpr):
+    """A program's branch c, its block of positions p, the hidden units k and heads h, each with its bounds' mask."""
+    p = tl.program_id(0) * BP + tl.arange(0, BP)
+    k = tl.arange(0, KP)
+    h = tl.arange(0, HP)
+    return tl.program_id(1), p, p < P, k, k < K, h, h < H
+
+
 def _gelu(u):
     """Exact (erf) gelu."""
     return 0.5 * u * (1.0 + tl.math.erf(u * 0.7071067811865476))
@@ -160,13 +162,7 @@ def _dynamic_weights_backward_kernel(
     input's (pre [4, P, K], saved by the forward), and dgate [P, 4, H], the tanh's (gates [4, P, H], its output);
     with WEIGHTS also du [P, 4, R, H], float32, the gradient of w1 before its RMS norm (for W_out's). The hidden
     units and w1 before its norm are recomputed in float32 as the forward computed them."""
-    c = tl.program_id(1)
-    p = tl.program_id(0) * BP + tl.arange(0, BP)
-    p_ok = p < P
-    k = tl.arange(0, KP)
-    k_ok = k < K
-    h = tl.arange(0, HP)
-    h_ok = h < H
+    c, p, p_ok, k, k_ok, h, h_ok = _program_indices(P, K, H, BP, KP, HP)
     pk_ok = p_ok[:, None] & k_ok[None, :]
     ph_ok = p_ok[:, None] & h_ok[None, :]
     kh_ok = k_ok[:, None] & h_ok[None, :]
@@ -203,10 +199,11 @@ _INTERPRETED = False  # the kernel's constant, set by _decorate
 def _decorate() -> None:
     """Decorate the kernels with triton.jit, once (natively, or under the interpreter if TRITON_INTERPRET=1 now)."""
     global _decorated, _dynamic_weights_kernel, _dynamic_weights_backward_kernel, _dot, _gelu, _gelu_slope
-    global _INTERPRETED
+    global _program_indices, _INTERPRETED
     if not _decorated:
         _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
         _dot, _gelu, _gelu_slope = triton.jit(_dot), triton.jit(_gelu), triton.jit(_gelu_slope)
+        _program_indices = triton.jit(_program_indices)
         _dynamic_weights_kernel = triton.jit(_dynamic_weights_kernel)
         _dynamic_weights_backward_kernel = triton.jit(_dynamic_weights_backward_kernel)
         _decorated = True
