@@ -553,8 +553,8 @@ def _backward_key_kernel(
 def _head_dot(a, b, HALF: tl.constexpr):
     """One head's [1, m, k] @ [1, k, n] tiles, as a 2D product: half tiles as `_dot` takes them, float32 ones by
     3xTF32 (`_tf32x3_dot`), on the tensor cores. In IEEE float32 (FMA, no tensor core) the kernels through the maps
-    need so many registers that ptxas keeps 32 and spills 10-35 KB a thread (Triton 3.6 and 3.9, sm_90, 32 heads of
-    128: benchmarks/kernel_resources.py --dtype float32); by 3xTF32, 0.2-3.6 KB."""
+    need so many registers that ptxas keeps seven of eight to 32 and spills 8.6-35 KB a thread (Triton 3.6 and 3.9,
+    sm_90, 32 heads of 128: benchmarks/kernel_resources.py --dtype float32); by 3xTF32, none, 0.06-3.3 KB."""
     a, b = tl.reshape(a, (a.shape[1], a.shape[2])), tl.reshape(b, (b.shape[1], b.shape[2]))
     if HALF:
         product = _dot(a, b, HALF)
