@@ -2,20 +2,23 @@
 bytes spilled to local memory, what an iteration of its main loop executes, shared memory a block, and whether that
 fits the card.
 
-    python benchmarks/kernel_resources.py [--arch 90] [--head-dim 128] [--heads 32] [--dtype bfloat16] [--json OUT]
+    python benchmarks/kernel_resources.py [--arch 90] [--head-dim 128] [--heads 32] [--dtype bfloat16] [--padding]
+                                          [--json OUT]
 
 Each kernel is built by Triton's compiler as a launch builds it (`triton.compile` for the target: pointers aligned
-and every size divisible by 16 specialised, as at 4,096 tokens; every branch of both stages on, rank 2, left padding),
-with the launch settings the model takes (`MAPS_KERNELS`, `HEAD_KERNELS`, `GRADIENT_KERNELS`, `KEY_GRADIENT_KERNELS`
-for the kernels through the maps; blocks of 16 x 16 for the tiles kernels). A kernel through the maps that needs
-more shared memory than the card's block may take is built again unpipelined (num_stages=1), as its launch does
-(`triton_kernels._run`): "unpipelined" in the table. Registers and spills are ptxas' report (the ptxas Triton ships;
-"n/a" where it cannot run): a thread holds at most 255 registers, and what does not fit spills to local memory, slow
-on every card. The main loop (`main_loop`: the kernel's longest, over key or query blocks, or over the heads of a
-tile) is read in the binary by the nvdisasm Triton ships: a warp's instructions an iteration, and of them barriers,
-shuffles and local-memory accesses ("n/a" without nvdisasm). Numbers from this machine's Triton: the card's own
-Triton may build the kernels otherwise. Exit 1 (one line each) when a kernel does not fit even unpipelined: the model
-would take the materialised path there (`dcinterp.dcmha.choose_path`); 2 on bad arguments.
+and every size divisible by 16 specialised, as at 4,096 tokens; every branch of both stages on, rank 2; no padding
+unless --padding), with the launch settings the model takes (`MAPS_KERNELS`, `HEAD_KERNELS`, `GRADIENT_KERNELS`,
+`KEY_GRADIENT_KERNELS` for the kernels through the maps; blocks of 16 x 16 for the tiles kernels). A kernel through
+the maps that needs more shared memory than the card's block may take is built again unpipelined (num_stages=1), as
+its launch does (`triton_kernels._run`): "unpipelined" in the table. Registers and spills are ptxas' report (the
+ptxas Triton ships; "n/a" where it cannot run): a thread holds at most 255 registers, and what does not fit spills
+to local memory, slow on every card. The main loop (`main_loop`: the kernel's longest, over key or query blocks, or
+over the heads of a tile) is read in the binary by the nvdisasm Triton ships: a warp's instructions an iteration,
+and of them barriers, shuffles and local-memory accesses ("n/a" without nvdisasm). The kernels of `UNMASKED` have a
+second such loop, for the blocks seen whole, without masks (none with padding): its instructions an iteration,
+"unmasked loop". Numbers from this machine's Triton: the card's own Triton may build the kernels otherwise. Exit 1
+(one line each) when a kernel does not fit even unpipelined: the model would take the materialised path there
+(`dcinterp.dcmha.choose_path`); 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, 
 SHARED_MEMORY = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
 CARDS = {80: "A100", 86: "RTX 3090, A5000, A10", 89: "RTX 4090, L4", 90: "H100, H200"}
 TILES = ("_forward_kernel", "_backward_query_kernel", "_backward_key_kernel")
+# the kernels whose blocks seen whole take a loop of their own, without masks (the shorter of their two loops)
+UNMASKED = (
+    "_row_statistics_kernel", "_head_output_kernel", "_row_gradient_kernel", "_head_query_gradient_kernel",
+    "_head_key_gradient_kernel",
+)  # fmt: skip
 MAPS = {
     "_product_maps_kernel": "MAPS_KERNELS",
     "_row_statistics_kernel": "HEAD_KERNELS",
@@ -43,7 +51,7 @@ MAPS = {
     "_row_gradient_kernel": "GRADIENT_KERNELS",
     "_pre_gradient_maps_kernel": "GRADIENT_KERNELS",
     "_head_query_gradient_kernel": "GRADIENT_KERNELS",
-    "_head_key_gradient_kernel": "KEY_GRADIENT_KERNELS",
+    "_head_key_gradient_kernel": "key_gradient_kernels",  # (of the head dim)
 }
 # the pointers in the inputs' dtype (the rest float32, `real` int8)
 BACKWARD_STRIDES = ("dw1_c", "dw1_p", "dw2_c", "dw2_p", "dgates_c", "dgates_p")  # the dynamic weights' backward's
@@ -71,7 +79,7 @@ def assembled(compiled, arch: int) -> dict:
     """The kernel as ptxas (the one Triton ships and calls) assembles its PTX: registers a thread and bytes it spills
     to local memory (ptxas' report), and its main loop's instructions (`main_loop`); None for what cannot be had
     (another Triton's layout of its tools)."""
-    out = dict(registers=None, spilled_bytes=None, main_loop=None)
+    out = dict(registers=None, spilled_bytes=None, main_loop=None, unmasked_loop=None)
     try:
         from triton.backends.nvidia import compiler
 
@@ -90,7 +98,8 @@ def assembled(compiled, arch: int) -> dict:
         nvdisasm = Path(ptxas).with_name("nvdisasm")
         if report.returncode == 0 and nvdisasm.exists():
             sass = subprocess.run([nvdisasm, "-c", str(source.with_suffix(".o"))], capture_output=True, text=True)
-            out["main_loop"] = main_loop(sass.stdout) if sass.returncode == 0 else None
+            if sass.returncode == 0:
+                out["main_loop"], out["unmasked_loop"] = main_loop(sass.stdout), unmasked_loop(sass.stdout)
     registers = re.search(r"Used (\d+) registers", report.stderr)
     spilled = re.search(r"(\d+) bytes spill stores", report.stderr)
     out["registers"] = int(registers[1]) if registers else None
@@ -104,18 +113,10 @@ def main_loop(sass: str) -> dict:
     operand's staging through shared memory), shuffles between lanes (sums across a tile's rows) and accesses to
     local memory (spills); {} without a loop. A static count, not a time: it did not rank the H100's times of the
     key side's launches (docs/hooked-model.md, "Read without a card")."""
-    lines = sass.splitlines()
-    labels = {line[:-1]: i for i, line in enumerate(lines) if re.fullmatch(r"\.L_x_\d+:", line.strip())}
-    loops = []
-    for i, line in enumerate(lines):
-        branch = re.search(r"\bBRA\s+`\((\.L_x_\d+)\)", line)
-        if branch and labels.get(branch[1], i) < i:
-            opcodes = [found[1] for found in map(OPCODE.match, lines[labels[branch[1]] : i + 1]) if found is not None]
-            if len(opcodes) > 1:  # not the branch to itself that ends every kernel
-                loops.append(opcodes)
-    if not loops:
+    found = loops(sass)
+    if not found:
         return {}
-    opcodes = max(loops, key=len)
+    opcodes = found[0]
     return dict(
         instructions=len(opcodes),
         barriers=opcodes.count("BAR"),
@@ -124,11 +125,32 @@ def main_loop(sass: str) -> dict:
     )
 
 
+def unmasked_loop(sass: str) -> int | None:
+    """The instructions of the second-longest loop (a kernel of `UNMASKED`'s loop of the blocks seen whole), None
+    without one."""
+    found = loops(sass)
+    return len(found[1]) if len(found) > 1 else None
+
+
+def loops(sass: str) -> list[list[str]]:
+    """Every loop of nvdisasm's listing (its opcodes, the label's to the branch back to it's), the longest first."""
+    lines = sass.splitlines()
+    labels = {line[:-1]: i for i, line in enumerate(lines) if re.fullmatch(r"\.L_x_\d+:", line.strip())}
+    found = []
+    for i, line in enumerate(lines):
+        branch = re.search(r"\bBRA\s+`\((\.L_x_\d+)\)", line)
+        if branch and labels.get(branch[1], i) < i:
+            opcodes = [found[1] for found in map(OPCODE.match, lines[labels[branch[1]] : i + 1]) if found is not None]
+            if len(opcodes) > 1:  # not the branch to itself that ends every kernel
+                found.append(opcodes)
+    return sorted(found, key=len, reverse=True)
+
+
 # an instruction of nvdisasm's listing: its address in a comment, an optional predicate, the opcode (its modifiers cut)
 OPCODE = re.compile(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
 
-def kernels(head_dim: int, heads: int, dtype: str):
+def kernels(head_dim: int, heads: int, dtype: str, padding: bool = False):
     """(name, kernel, signature, constants, options) of every kernel, as the model launches them."""
     from dcinterp.dcmha import decoding, dynamic_weights, triton_kernels
 
@@ -136,7 +158,7 @@ def kernels(head_dim: int, heads: int, dtype: str):
         module._decorate()
     pointer = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}[dtype]
     half = dtype != "float32"
-    every = dict(HP=heads, BQ=16, BK=16, BE=32, PADDING=True, HALF=half, R=2, RP=2, EP=max(16, head_dim), FIRST=0)
+    every = dict(HP=heads, BQ=16, BK=16, BE=32, PADDING=padding, HALF=half, R=2, RP=2, EP=max(16, head_dim), FIRST=0)
     every.update(QP=True, KP=True, QG=True, KG=True)
     every.update({f"{stage}_{branch}": True for stage in ("PRE", "POST") for branch in ("QP", "KP", "QG", "KG")})
     scalars = dict(T="i32", S="i32", H="i32", E="i32", R="i32", past="i32", span="i32", scale="fp32")
@@ -153,6 +175,7 @@ def kernels(head_dim: int, heads: int, dtype: str):
         constants = {arg: value for arg, value in every.items() if arg in kernel.arg_names}
         if name in MAPS:
             settings = getattr(triton_kernels, MAPS[name])
+            settings = settings(head_dim) if callable(settings) else settings
             constants.update({key: value for key, value in settings.items() if key in kernel.arg_names})
             options = {key: value for key, value in settings.items() if key.startswith("num_")}
         else:
@@ -177,13 +200,13 @@ def kernels(head_dim: int, heads: int, dtype: str):
         yield kernel.fn.__name__, kernel, types, constants, dict(num_warps=4)
 
 
-def measure(arch: int, head_dim: int, heads: int, dtype: str) -> list[dict]:
+def measure(arch: int, head_dim: int, heads: int, dtype: str, padding: bool = False) -> list[dict]:
     """One row a kernel: its launch, registers, spilled bytes, shared memory, and how it fits the card."""
     limit, rows = SHARED_MEMORY[arch], []
     sizes = dict(T=4096, S=4096, H=heads, E=head_dim, past=0, span=4097, P=4096, D=32 * heads, K=4 * heads)
     # the dynamic weights' backward reads its gradients as the model gives them: [b, p, 4, R, H] and [b, p, 4, H]
     sizes.update(dict(zip(BACKWARD_STRIDES, (2 * heads, 8 * heads) * 2 + (heads, 4 * heads), strict=True)))
-    for name, kernel, signature, constants, options in kernels(head_dim, heads, dtype):
+    for name, kernel, signature, constants, options in kernels(head_dim, heads, dtype, padding):
         compiled = build(kernel, signature, constants, options, arch, sizes)
         fits = "yes"
         if compiled.metadata.shared > limit and name in MAPS and options.get("num_stages", 1) > 1:
@@ -193,26 +216,30 @@ def measure(arch: int, head_dim: int, heads: int, dtype: str) -> list[dict]:
         if compiled.metadata.shared > limit:
             fits = "no"
         launch = {key: constants[key] for key in ("BQ", "BK") if key in constants} | options
-        rows.append(dict(kernel=name, launch=launch, **assembled(compiled, arch), shared_bytes=compiled.metadata.shared,
-                         fits=fits))  # fmt: skip
+        resources = assembled(compiled, arch)
+        if name not in UNMASKED or padding:
+            resources["unmasked_loop"] = None
+        rows.append(dict(kernel=name, launch=launch, **resources, shared_bytes=compiled.metadata.shared, fits=fits))
     return rows
 
 
-def table(rows: list[dict], arch: int, heads: int, head_dim: int, dtype: str) -> str:
+def table(rows: list[dict], arch: int, heads: int, head_dim: int, dtype: str, padding: bool = False) -> str:
     lines = [
         f"sm_{arch} ({CARDS[arch]}, {SHARED_MEMORY[arch] // 1024} KiB of shared memory a block), {dtype}, "
-        f"{heads} heads of {head_dim}",
+        f"{heads} heads of {head_dim}, {'padding' if padding else 'no padding'}",
         "",
         "| kernel | launch | registers | spilled bytes | main loop: instructions, barriers, shuffles, local | "
-        "shared KiB | fits |",
-        "|---|---|---|---|---|---|---|",
+        "unmasked loop | shared KiB | fits |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         launch = ", ".join(f"{key} {value}" for key, value in row["launch"].items())
         registers, spilled = ("n/a" if row[key] is None else row[key] for key in ("registers", "spilled_bytes"))
         shared = f"{row['shared_bytes'] / 1024:.1f}"
         loop = "n/a" if row["main_loop"] is None else ", ".join(map(str, row["main_loop"].values())) or "no loop"
-        lines.append(f"| `{row['kernel']}` | {launch} | {registers} | {spilled} | {loop} | {shared} | {row['fits']} |")
+        unmasked = "-" if row["unmasked_loop"] is None else row["unmasked_loop"]
+        cells = (f"`{row['kernel']}`", launch, registers, spilled, loop, unmasked, shared, row["fits"])
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
 
@@ -222,6 +249,7 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--heads", type=int, default=32, help="a power of two (the padded heads of the tiles kernels)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--padding", action="store_true", help="build the kernels for a batch with padding")
     parser.add_argument("--json", type=Path, help="also write the rows, one JSON line each, to this file")
     args = parser.parse_args(argv)
     if args.arch not in SHARED_MEMORY:
@@ -237,10 +265,10 @@ def main(argv=None) -> int:
     except ImportError as error:
         print(f"kernel_resources: triton is not installed ({error})", file=sys.stderr)
         return 2
-    rows = measure(args.arch, args.head_dim, args.heads, args.dtype)
+    rows = measure(args.arch, args.head_dim, args.heads, args.dtype, args.padding)
     if args.json:
         args.json.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    print(table(rows, args.arch, args.heads, args.head_dim, args.dtype))
+    print(table(rows, args.arch, args.heads, args.head_dim, args.dtype, args.padding))
     refused = [row for row in rows if row["fits"] == "no"]
     for row in refused:
         print(f"kernel_resources: {row['kernel']} needs {row['shared_bytes']} bytes of shared memory, sm_{args.arch} "

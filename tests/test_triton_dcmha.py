@@ -189,6 +189,18 @@ def test_local_window(window, official):
     check(make_inputs(2, 35, 3, 16, 2), window=window, official=official, backwards=("tiles", "maps")[: 1 + maps])
 
 
+@pytest.mark.parametrize(
+    "t, past, window, official",
+    [(70, 0, 40, False), (45, 20, None, False), (52, 9, 33, True)],
+    ids=["window-40", "global-after-20-cached", "window-33-official-after-9-cached"],
+)
+def test_blocks_seen_whole_and_masked_ones_together(t, past, window, official):
+    """Blocks of 16 queries that see blocks of 16 keys whole (the kernels' loops without masks) between masked ones
+    (a window's first keys, the diagonal, the prompt's last queries), with the blocks offset by a cache."""
+    inputs = make_inputs(1, t, 2, 16, 2, past=past)
+    check(inputs, past=past, window=window, official=official, backwards=("maps",))
+
+
 def test_padding():
     """Left padding in one row, holes in the other: padded keys are hidden, except from their own query."""
     real = torch.ones(2, 29, dtype=torch.bool)
@@ -691,26 +703,37 @@ def test_float32_products_are_3xtf32_as_on_a_card():
     assert 0 < error < 64 * torch.finfo(torch.float32).eps * exact.abs().max().item()  # TF32 alone: ~1e-3 of it
 
 
+SPLIT_LOOPS = {
+    "_row_statistics_kernel",
+    "_head_output_kernel",
+    "_row_gradient_kernel",
+    "_head_query_gradient_kernel",
+    "_head_key_gradient_kernel",
+}
+
+
 @pytest.mark.parametrize(
-    "arch, head_dim, dtype",
+    "arch, head_dim, dtype, padding",
     [
-        (90, 128, "bfloat16"),  # Hopper: H100, H200
-        (90, 256, "bfloat16"),
-        (86, 128, "bfloat16"),  # a 24 GB workstation's Ampere: RTX 3090, A5000, A10 (Ada's sm_89 has the same limit)
-        (86, 256, "bfloat16"),  # the kernels through the maps only unpipelined (num_stages=1), as their launch retries
-        (90, 128, "float32"),  # float32's products by 3xTF32 in the kernels through the maps
+        (90, 128, "bfloat16", False),  # Hopper: H100, H200
+        (90, 256, "bfloat16", True),  # with padding: every block masked
+        (86, 128, "bfloat16", False),  # a 24 GB workstation's Ampere: RTX 3090, A5000, A10 (sm_89's limit is the same)
+        (86, 256, "bfloat16", False),
+        (90, 128, "float32", False),  # float32's products by 3xTF32 in the kernels through the maps
     ],
 )
-def test_the_kernels_compile_for_a_card(arch, head_dim, dtype):
+def test_the_kernels_compile_for_a_card(arch, head_dim, dtype, padding):
     """benchmarks/kernel_resources.py: Triton's compiler, without a GPU, takes every kernel down to a binary for the
-    card (bfloat16, 32 heads, every branch on, padding, pointers and sizes specialised as a launch's), within the
-    shared memory a block may take there, the kernels through the maps unpipelined where their launch would be: what
-    the interpreter never checks (layouts, dots, shared memory) is checked here, in a process of its own, where the
-    kernels are decorated natively."""
+    card (32 heads, every branch on, pointers and sizes specialised as a launch's), within the shared memory a block
+    may take there, the kernels through the maps unpipelined where their launch would be: what the interpreter never
+    checks (layouts, dots, shared memory) is checked here, in a process of its own, where the kernels are decorated
+    natively. Without padding, the kernels of one head a program have their loop of blocks seen whole, shorter than
+    the masked one."""
     environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_resources.py"
+    options = ["--arch", str(arch), "--head-dim", str(head_dim), "--dtype", dtype] + ["--padding"] * padding
     run = subprocess.run(
-        [sys.executable, str(script), "--arch", str(arch), "--head-dim", str(head_dim), "--dtype", dtype],
+        [sys.executable, str(script), *options],
         env=environment,
         capture_output=True,
         text=True,
@@ -718,7 +741,8 @@ def test_the_kernels_compile_for_a_card(arch, head_dim, dtype):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     fits = dict(re.findall(r"^\| `(\w+)` \|.*\| (yes|unpipelined|no) \|$", run.stdout, re.MULTILINE))
-    expected = {"yes", "unpipelined"} if (arch, head_dim) == (86, 256) or dtype == "float32" else {"yes"}
+    # some kernels through the maps fit sm_86 only unpipelined (num_stages=1), as their launch retries, as in float32
+    expected = {"yes", "unpipelined"} if arch == 86 or dtype == "float32" else {"yes"}
     assert len(fits) == 15 and set(fits.values()) == expected, run.stdout
     # every kernel through the maps loops (over key or query blocks, or a tile's heads): its loop read in the binary;
     # none kept to 32 registers, spilling kilobytes a thread (as ptxas built them in float32 by IEEE FMA products)
@@ -727,6 +751,11 @@ def test_the_kernels_compile_for_a_card(arch, head_dim, dtype):
     )
     assert len(maps) == 8 and all(int(instructions) > 100 for *_, instructions in maps), run.stdout
     assert all(int(registers) > 32 and int(spilled) < 8192 for registers, spilled, _ in maps), run.stdout
+    # without padding the kernels of one head a program have a second loop, of the blocks seen whole, shorter
+    rows = re.findall(r"^\| `(\w+)` \|(?:[^|]*\|){3} (\d+), \d+, \d+, \d+ \| (\d+|-) \|", run.stdout, re.M)
+    unmasked = {name: (int(masked), int(loop)) for name, masked, loop in rows if loop != "-"}
+    assert set(unmasked) == (set() if padding else SPLIT_LOOPS), run.stdout
+    assert all(100 < loop < masked for masked, loop in unmasked.values()), run.stdout
 
 
 def test_kernel_resources_reads_the_main_loop_of_a_listing(monkeypatch):

@@ -64,6 +64,12 @@ gk, bit for bit), then
   weights' products kept in tiles and summed over the queries once, after the loop), added to the earlier chunks'.
 The gradient maps take a second buffer of the maps' size: both together in at most `maps_room(q)`.
 
+The kernels through the maps of one head a program walk the blocks that every query of a block sees whole in a loop
+without masks, the others (the diagonal, a window's first keys, the prompt's last queries, any with padding) in a
+masked loop, as FlashAttention does (`_seen`). The kernels that only make maps (per pair: the post-compose's, the
+pre-compose's gradient maps) make them for every pair of a tile, unmasked: what no query sees is dropped where the
+maps are read. The maps' tiles are loaded masked by their buffer's bounds alone, so that the loads are vectors.
+
 Registers, in the tiles kernels: a program holds [heads, queries, keys] tiles (32 x 16 x 16 at 32 heads, the default
 `BLOCKS`). Every head's q rows or output rows at e = 128 would be 64K floats more, so the head dim is walked in
 chunks of 32 (QK^T and P' V are `tl.dot`s batched over the heads, one chunk at a time), and the sums over key or
@@ -74,9 +80,9 @@ registers a thread), latency-bound, 7% of the SM's compute throughput.
 
 What each kernel takes of a card (registers, spills, shared memory), read without one: benchmarks/kernel_resources.py.
 For the 24 GB cards of a workstation (sm_86: RTX 3090, A5000, A10; sm_89: RTX 4090, L4; 99 KiB of shared memory a
-block) and the A100 (sm_80) every kernel fits at 32 heads of 128 and 256, but for two at 256 on sm_86 and sm_89: the
-output's and the row gradient's kernels through the maps fit there only unpipelined, which their launch falls back on
-(`_run`). Not timed on such a card.
+block) and the A100 (sm_80) every kernel fits at 32 heads of 128 and 256, some only unpipelined, which their launch
+falls back on (`_run`), on sm_86 and sm_89: the key side's at 128, the output's and three of the backward's at 256.
+Not timed on such a card.
 
 float32 inputs use IEEE float32 products in the tiles kernels and 3xTF32 ones in the kernels through the maps
 (`_tf32x3_dot`: float32's precision nearly, on the tensor cores; in IEEE products ptxas kept those to 32 registers,
@@ -132,6 +138,10 @@ HEAD_KERNELS = dict(BQ=64, BK=32, num_warps=4, num_stages=2)
 # ms against 27.4-48.9 (the earlier 8 warps and blocks of 16 queries)
 GRADIENT_KERNELS = dict(BQ=64, BK=32, num_warps=4, num_stages=2)
 KEY_GRADIENT_KERNELS = dict(BQ=32, BK=64, num_warps=8, num_stages=2)
+# Above a head dim of 128 the key side's tiles of 32 queries leave ptxas no room: at 256 on sm_86 (Triton 3.9) it kept
+# the kernel to 40 registers a thread, spilling 16 KB; with tiles of 16 queries, 255 registers and 1.5 KB (sm_90: 3.3
+# KB against 2.2; benchmarks/kernel_resources.py). Not timed on a card.
+KEY_GRADIENT_KERNELS_WIDE_HEADS = dict(KEY_GRADIENT_KERNELS, BQ=16)
 # The kernels through the maps hold at most MAPS_TIMES_QUERIES times the bytes of the call's queries q of them at a
 # time, so that the maps grow with the prompt, not with its square: never less than MAPS_MIN_BYTES (a short prompt's
 # maps in one chunk, the fewest launches) nor more than MAPS_BYTES
@@ -589,11 +599,12 @@ def _head_weights(w, row, idx, ok, n, N, H, R, RP: tl.constexpr):
     return tl.load(w + offsets, mask=(r_idx[:, None] < R) & ok[None, :], other=0.0).to(tl.float32)
 
 
-def _load_map(maps, row, j, t_idx, t_ok, s_idx, s_ok, seen, T, S, R: tl.constexpr):
-    """maps[row, j] where the pair is seen (0 elsewhere): [queries, keys], float32. (Loaded whole tile rows, so that
-    the loads are vectors; entries no query sees were never written, and are dropped after the load.)"""
+def _load_map(maps, row, j, t_idx, s_idx, seen, T, S, R: tl.constexpr):
+    """maps[row, j] where the pair is seen (0 elsewhere): [queries, keys], float32. Masked by the buffer's bounds
+    alone, not by the keys the caller reads (a window's first, a block's last: not multiples of a vector), so that
+    the loads are vectors where S is a multiple of 16; what no query sees was never written, and `seen` drops it."""
     plane = maps + (row.to(tl.int64) * 4 * R + j) * T * S  # 64-bit only here: a plane itself fits 32 bits
-    tile = tl.load(plane + t_idx[:, None] * S + s_idx[None, :], mask=t_ok[:, None] & s_ok[None, :], other=0.0)
+    tile = tl.load(plane + t_idx[:, None] * S + s_idx[None, :], mask=(t_idx < T)[:, None] & (s_idx < S)[None, :])
     return tl.where(seen, tile.to(tl.float32), 0.0)
 
 
@@ -626,10 +637,10 @@ def _head_compose(
         y = y + x * _weight(kg, row, s_idx, s_ok, 0, h_idx, h_ok, S, 1, H)[:, None, :]
     for r in tl.static_range(R):
         if QP:
-            hidden = _load_map(maps, row, first + r, t_idx, t_ok, s_idx, s_ok, seen, T, S, R)
+            hidden = _load_map(maps, row, first + r, t_idx, s_idx, seen, T, S, R)
             y = y + hidden[None, :, :] * _weight(qw2, row, t_idx, t_ok, r, h_idx, h_ok, T, R, H)[:, :, None]
         if KP:
-            hidden = _load_map(maps, row, first + R + r, t_idx, t_ok, s_idx, s_ok, seen, T, S, R)
+            hidden = _load_map(maps, row, first + R + r, t_idx, s_idx, seen, T, S, R)
             y = y + hidden[None, :, :] * _weight(kw2, row, s_idx, s_ok, r, h_idx, h_ok, S, R, H)[:, None, :]
     return y
 
@@ -660,6 +671,51 @@ def _head_rows(x, row, idx, ok, h_idx, h_ok, N, H, E, EP: tl.constexpr):
 def _tile_is_seen(t0, s0, past, span, BQ: tl.constexpr, BK: tl.constexpr):
     """Whether any query of the block starting at t0 sees any key of the block starting at s0."""
     return (s0 <= past + t0 + BQ - 1) & (s0 + BK - 1 > past + t0 - span)
+
+
+# The kernels of one head a program walk a block's keys (or a key block's queries) in two loops, as FlashAttention
+# does: the blocks of which every query sees every key, with no mask (`_seen` not MASKED: the compiler drops every
+# select on it, about a third of such a loop's instructions), and the others, masked: the diagonal's, a window's first,
+# the prompt's last, any with padding.
+def _seen(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING: tl.constexpr, MASKED: tl.constexpr):
+    """`_visible`, MASKED; else True for every pair, known at compile time (a block seen whole)."""
+    if MASKED:
+        return _visible(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING)
+    return tl.full((t_idx.shape[0], s_idx.shape[0]), 1, tl.int1)
+
+
+def _whole_key_blocks(t0, start, end, past, span, T, S, BQ: tl.constexpr, BK: tl.constexpr, PADDING: tl.constexpr):
+    """The blocks of keys [lo, hi) (BK apart from `start`, before `end`) of which every key is seen by every query of
+    the block t0 .. t0 + BQ - 1; lo = hi = end where there are none (the prompt's last queries, padding)."""
+    lo = tl.maximum(start, (tl.maximum(past + t0 + BQ - span, 0) + BK - 1) // BK * BK)  # in the last query's window
+    hi = tl.minimum(past + t0 + 1, S) // BK * BK  # up to the first query's own position
+    if PADDING:
+        hi = lo
+    whole = (lo < hi) & (t0 + BQ <= T)
+    return tl.where(whole, lo, end), tl.where(whole, hi, end)
+
+
+def _whole_query_blocks(s0, start, end, past, span, S, BQ: tl.constexpr, BK: tl.constexpr, PADDING: tl.constexpr):
+    """The blocks of queries [lo, hi) (BQ apart from `start`, before `end`) of which every query sees every key of
+    the block s0 .. s0 + BK - 1; lo = hi = end where there are none."""
+    lo = start + (tl.maximum(s0 + BK - 1 - past - start, 0) + BQ - 1) // BQ * BQ  # from the last key's own query
+    last = tl.minimum(s0 + span - past - BQ, end - BQ) - start  # the last whole block's first query (from start)
+    hi = start + (tl.maximum(last, 0) // BQ + 1) * BQ
+    if PADDING:
+        hi = lo
+    whole = (lo < hi) & (last >= 0) & (s0 + BK <= S)
+    return tl.where(whole, lo, end), tl.where(whole, hi, end)
+
+
+def _masked_blocks(start, lo, hi, end, B: tl.constexpr):
+    """How many blocks, B apart from `start`, need the masks: those before `lo`, and those from `hi` before `end`."""
+    return (lo - start + B - 1) // B + (end - hi + B - 1) // B
+
+
+def _masked_block(i, start, lo, hi, B: tl.constexpr):
+    """Where the i-th block `_masked_blocks` counts starts."""
+    before = (lo - start + B - 1) // B
+    return tl.where(i < before, start + i * B, hi + (i - before) * B)
 
 
 def _product_maps_kernel(
@@ -712,16 +768,36 @@ def _row_statistics_kernel(
     q_rows = _head_rows(q, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP)
     running_max = tl.full((1, BQ), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((1, BQ), dtype=tl.float32)
-    for s0 in range(first_key, end_key, BK):
-        s_idx = s0 + tl.arange(0, BK)
-        s_ok = s_idx < end_key  # keys past the block's last query are not even read
-        seen = _visible(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING)
-        composed = _head_pattern(
-            q_rows, k, maps, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, E, R, scale, qw2, kw2, qg,
-            kg, running_max, running_sum, QP, KP, QG, KG, EP, HALF, False
+    lo, hi = _whole_key_blocks(t0, first_key, end_key, past, span, T, S, BQ, BK, PADDING)
+    for i in range(0, _masked_blocks(first_key, lo, hi, end_key, BK)):
+        running_max, running_sum = _row_statistics_step(
+            running_max, running_sum, _masked_block(i, first_key, lo, hi, BK), q_rows, k, maps, real, qw2, kw2, qg,
+            kg, row, t_idx, t_ok, h_idx, h_ok, end_key, T, S, H, E, R, past, span, scale, EP, BK, QP, KP, QG, KG,
+            PADDING, HALF, True
         )
-        running_max, running_sum = _online_softmax(running_max, running_sum, composed)
+    for s0 in range(lo, hi, BK):
+        running_max, running_sum = _row_statistics_step(
+            running_max, running_sum, s0, q_rows, k, maps, real, qw2, kw2, qg, kg, row, t_idx, t_ok, h_idx, h_ok,
+            end_key, T, S, H, E, R, past, span, scale, EP, BK, QP, KP, QG, KG, PADDING, HALF, False
+        )
     _store_statistics(row_max, row_sum, running_max, running_sum, row, h_idx, h_ok, t_idx, t_ok, H, T)
+
+
+def _row_statistics_step(
+    running_max, running_sum, s0, q_rows, k, maps, real, qw2, kw2, qg, kg, row, t_idx, t_ok, h_idx, h_ok, end_key, T,
+    S, H, E, R: tl.constexpr, past, span, scale, EP: tl.constexpr, BK: tl.constexpr, QP: tl.constexpr,
+    KP: tl.constexpr, QG: tl.constexpr, KG: tl.constexpr, PADDING: tl.constexpr, HALF: tl.constexpr,
+    MASKED: tl.constexpr
+):
+    """The running max and sum with the keys s0 .. s0 + BK - 1 (MASKED: `_seen`)."""
+    s_idx = s0 + tl.arange(0, BK)
+    s_ok = s_idx < end_key  # keys past the block's last query are not even read
+    seen = _seen(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING, MASKED)
+    composed = _head_pattern(
+        q_rows, k, maps, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, E, R, scale, qw2, kw2, qg, kg,
+        running_max, running_sum, QP, KP, QG, KG, EP, HALF, False
+    )
+    return _online_softmax(running_max, running_sum, composed)
 
 
 def _post_maps_kernel(
@@ -740,7 +816,8 @@ def _post_maps_kernel(
         t_ok = t_idx < T
         s_idx = s0 + tl.arange(0, BK)
         s_ok = s_idx < S
-        seen = _visible(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING)
+        # every pair computed, seen or not, unmasked: these maps are per pair, and dropped where no query sees it
+        seen = _seen(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING, False)
         q_maps = tl.zeros((RP, BQ, BK), dtype=tl.float32)
         k_maps = tl.zeros((RP, BQ, BK), dtype=tl.float32)
         for n in range(H):
@@ -783,26 +860,51 @@ def _head_output_kernel(
     sums = _row_values(row_sum, row, h_idx, h_ok, t_idx, t_ok, H, T, 1.0)
     q_rows = _head_rows(q, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP)
     out = tl.zeros((1, BQ, EP), dtype=tl.float32)
-    for s0 in range(first_key // BK * BK, end_key, BK):  # aligned, so that whole vectors load
-        s_idx = s0 + tl.arange(0, BK)
-        s_ok = s_idx < end_key
-        seen = _visible(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING)
-        pattern = _head_pattern(
-            q_rows, k, maps, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, E, R, scale, pre_qw2, pre_kw2,
-            pre_qg, pre_kg, maxima, sums, PRE_QP, PRE_KP, PRE_QG, PRE_KG, EP, HALF, True
+    start = first_key // BK * BK  # aligned, so that whole vectors load
+    lo, hi = _whole_key_blocks(t0, start, end_key, past, span, T, S, BQ, BK, PADDING)
+    for i in range(0, _masked_blocks(start, lo, hi, end_key, BK)):
+        out = _head_output_step(
+            out, _masked_block(i, start, lo, hi, BK), q_rows, k, v, maps, real, maxima, sums, pre_qw2, pre_kw2,
+            pre_qg, pre_kg, post_qw2, post_kw2, post_qg, post_kg, row, t_idx, t_ok, h_idx, h_ok, first_key, end_key,
+            T, S, H, E, R, past, span, scale, EP, BK, PRE_QP, PRE_KP, PRE_QG, PRE_KG, POST_QP, POST_KP, POST_QG,
+            POST_KG, PADDING, HALF, True
         )
-        pattern = _head_compose(
-            pattern, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, R, maps, 2 * R, post_qw2, post_kw2,
-            post_qg, post_kg, POST_QP, POST_KP, POST_QG, POST_KG
+    for s0 in range(lo, hi, BK):
+        out = _head_output_step(
+            out, s0, q_rows, k, v, maps, real, maxima, sums, pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw2, post_kw2,
+            post_qg, post_kg, row, t_idx, t_ok, h_idx, h_ok, first_key, end_key, T, S, H, E, R, past, span, scale, EP,
+            BK, PRE_QP, PRE_KP, PRE_QG, PRE_KG, POST_QP, POST_KP, POST_QG, POST_KG, PADDING, HALF, False
         )
-        # keys of the aligned block before the first visible one were loaded, never used: 0, whatever they hold
-        values = _head_rows(v, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP)
-        values = tl.where((s_idx >= first_key)[None, :, None], values, 0.0).to(v.dtype.element_ty)
-        out += _head_dot(tl.where(seen[None, :, :], pattern, 0.0), values, HALF)
     e = tl.arange(0, EP)
     offsets = ((row * T + t_idx[None, :, None]) * H + h_idx[:, None, None]) * E + e[None, None, :]
     mask = h_ok[:, None, None] & t_ok[None, :, None] & (e[None, None, :] < E)
     tl.store(z + offsets, out.to(z.dtype.element_ty), mask=mask)
+
+
+def _head_output_step(
+    out, s0, q_rows, k, v, maps, real, maxima, sums, pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw2, post_kw2, post_qg,
+    post_kg, row, t_idx, t_ok, h_idx, h_ok, first_key, end_key, T, S, H, E, R: tl.constexpr, past, span, scale,
+    EP: tl.constexpr, BK: tl.constexpr, PRE_QP: tl.constexpr, PRE_KP: tl.constexpr, PRE_QG: tl.constexpr,
+    PRE_KG: tl.constexpr, POST_QP: tl.constexpr, POST_KP: tl.constexpr, POST_QG: tl.constexpr, POST_KG: tl.constexpr,
+    PADDING: tl.constexpr, HALF: tl.constexpr, MASKED: tl.constexpr
+):
+    """out + P' V over the keys s0 .. s0 + BK - 1 (MASKED: `_seen`)."""
+    s_idx = s0 + tl.arange(0, BK)
+    s_ok = s_idx < end_key
+    seen = _seen(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING, MASKED)
+    pattern = _head_pattern(
+        q_rows, k, maps, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, E, R, scale, pre_qw2, pre_kw2,
+        pre_qg, pre_kg, maxima, sums, PRE_QP, PRE_KP, PRE_QG, PRE_KG, EP, HALF, True
+    )
+    pattern = _head_compose(
+        pattern, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, R, maps, 2 * R, post_qw2, post_kw2,
+        post_qg, post_kg, POST_QP, POST_KP, POST_QG, POST_KG
+    )
+    values = _head_rows(v, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP)
+    if MASKED:  # keys of the aligned block before the first visible one were loaded, never used: 0, whatever they hold
+        values = tl.where((s_idx >= first_key)[None, :, None], values, 0.0).to(v.dtype.element_ty)
+        pattern = tl.where(seen[None, :, :], pattern, 0.0)
+    return out + _head_dot(pattern, values, HALF)
 
 
 # --- the backward through the maps: each head alone but for the maps and their gradients --------------------------
@@ -814,15 +916,15 @@ def _head_output_kernel(
 # (`grads`, j = r, R + r, 2R + r, 3R + r: dhq, dhk, dgq, dgk), beside the maps the forward's kernels recompute.
 
 
-def _load_maps(maps, row, first, t_idx, t_ok, s_idx, s_ok, seen, T, S, R: tl.constexpr, RP: tl.constexpr):
+def _load_maps(maps, row, first, t_idx, s_idx, seen, T, S, R: tl.constexpr, RP: tl.constexpr):
     """maps[row, first + r] for every r where the pair is seen (0 elsewhere, and for r >= R): [RP, queries, keys],
-    float32."""
+    float32 (masked as `_load_map`'s)."""
     r_idx = tl.arange(0, RP)
     planes = maps + (row.to(tl.int64) * 4 * R + first) * T * S
     offsets = r_idx[:, None, None] * T * S + t_idx[None, :, None] * S + s_idx[None, None, :]
-    mask = (r_idx < R)[:, None, None] & t_ok[None, :, None] & s_ok[None, None, :]
-    tile = tl.load(planes + offsets, mask=mask, other=0.0)
-    return tl.where(seen[None, :, :], tile.to(tl.float32), 0.0)
+    mask = (r_idx < R)[:, None, None] & (t_idx < T)[None, :, None] & (s_idx < S)[None, None, :]
+    tile = tl.load(planes + offsets, mask=mask)
+    return tl.where(seen[None, :, :] & (r_idx < R)[:, None, None], tile.to(tl.float32), 0.0)
 
 
 def _put_head_weights(buffer, row, idx, ok, n, N, H, R: tl.constexpr, RP: tl.constexpr, value, ADD: tl.constexpr):
@@ -898,16 +1000,16 @@ def _add_weight_gradients(
     if PRE_GATE:
         d_pre_gate += _tile_sum(d_composed * scores, 2 - SIDE, SUMMED)
     if PRE_PROJECTION:  # the pre-compose's maps are planes SIDE R .. SIDE R + R - 1
-        planes = _load_maps(maps, row, SIDE * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP)
+        planes = _load_maps(maps, row, SIDE * R, t_idx, s_idx, seen, T, S, R, RP)
         d_pre_w2 += _tile_sum(d_composed * planes, 2 - SIDE, SUMMED)
-        planes = _load_maps(grads, row, SIDE * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP)
+        planes = _load_maps(grads, row, SIDE * R, t_idx, s_idx, seen, T, S, R, RP)
         d_pre_w1 += _tile_sum(planes * scores, 2 - SIDE, SUMMED)
     if POST_GATE:
         d_post_gate += _tile_sum(d_composed_pattern * pattern, 2 - SIDE, SUMMED)
     if POST_PROJECTION:  # the post-compose's, (2 + SIDE) R ..
-        planes = _load_maps(maps, row, (2 + SIDE) * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP)
+        planes = _load_maps(maps, row, (2 + SIDE) * R, t_idx, s_idx, seen, T, S, R, RP)
         d_post_w2 += _tile_sum(d_composed_pattern * planes, 2 - SIDE, SUMMED)
-        planes = _load_maps(grads, row, (2 + SIDE) * R, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP)
+        planes = _load_maps(grads, row, (2 + SIDE) * R, t_idx, s_idx, seen, T, S, R, RP)
         d_post_w1 += _tile_sum(planes * pattern, 2 - SIDE, SUMMED)
     return d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2
 
@@ -969,21 +1071,45 @@ def _row_gradient_kernel(
     q_rows = _head_rows(q, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP)
     dz_rows = _head_rows(dz, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP)
     d_row = tl.zeros((1, BQ), dtype=tl.float32)
-    for s0 in range(first_key // BK * BK, end_key, BK):  # aligned, so that whole vectors load
-        s_idx = s0 + tl.arange(0, BK)
-        s_ok = (s_idx < end_key) & (s_idx >= first_key)  # keys before the window are not read
-        seen = _visible(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING)
-        k_rows = _head_rows(k, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP)
-        v_rows = _head_rows(v, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP)
-        # (the pre-compose's w1 are not read down to dP: its w2 stand in)
-        _, pattern, _, d_pattern, _, _ = _head_gradients(
-            q_rows, k_rows, dz_rows, v_rows, maps, grads, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, maxima,
-            sums, d_row, T, S, H, R, scale, pre_qw2, pre_qw2, pre_kw2, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1,
-            post_qg, post_kg, PRE_QP, PRE_KP, PRE_QG, PRE_KG, POST_QP, POST_KP, POST_QG, POST_KG,
-            1, HALF
+    start = first_key // BK * BK  # aligned, so that whole vectors load
+    lo, hi = _whole_key_blocks(t0, start, end_key, past, span, T, S, BQ, BK, PADDING)
+    for i in range(0, _masked_blocks(start, lo, hi, end_key, BK)):
+        d_row = _row_gradient_step(
+            d_row, _masked_block(i, start, lo, hi, BK), q_rows, k, v, dz_rows, maps, grads, real, maxima, sums,
+            pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1, post_qg, post_kg, row, t_idx, t_ok, h_idx, h_ok,
+            first_key, end_key, T, S, H, E, R, past, span, scale, EP, BK, PRE_QP, PRE_KP, PRE_QG, PRE_KG, POST_QP,
+            POST_KP, POST_QG, POST_KG, PADDING, HALF, True
         )
-        d_row += tl.sum(pattern * d_pattern, axis=2)
+    for s0 in range(lo, hi, BK):
+        d_row = _row_gradient_step(
+            d_row, s0, q_rows, k, v, dz_rows, maps, grads, real, maxima, sums, pre_qw2, pre_kw2, pre_qg, pre_kg,
+            post_qw1, post_kw1, post_qg, post_kg, row, t_idx, t_ok, h_idx, h_ok, first_key, end_key, T, S, H, E, R,
+            past, span, scale, EP, BK, PRE_QP, PRE_KP, PRE_QG, PRE_KG, POST_QP, POST_KP, POST_QG, POST_KG, PADDING,
+            HALF, False
+        )
     _store_row_values(row_d, row, h_idx, h_ok, t_idx, t_ok, H, T, d_row)
+
+
+def _row_gradient_step(
+    d_row, s0, q_rows, k, v, dz_rows, maps, grads, real, maxima, sums, pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw1,
+    post_kw1, post_qg, post_kg, row, t_idx, t_ok, h_idx, h_ok, first_key, end_key, T, S, H, E, R: tl.constexpr, past,
+    span, scale, EP: tl.constexpr, BK: tl.constexpr, PRE_QP: tl.constexpr, PRE_KP: tl.constexpr,
+    PRE_QG: tl.constexpr, PRE_KG: tl.constexpr, POST_QP: tl.constexpr, POST_KP: tl.constexpr, POST_QG: tl.constexpr,
+    POST_KG: tl.constexpr, PADDING: tl.constexpr, HALF: tl.constexpr, MASKED: tl.constexpr
+):
+    """D's sums with the keys s0 .. s0 + BK - 1 (MASKED: `_seen`)."""
+    s_idx = s0 + tl.arange(0, BK)
+    s_ok = (s_idx < end_key) & (s_idx >= first_key)  # keys before the window are not read
+    seen = _seen(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING, MASKED)
+    k_rows = _head_rows(k, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP)
+    v_rows = _head_rows(v, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP)
+    # (the pre-compose's w1 are not read down to dP: its w2 stand in)
+    _, pattern, _, d_pattern, _, _ = _head_gradients(
+        q_rows, k_rows, dz_rows, v_rows, maps, grads, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, maxima, sums,
+        d_row, T, S, H, R, scale, pre_qw2, pre_qw2, pre_kw2, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1, post_qg,
+        post_kg, PRE_QP, PRE_KP, PRE_QG, PRE_KG, POST_QP, POST_KP, POST_QG, POST_KG, 1, HALF
+    )
+    return d_row + tl.sum(pattern * d_pattern, axis=2)
 
 
 def _pre_gradient_maps_kernel(
@@ -1003,7 +1129,8 @@ def _pre_gradient_maps_kernel(
         t_ok = t_idx < T
         s_idx = s0 + tl.arange(0, BK)
         s_ok = s_idx < S
-        seen = _visible(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING)
+        # every pair computed, seen or not, unmasked: these maps are per pair, and dropped where no query sees it
+        seen = _seen(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING, False)
         q_maps = tl.zeros((RP, BQ, BK), dtype=tl.float32)
         k_maps = tl.zeros((RP, BQ, BK), dtype=tl.float32)
         for n in range(H):
@@ -1063,28 +1190,59 @@ def _head_query_gradient_kernel(
     d_pre_w2 = tl.zeros((RP, BQ), dtype=tl.float32)
     d_post_w1 = tl.zeros((RP, BQ), dtype=tl.float32)
     d_post_w2 = tl.zeros((RP, BQ), dtype=tl.float32)
-    for s0 in range(first_key // BK * BK, end_key, BK):  # aligned, so that whole vectors load
-        s_idx = s0 + tl.arange(0, BK)
-        s_ok = (s_idx < end_key) & (s_idx >= first_key)  # keys before the window are not read
-        seen = _visible(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING)
-        k_rows = _head_rows(k, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP)
-        scores, pattern, d_composed_pattern, _, d_composed, d_scores = _head_gradients(
-            q_rows, k_rows, dz_rows, _head_rows(v, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP), maps, grads, row,
-            t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, maxima, sums, d_row, T, S, H, R, scale, pre_qw1, pre_qw2,
-            pre_kw1, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1, post_qg, post_kg, PRE_QP,
-            PRE_KP, PRE_QG, PRE_KG, POST_QP, POST_KP, POST_QG, POST_KG, 3, HALF
+    sums_so_far = (d_queries, d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2)
+    start = first_key // BK * BK  # aligned, so that whole vectors load
+    lo, hi = _whole_key_blocks(t0, start, end_key, past, span, T, S, BQ, BK, PADDING)
+    for i in range(0, _masked_blocks(start, lo, hi, end_key, BK)):
+        sums_so_far = _head_query_gradient_step(
+            sums_so_far, _masked_block(i, start, lo, hi, BK), q_rows, k, v, dz_rows, maps, grads, real, maxima, sums,
+            d_row, pre_qw1, pre_qw2, pre_kw1, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1, post_qg, post_kg, row,
+            t_idx, t_ok, h_idx, h_ok, first_key, end_key, T, S, H, E, R, past, span, scale, RP, EP, BK, PRE_QP,
+            PRE_KP, PRE_QG, PRE_KG, POST_QP, POST_KP, POST_QG, POST_KG, PADDING, HALF, True
         )
-        d_queries += _head_dot(d_scores, k_rows, HALF)
-        d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2 = _add_weight_gradients(
-            d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2, scores, pattern, d_composed_pattern,
-            d_composed, maps, grads, row, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP, PRE_QG, PRE_QP, POST_QG,
-            POST_QP, 0, True
+    for s0 in range(lo, hi, BK):
+        sums_so_far = _head_query_gradient_step(
+            sums_so_far, s0, q_rows, k, v, dz_rows, maps, grads, real, maxima, sums, d_row, pre_qw1, pre_qw2,
+            pre_kw1, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1, post_qg, post_kg, row, t_idx, t_ok, h_idx, h_ok,
+            first_key, end_key, T, S, H, E, R, past, span, scale, RP, EP, BK, PRE_QP, PRE_KP, PRE_QG, PRE_KG,
+            POST_QP, POST_KP, POST_QG, POST_KG, PADDING, HALF, False
         )
+    d_queries, d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2 = sums_so_far
     _put_head_rows(dq, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP, d_queries, False)
     _store_weight_gradients(
         d_pre_qg, d_pre_qw1, d_pre_qw2, d_post_qg, d_post_qw1, d_post_qw2, d_pre_gate, d_pre_w1, d_pre_w2,
         d_post_gate, d_post_w1, d_post_w2, row, t_idx, t_ok, n, T, H, R, RP, PRE_QG, PRE_QP, POST_QG, POST_QP, False
     )
+
+
+def _head_query_gradient_step(
+    sums_so_far, s0, q_rows, k, v, dz_rows, maps, grads, real, maxima, sums, d_row, pre_qw1, pre_qw2, pre_kw1,
+    pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1, post_qg, post_kg, row, t_idx, t_ok, h_idx, h_ok, first_key, end_key,
+    T, S, H, E, R: tl.constexpr, past, span, scale, RP: tl.constexpr, EP: tl.constexpr, BK: tl.constexpr,
+    PRE_QP: tl.constexpr, PRE_KP: tl.constexpr, PRE_QG: tl.constexpr, PRE_KG: tl.constexpr, POST_QP: tl.constexpr,
+    POST_KP: tl.constexpr, POST_QG: tl.constexpr, POST_KG: tl.constexpr, PADDING: tl.constexpr, HALF: tl.constexpr,
+    MASKED: tl.constexpr
+):
+    """The query side's sums (dq, then `_add_weight_gradients`' six) with the keys s0 .. s0 + BK - 1 (MASKED:
+    `_seen`)."""
+    d_queries, d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2 = sums_so_far
+    s_idx = s0 + tl.arange(0, BK)
+    s_ok = (s_idx < end_key) & (s_idx >= first_key)  # keys before the window are not read
+    seen = _seen(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING, MASKED)
+    k_rows = _head_rows(k, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP)
+    scores, pattern, d_composed_pattern, _, d_composed, d_scores = _head_gradients(
+        q_rows, k_rows, dz_rows, _head_rows(v, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP), maps, grads, row, t_idx,
+        t_ok, s_idx, s_ok, h_idx, h_ok, seen, maxima, sums, d_row, T, S, H, R, scale, pre_qw1, pre_qw2, pre_kw1,
+        pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1, post_qg, post_kg, PRE_QP, PRE_KP, PRE_QG, PRE_KG, POST_QP,
+        POST_KP, POST_QG, POST_KG, 3, HALF
+    )
+    d_queries += _head_dot(d_scores, k_rows, HALF)
+    d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2 = _add_weight_gradients(
+        d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2, scores, pattern, d_composed_pattern,
+        d_composed, maps, grads, row, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP, PRE_QG, PRE_QP, POST_QG, POST_QP,
+        0, True
+    )
+    return d_queries, d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2
 
 
 def _head_key_gradient_kernel(
@@ -1120,32 +1278,23 @@ def _head_key_gradient_kernel(
     d_pre_w2 = tl.zeros((RP, BQ, BK), dtype=tl.float32)
     d_post_w1 = tl.zeros((RP, BQ, BK), dtype=tl.float32)
     d_post_w2 = tl.zeros((RP, BQ, BK), dtype=tl.float32)
-    for t0 in range(first_query, end_query, BQ):
-        t_idx = t0 + tl.arange(0, BQ)
-        t_ok = t_idx < end_query  # nor queries past the last that sees the block
-        maxima = _row_values(row_max, row, h_idx, h_ok, t_idx, t_ok, H, T, 0.0)
-        sums = _row_values(row_sum, row, h_idx, h_ok, t_idx, t_ok, H, T, 1.0)
-        d_row = _row_values(row_d, row, h_idx, h_ok, t_idx, t_ok, H, T, 0.0)
-        q_rows = _head_rows(q, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP)
-        dz_rows = _head_rows(dz, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP)
-        seen = _visible(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING)
-        scores, pattern, d_composed_pattern, _, d_composed, d_scores = _head_gradients(
-            q_rows, k_rows, dz_rows, v_rows, maps, grads, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, maxima,
-            sums, d_row, T, S, H, R, scale, pre_qw1, pre_qw2, pre_kw1, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1,
-            post_qg, post_kg, PRE_QP, PRE_KP, PRE_QG, PRE_KG, POST_QP, POST_KP, POST_QG, POST_KG, 3, HALF
+    sums_so_far = (d_keys, d_values, d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2)
+    lo, hi = _whole_query_blocks(s0, first_query, end_query, past, span, S, BQ, BK, PADDING)
+    for i in range(0, _masked_blocks(first_query, lo, hi, end_query, BQ)):
+        sums_so_far = _head_key_gradient_step(
+            sums_so_far, _masked_block(i, first_query, lo, hi, BQ), q, dz, k_rows, v_rows, maps, grads, row_max,
+            row_sum, row_d, real, pre_qw1, pre_qw2, pre_kw1, pre_kw2, pre_qg, pre_kg, post_qw1, post_qw2, post_kw1,
+            post_kw2, post_qg, post_kg, row, s_idx, s_ok, h_idx, h_ok, end_query, T, S, H, E, R, past, span, scale, RP,
+            EP, BQ, PRE_QP, PRE_KP, PRE_QG, PRE_KG, POST_QP, POST_KP, POST_QG, POST_KG, PADDING, HALF, True
         )
-        composed_pattern = _head_compose(
-            pattern, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, R, maps, 2 * R, post_qw2, post_kw2,
-            post_qg, post_kg, POST_QP, POST_KP, POST_QG, POST_KG
+    for t0 in range(lo, hi, BQ):
+        sums_so_far = _head_key_gradient_step(
+            sums_so_far, t0, q, dz, k_rows, v_rows, maps, grads, row_max, row_sum, row_d, real, pre_qw1, pre_qw2,
+            pre_kw1, pre_kw2, pre_qg, pre_kg, post_qw1, post_qw2, post_kw1, post_kw2, post_qg, post_kg, row, s_idx,
+            s_ok, h_idx, h_ok, end_query, T, S, H, E, R, past, span, scale, RP, EP, BQ, PRE_QP, PRE_KP, PRE_QG,
+            PRE_KG, POST_QP, POST_KP, POST_QG, POST_KG, PADDING, HALF, False
         )
-        composed_pattern = tl.where(seen[None, :, :], composed_pattern, 0.0)
-        d_values += _head_dot(tl.permute(composed_pattern, (0, 2, 1)), dz_rows, HALF)
-        d_keys += _head_dot(tl.permute(d_scores, (0, 2, 1)), q_rows, HALF)
-        d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2 = _add_weight_gradients(
-            d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2, scores, pattern, d_composed_pattern,
-            d_composed, maps, grads, row, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP, PRE_KG, PRE_KP, POST_KG,
-            POST_KP, 1, False
-        )
+    d_keys, d_values, d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2 = sums_so_far
     d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2 = _summed_weight_gradients(
         d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2, 1
     )
@@ -1157,6 +1306,45 @@ def _head_key_gradient_kernel(
         d_post_gate, d_post_w1, d_post_w2, row, s_idx, every_key, n, S, H, R, RP, PRE_KG, PRE_KP, POST_KG, POST_KP,
         ADD
     )
+
+
+def _head_key_gradient_step(
+    sums_so_far, t0, q, dz, k_rows, v_rows, maps, grads, row_max, row_sum, row_d, real, pre_qw1, pre_qw2, pre_kw1,
+    pre_kw2, pre_qg, pre_kg, post_qw1, post_qw2, post_kw1, post_kw2, post_qg, post_kg, row, s_idx, s_ok, h_idx, h_ok,
+    end_query, T, S, H, E, R: tl.constexpr, past, span, scale, RP: tl.constexpr, EP: tl.constexpr, BQ: tl.constexpr,
+    PRE_QP: tl.constexpr, PRE_KP: tl.constexpr, PRE_QG: tl.constexpr, PRE_KG: tl.constexpr, POST_QP: tl.constexpr,
+    POST_KP: tl.constexpr, POST_QG: tl.constexpr, POST_KG: tl.constexpr, PADDING: tl.constexpr, HALF: tl.constexpr,
+    MASKED: tl.constexpr
+):
+    """The key side's sums (dk, dv, then `_add_weight_gradients`' six, in tiles) with the queries t0 .. t0 + BQ - 1
+    (MASKED: `_seen`)."""
+    d_keys, d_values, d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2 = sums_so_far
+    t_idx = t0 + tl.arange(0, BQ)
+    t_ok = t_idx < end_query  # nor queries past the last that sees the block
+    maxima = _row_values(row_max, row, h_idx, h_ok, t_idx, t_ok, H, T, 0.0)
+    sums = _row_values(row_sum, row, h_idx, h_ok, t_idx, t_ok, H, T, 1.0)
+    d_row = _row_values(row_d, row, h_idx, h_ok, t_idx, t_ok, H, T, 0.0)
+    q_rows = _head_rows(q, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP)
+    dz_rows = _head_rows(dz, row, t_idx, t_ok, h_idx, h_ok, T, H, E, EP)
+    seen = _seen(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING, MASKED)
+    scores, pattern, d_composed_pattern, _, d_composed, d_scores = _head_gradients(
+        q_rows, k_rows, dz_rows, v_rows, maps, grads, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, maxima, sums,
+        d_row, T, S, H, R, scale, pre_qw1, pre_qw2, pre_kw1, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1, post_qg,
+        post_kg, PRE_QP, PRE_KP, PRE_QG, PRE_KG, POST_QP, POST_KP, POST_QG, POST_KG, 3, HALF
+    )
+    composed_pattern = _head_compose(
+        pattern, row, t_idx, t_ok, s_idx, s_ok, h_idx, h_ok, seen, T, S, H, R, maps, 2 * R, post_qw2, post_kw2,
+        post_qg, post_kg, POST_QP, POST_KP, POST_QG, POST_KG
+    )
+    composed_pattern = tl.where(seen[None, :, :], composed_pattern, 0.0)
+    d_values += _head_dot(tl.permute(composed_pattern, (0, 2, 1)), dz_rows, HALF)
+    d_keys += _head_dot(tl.permute(d_scores, (0, 2, 1)), q_rows, HALF)
+    d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2 = _add_weight_gradients(
+        d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2, scores, pattern, d_composed_pattern,
+        d_composed, maps, grads, row, t_idx, t_ok, s_idx, s_ok, seen, T, S, R, RP, PRE_KG, PRE_KP, POST_KG, POST_KP,
+        1, False
+    )
+    return d_keys, d_values, d_pre_gate, d_pre_w1, d_pre_w2, d_post_gate, d_post_w1, d_post_w2
 
 # fmt: on
 
@@ -1190,10 +1378,17 @@ _KERNELS = (
     "_head_pattern",
     "_head_rows",
     "_tile_is_seen",
+    "_seen",
+    "_whole_key_blocks",
+    "_whole_query_blocks",
+    "_masked_blocks",
+    "_masked_block",
     "_product_maps_kernel",
     "_row_statistics_kernel",
+    "_row_statistics_step",
     "_post_maps_kernel",
     "_head_output_kernel",
+    "_head_output_step",
     "_load_maps",
     "_put_head_weights",
     "_put_head_rows",
@@ -1203,9 +1398,12 @@ _KERNELS = (
     "_summed_weight_gradients",
     "_store_weight_gradients",
     "_row_gradient_kernel",
+    "_row_gradient_step",
     "_pre_gradient_maps_kernel",
     "_head_query_gradient_kernel",
+    "_head_query_gradient_step",
     "_head_key_gradient_kernel",
+    "_head_key_gradient_step",
 )
 _decorated = False
 _decorated_interpreted = False
@@ -1257,7 +1455,7 @@ class _Launch:
         self.maps_kernels = dict(MAPS_KERNELS, **blocks_given, **ranks)  # those that sum the maps over the heads
         self.head_kernels = dict(HEAD_KERNELS, **blocks_given, **head_dim)  # those of one head a program
         self.gradient_kernels = dict(GRADIENT_KERNELS, **blocks_given, **ranks)
-        self.key_gradient_kernels = dict(KEY_GRADIENT_KERNELS, **blocks_given, **ranks)
+        self.key_gradient_kernels = dict(key_gradient_kernels(self.d_head), **blocks_given, **ranks)
         self.masks = dict(PADDING=self.flags["PADDING"], HALF=self.flags["HALF"])
         self.pre_branches = {branch: self.flags[f"PRE_{branch}"] for branch in ("QP", "KP", "QG", "KG")}
         self.branches = {name: on for name, on in self.flags.items() if name.startswith(("PRE_", "POST_"))}
@@ -1273,6 +1471,11 @@ class _Launch:
         padded_heads = next_power_of_2(self.n_heads)
         launch = dict(num_warps=_num_warps(padded_heads), num_stages=1)
         return dict(HP=padded_heads, **blocks, **self.flags, **launch)
+
+
+def key_gradient_kernels(d_head: int) -> dict:
+    """The key side's launch settings at this head dim."""
+    return dict(KEY_GRADIENT_KERNELS_WIDE_HEADS if d_head > 128 else KEY_GRADIENT_KERNELS)
 
 
 def _num_warps(padded_heads: int) -> int:
@@ -1291,9 +1494,10 @@ def _pointers(tensors, stand_in: Tensor) -> list[Tensor]:
 def _run(kernel, grid, settings: dict, *args, **constants) -> None:
     """kernel[grid](*args, **constants, **settings), `settings` a call's launch settings (BQ, BK, num_warps,
     num_stages, ...). Where the card's shared memory cannot hold the loads they pipeline (Triton's OutOfResources at
-    the first launch: a head dim of 256 on a card of 99 KiB a block, sm_86 or sm_89), the launch again without
-    software pipelining, num_stages=1: the same arithmetic in the same order, its loads not prefetched. `settings`
-    (the call's `_Launch`'s) keeps it, so that later calls of the same signature take it at once."""
+    the first launch: on a card of 99 KiB a block, sm_86 or sm_89, the key side's, and more at a head dim of 256),
+    the launch again without software pipelining, num_stages=1: the same arithmetic in the same order, its loads not
+    prefetched. `settings` (the call's `_Launch`'s) keeps it, so that later calls of the same signature take it at
+    once."""
     try:
         kernel[grid](*args, **constants, **settings)
     except OutOfResources:
