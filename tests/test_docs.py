@@ -334,6 +334,7 @@ BROWSER_PAGES = [
     "",  # the home page
     "getting-started",
     "hooked-model",
+    "gpu",
     "loading",
     "synthetic-tasks",
     "qk-attribution",

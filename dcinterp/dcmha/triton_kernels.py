@@ -75,7 +75,7 @@ Registers, in the tiles kernels: a program holds [heads, queries, keys] tiles (3
 chunks of 32 (QK^T and P' V are `tl.dot`s batched over the heads, one chunk at a time), and the sums over key or
 query blocks (z, dq, dk, dv, the weights' gradients) are added into float32 buffers in global memory, each row owned
 by exactly one program. Nothing is summed by atomics and every loop runs in a fixed order, so the same inputs give
-the same bits. Timed and profiled on an H100 (docs/hooked-model.md, "GPU"): one program of 8 warps an SM (246-255
+the same bits. Timed and profiled on an H100 (docs/gpu.md): one program of 8 warps an SM (246-255
 registers a thread), latency-bound, 7% of the SM's compute throughput.
 
 What each kernel takes of a card (registers, spills, shared memory), read without one: benchmarks/kernel_resources.py.
