@@ -29,8 +29,9 @@ the times from a run without `--kernels`). With gradients the fused model takes 
 keys on (2,048), the materialised path below: `--fused-min-keys 0` times the kernels' forward + backward at every
 length, `--backward maps` through the other fused backward. Each measurement
 is a JSON line (with the path every layer took: a "fused" model without the kernels says "materialised"); a
-markdown table of the medians and the ratios to the SDPA twin ends the run. A measurement that runs out of GPU
-memory is reported as such and the run goes on.
+markdown table of the medians and the ratios to the SDPA twin ends the run, then one line for each of issue 37's aims
+at the 6.9B width (`AIMS`): met, not met, or not measured in the run. A measurement that runs out of GPU memory is
+reported as such and the run goes on.
 
 With no CUDA device (or `--cpu`) the harness runs on this CPU on tiny shapes in float32, in seconds, as a smoke
 test: its numbers are not GPU numbers, and it says so.
@@ -66,6 +67,26 @@ DECODE_STEPS = 20  # tokens decoded back to back in one measurement (and one, sy
 TORCH_PATTERN = "DCMHA fused, torch's pattern"  # decoding only: the step's pattern by torch's ops
 MODELS = ("DCMHA fused", "DCMHA materialised", "MHA einsum", "SDPA twin")
 MiB = 2**20
+# Issue 37's aims, each the most the no-hook DCMHA model ("DCMHA fused") may take of the SDPA twin's, at the 6.9B
+# width: (what, the measurements it reads, their prompt lengths, the aim, the key compared). Decoding's twin is plain
+# MHA with the cache; "attention alone" is one layer's `Attention` call against SDPA's.
+AIMS = [
+    ("forward, 128-2,048 tokens", ("forward",), (128, 2048), 1.2, "ms"),
+    ("forward, 8,192 tokens", ("forward",), (8192, 8192), 1.4, "ms"),
+    ("forward + backward, 128-2,048 tokens", ("forward + backward",), (128, 2048), 1.3, "ms"),
+    ("forward + backward, 8,192 tokens", ("forward + backward",), (8192, 8192), 1.6, "ms"),
+    ("peak memory, every length", ("forward", "forward + backward"), (1, 1 << 62), 1.3, "peak_mib"),
+    ("one layer's attention forward, 2,048-8,192 tokens", ("attention alone, forward",), (2048, 8192), 3.0, "ms"),
+    (
+        "one layer's attention forward + backward, 2,048-8,192 tokens",
+        ("attention alone, forward + backward",),
+        (2048, 8192),
+        3.5,
+        "ms",
+    ),
+    ("decoding, a token", ("decode",), (1, 1 << 62), 1.15, "ms"),
+]
+AIMS_SHAPE = "6.9b-wide"
 
 
 def make_model(shape: dict, use_dcmha: bool, device, dtype) -> HookedDCFormer:
@@ -410,6 +431,28 @@ def ratio(result: dict, name: str, key: str = "ms") -> str:
     return f"**{a / b:.2f}x**" if a is not None and b else "n/a"
 
 
+def against_the_aims(rows: list[dict]) -> list[str]:
+    """One line an aim (`AIMS`): the fused model's ratios to the SDPA twin where this run measured them, their
+    largest against the aim, "met" or "not met"; "not measured" where the run has none (another shape, other
+    lengths, a model out of memory)."""
+    lines = []
+    for label, measurements, (low, high), aim, key in AIMS:
+        ratios = []
+        for r in rows:
+            fused, twin = (r["models"].get(name, {}).get(key) for name in ("DCMHA fused", "SDPA twin"))
+            kind = "decode" if r["measurement"].startswith("decode") else r["measurement"]  # of either timing
+            measured = kind in measurements and low <= r["tokens"] <= high
+            if r["shape"] == AIMS_SHAPE and measured and fused is not None and twin:
+                ratios.append(fused / twin)
+        if not ratios:
+            lines.append(f"- {label} (aim {aim}x): not measured")
+            continue
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}x" if len(ratios) > 1 else f"{ratios[0]:.2f}x"
+        verdict = "met" if max(ratios) <= aim else "not met"
+        lines.append(f"- {label} (aim {aim}x): {spread} over {len(ratios)} measurement(s): **{verdict}**")
+    return lines
+
+
 def print_table(rows: list[dict], smoke: bool) -> None:
     if smoke:
         print("\nGPU numbers not measured (CPU smoke run: every model ran; the paths the fused model took):")
@@ -445,6 +488,9 @@ def print_table(rows: list[dict], smoke: bool) -> None:
                 if "device_ms" in m.get(name, {})
             )
             print(f"{r['shape']}, {r['tokens']:,} tokens, one layer's attention: the card computed {busy}")
+    print(f"\nAgainst issue 37's aims ({AIMS_SHAPE}, DCMHA fused / SDPA twin):")
+    for line in against_the_aims(rows):
+        print(line)
     for r in rows:
         if TORCH_PATTERN in r["models"]:
             m = r["models"]

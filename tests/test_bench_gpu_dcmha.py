@@ -66,6 +66,42 @@ def test_the_cpu_smoke_run_measures_every_model_and_claims_no_gpu_number(tmp_pat
     assert "ms" not in table and "x**" not in table  # no time and no ratio in the table
 
 
+def test_each_aim_is_judged_by_the_largest_ratio_the_run_measured():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_gpu_dcmha
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def measured(measurement, tokens, fused, twin, shape="6.9b-wide", key="ms"):
+        models = {"DCMHA fused": {key: fused}, "SDPA twin": {key: twin}, "MHA einsum": {key: 1.0}}
+        return dict(shape=shape, measurement=measurement, tokens=tokens, models=models)
+
+    rows = [
+        measured("forward", 128, 1.1, 1.0),
+        measured("forward", 2048, 1.5, 1.0),
+        measured("forward", 4096, 9.0, 1.0),  # between the two aims' lengths: neither reads it
+        measured("forward", 8192, 1.3, 1.0),
+        measured("forward", 512, 5.0, 1.0, shape="d1024"),  # another shape
+        measured("forward + backward", 2048, 2.6, 2.0),
+        measured("forward + backward", 1024, 3.0, 2.0) | {"models": {"DCMHA fused": {"error": "out of memory"}}},
+        measured("forward", 128, 100.0, 100.0, key="peak_mib"),
+        measured("attention alone, forward", 2048, 2.9, 1.0),
+        measured("decode, per token after 1024 prompt tokens (each step synchronised)", 1024, 1.1, 1.0),
+        measured("decode, per token after 1024 prompt tokens (20 steps back to back)", 1024, 1.2, 1.0),
+    ]
+    assert bench_gpu_dcmha.against_the_aims(rows) == [
+        "- forward, 128-2,048 tokens (aim 1.2x): 1.10-1.50x over 2 measurement(s): **not met**",
+        "- forward, 8,192 tokens (aim 1.4x): 1.30x over 1 measurement(s): **met**",
+        "- forward + backward, 128-2,048 tokens (aim 1.3x): 1.30x over 1 measurement(s): **met**",
+        "- forward + backward, 8,192 tokens (aim 1.6x): not measured",
+        "- peak memory, every length (aim 1.3x): 1.00x over 1 measurement(s): **met**",
+        "- one layer's attention forward, 2,048-8,192 tokens (aim 3.0x): 2.90x over 1 measurement(s): **met**",
+        "- one layer's attention forward + backward, 2,048-8,192 tokens (aim 3.5x): not measured",
+        "- decoding, a token (aim 1.15x): 1.10-1.20x over 2 measurement(s): **not met**",
+    ]
+
+
 @pytest.mark.parametrize(
     "argument, message",
     [
