@@ -28,6 +28,7 @@ from dcinterp import HookedDCFormer
 from dcinterp.dcmha import triton_kernels
 from dcinterp.dcmha.triton_kernels import BRANCHES, available, fused_dcmha
 from tests.numerics import assert_as_exact_as
+from tests.uninitialised import allocate_nan
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -36,6 +37,12 @@ MAP_BLOCKS = (16, 16)  # likewise for the forward through the maps
 TIMES_REFERENCE_ERROR = 4  # the fused float32 error, at most this multiple of the float32 reference's
 
 pytestmark = pytest.mark.skipif(available(DEVICE) is not None, reason=str(available(DEVICE)))
+
+
+@pytest.fixture(autouse=True)
+def memory_never_written_is_nan(monkeypatch):
+    """Every allocation the kernels do not write holds NaN (tests/uninitialised.py)."""
+    allocate_nan(monkeypatch)
 
 
 def compose(x, weights):

@@ -24,12 +24,19 @@ from dcinterp.dcmha.triton_kernels import available
 from tests.numerics import EPS32, assert_as_exact_as, float64_copy
 from tests.test_decode_step import CASES, CHUNKS, cached_steps, every_square_tensor_hooked, load
 from tests.told_cuda import CUDA, told_cuda
+from tests.uninitialised import allocate_nan
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BRANCHES = ("qp", "kp", "qg", "kg")
 HIDDEN = torch.finfo(torch.float32).min  # what the model's masks hold at a hidden key
 
 pytestmark = pytest.mark.skipif(available(DEVICE) is not None, reason=str(available(DEVICE)))
+
+
+@pytest.fixture(autouse=True)
+def memory_never_written_is_nan(monkeypatch):
+    """Every allocation the kernels do not write holds NaN (tests/uninitialised.py)."""
+    allocate_nan(monkeypatch)
 
 
 @pytest.fixture(autouse=True)

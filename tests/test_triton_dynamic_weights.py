@@ -21,6 +21,7 @@ from dcinterp.dcmha.dynamic_weights import fused_dynamic_weights, torch_dynamic_
 from dcinterp.dcmha.triton_kernels import available
 from tests.numerics import float64_copy
 from tests.told_cuda import CUDA, told_cuda
+from tests.uninitialised import allocate_nan
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -28,6 +29,12 @@ TIMES_REFERENCE_ERROR = 4
 OUTPUTS = ("w1", "w2", "gates")
 
 pytestmark = pytest.mark.skipif(available(DEVICE) is not None, reason=str(available(DEVICE)))
+
+
+@pytest.fixture(autouse=True)
+def memory_never_written_is_nan(monkeypatch):
+    """Every allocation the kernels do not write holds NaN (tests/uninitialised.py)."""
+    allocate_nan(monkeypatch)
 
 
 def make_weights(batch, positions, D, K, H, R, biases, seed=0):
