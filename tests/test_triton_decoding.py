@@ -29,6 +29,7 @@ from tests.uninitialised import allocate_nan
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BRANCHES = ("qp", "kp", "qg", "kg")
 HIDDEN = torch.finfo(torch.float32).min  # what the model's masks hold at a hidden key
+DEFAULT_TILE = decoding.TILE
 
 pytestmark = pytest.mark.skipif(available(DEVICE) is not None, reason=str(available(DEVICE)))
 
@@ -109,7 +110,7 @@ def test_the_kernels_give_torchs_pattern(batch, heads, queries, keys, rank, mask
 
 
 def test_the_default_tile(monkeypatch):
-    monkeypatch.undo()
+    monkeypatch.setattr(decoding, "TILE", DEFAULT_TILE)
     assert decoding.TILE // 32 < 300
     check(make_inputs(1, 32, 1, 300, 2))
 
