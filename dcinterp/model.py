@@ -786,8 +786,8 @@ class HookedDCFormer(TransformerLensAPI, HookedRootModule):
                 positions = (real.cumsum(1) - 1).clamp_min(0)[:, past:]
         masks = {}
         rotary = model_rotary_tables(self.cfg, n, resid.device, positions)  # every layer's
-        first = start_at_layer or 0
-        for layer, block in enumerate(self.blocks[start_at_layer:stop_at_layer], start=first):
+        for layer in range(len(self.blocks))[start_at_layer:stop_at_layer]:  # a ModuleList's slice costs 3 µs a block
+            block = self.blocks[layer]
             window = block.attn.window
             if window not in masks:
                 masks[window] = _attention_mask(n, window, resid.device, resid.dtype, self.cfg.window, past, real)

@@ -383,7 +383,7 @@ def test_cache_logit_lens_and_decompositions(models, name):
 def test_start_at_layer_equals_the_full_forward(models, name):
     model = models[name]
     tokens = model.to_tokens([PROMPT, PROMPT.replace("burger", "cat")])
-    for layer in range(model.cfg.n_layers + 1):
+    for layer in range(-model.cfg.n_layers, model.cfg.n_layers + 1):  # negative: counted from the end, as a slice
         resid = model(tokens, stop_at_layer=layer)
         torch.testing.assert_close(model(resid, start_at_layer=layer), model(tokens), rtol=0, atol=1e-5)
     loss = model(model(tokens, stop_at_layer=1), start_at_layer=1, tokens=tokens, return_type="loss")
