@@ -65,6 +65,7 @@ import random
 import shlex
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -1342,6 +1343,20 @@ def run_state(cfg: TrainConfig, out_dir: Path) -> tuple[str, str | None]:
     return "new", None
 
 
+def check_writable(folder: Path, option: str) -> None:
+    """ValueError (one line) unless `folder` is a directory this process can write in, or can be made one: checked
+    before training starts, so that no run's minutes are lost at its save."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{option}: {folder}: {existing} is not a directory")
+    try:
+        tempfile.TemporaryDirectory(dir=existing).cleanup()
+    except OSError as e:
+        raise ValueError(f"{option}: {folder}: cannot write in {existing} ({e.strerror})") from None
+
+
 def check_resumable(runs: list[Run], resume: bool) -> None:
     """With --resume: every checkpoint is of its run, and there is at least one checkpoint or finished run.
     Without: no run would start over a stopped run's checkpoint. ValueError (one line) otherwise."""
@@ -1403,12 +1418,21 @@ def main(argv=None) -> None:
             raise ValueError("--lookup-threshold screens the starts of --start-from, which is not given")
         if not args.eval_only:
             check_resumable(runs, args.resume)
+            for run in runs:
+                check_writable(run.out_dir, "--out")
+            if args.log_dir:
+                check_writable(Path(args.log_dir), "--log-dir")
             runs = screen(runs, Path(args.out), args.lookup_threshold, args.seeds is not None)
     except ValueError as e:
         usage_error(str(e))
     for run in runs:
         if args.eval_only:
-            evaluate_saved(run, args)
+            from .loading import CheckpointError
+
+            try:
+                evaluate_saved(run, args)
+            except (CheckpointError, OSError) as e:
+                usage_error(f"--eval-only: {e}")
             continue
         if args.resume and run.state == "finished":
             print(f"{run.out_dir}: finished already, skipped", file=sys.stderr)

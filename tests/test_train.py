@@ -362,6 +362,29 @@ def test_train_cli_rejects_bad_focus_stages_before_writing(capsys, tmp_path, arg
     assert len(err.splitlines()) == 1 and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--out", "{file}"], "--out: {file}/pythia-synth: {file} is not a directory"),
+        (["--out", "{file}/runs"], "--out: {file}/runs/pythia-synth: {file} is not a directory"),
+        (["--out", "{tmp}/runs", "--log-dir", "{file}"], "--log-dir: {file}: {file} is not a directory"),
+        (["--out", "{tmp}/runs", "--eval-only"], "--eval-only: {tmp}/runs/pythia-synth: not a checkpoint directory"),
+    ],
+)
+def test_train_cli_rejects_a_folder_it_cannot_write_before_training(capsys, tmp_path, args, named):
+    """Checked before the first step: a model is never trained for minutes and then lost at its save."""
+    from dcinterp.train import main
+
+    (tmp_path / "a-file").write_text("")
+    where = {"file": str(tmp_path / "a-file"), "tmp": str(tmp_path)}
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--arch", "mha", "--steps", "1", *(a.format(**where) for a in args)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"python -m dcinterp.train: error: {named.format(**where)}") and len(err.splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
 def test_focus_stages_take_task_ids_as_tasks_does():
     from dcinterp.train import config_from_args, parse_args
 
