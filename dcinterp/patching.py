@@ -28,6 +28,7 @@ head; for a dynamic weight it is the weight's last axis (the input head for `qw1
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -404,6 +405,12 @@ def branch_ablation(
         reference = tokens if reference_tokens is None else check_tokens(model, reference_tokens, "reference_tokens")
         names = list(dict.fromkeys(site.hook_name for c in components for site in c.sites))
         means = mean_activations(model, reference, names, mean_over, lengths, templates, tokens.shape[1])
+        if mean_over == "position" and templates is None and len(reference) == 1:
+            warnings.warn(
+                "branch_ablation: a mean over one prompt is, at each position, that prompt's own activation, so "
+                "every effect is 0: give several prompts (or reference_tokens=), or mean_over='token'",
+                stacklevel=2,
+            )
         if mean_over == "position" and reference_tokens is not None:
             longest = int(real_lengths(model, reference, lengths).max())
             if int(real_lengths(model, tokens).max()) > longest:

@@ -159,10 +159,11 @@ def test_every_head_zeroed_is_the_whole_branch_zeroed(model, pairs):
         )
 
 
-def test_mean_ablation_over_one_prompt_changes_nothing(model, pairs):
-    table = branch_ablation(
-        model, pairs.clean[:1], pairs.clean_answer[:1], ablation="mean", position=pairs.position[:1]
-    )
+def test_mean_ablation_over_one_prompt_changes_nothing_and_says_so(model, pairs):
+    with pytest.warns(UserWarning, match="a mean over one prompt is, at each position, that prompt's own activation"):
+        table = branch_ablation(
+            model, pairs.clean[:1], pairs.clean_answer[:1], ablation="mean", position=pairs.position[:1]
+        )
     assert len(table) == model.cfg.n_layers * 2 * 4
     assert table.effect.abs().max() < 1e-4
     zeroed = branch_ablation(model, pairs.clean[:1], pairs.clean_answer[:1], position=pairs.position[:1])
