@@ -418,7 +418,9 @@ def rendered_differences(fresh, committed) -> list[str]:
     whitespace are collapsed, word for word, and number for number within the rounding of another CPU: integers
     (counts, indices) exactly; other numbers when they differ by at most 2 units of their last printed digit plus
     1e-4 of their size (a float32 printed in full, 22.153275, after long sums that another CPU orders otherwise),
-    or when both are below 1e-4 (float32 rounding errors themselves, "relative gap 1.5e-07").
+    or when both are below 1e-4 (float32 rounding errors themselves, "relative gap 1.5e-07"). Where both copies
+    end a number in zeros, the unit is that of its last digit before them: a value rounded to fewer digits than
+    pandas prints (-2.574000 after `.round(3)`) may come out one step of that rounding apart on another CPU.
     Each cell must show as many images (PNG) as before; their pixels are not compared."""
     problems = []
     if len(fresh.cells) != len(committed.cells):
@@ -438,8 +440,9 @@ def rendered_differences(fresh, committed) -> list[str]:
         if new_words != old_words:
             problems.append(f"{where}: the text differs: {_first_difference(new_words, old_words)}")
             continue
-        for (a, a_unit), (b, b_unit) in zip(new_numbers, old_numbers, strict=True):
-            if not (abs(a - b) <= 2 * max(a_unit, b_unit) + 1e-4 * max(abs(a), abs(b)) or max(abs(a), abs(b)) < 1e-4):
+        for (a, a_unit, a_rounded), (b, b_unit, b_rounded) in zip(new_numbers, old_numbers, strict=True):
+            unit = max(a_unit, b_unit, min(a_rounded, b_rounded))
+            if not (abs(a - b) <= 2 * unit + 1e-4 * max(abs(a), abs(b)) or max(abs(a), abs(b)) < 1e-4):
                 problems.append(f"{where}: {a!r} where the committed copy has {b!r}")
                 break
     return problems
@@ -464,17 +467,19 @@ def _text(cell) -> str:
     return "\n".join(parts)
 
 
-def _skeleton(text: str) -> tuple[str, list[tuple[float, float]]]:
+def _skeleton(text: str) -> tuple[str, list[tuple[float, float, float]]]:
     """The text with every number replaced by '#' and whitespace collapsed; the numbers, each with the size of a
-    unit of its last printed digit (0 for an integer)."""
+    unit of its last printed digit and of its last digit before trailing zeros (0 and 0 for an integer)."""
     numbers = []
 
     def take(match):
         decimals, exponent = match.group(2), match.group(3)
         if decimals is None and exponent is None:  # an integer: a count or an index, exact
-            numbers.append((float(match.group(0)), 0.0))
+            numbers.append((float(match.group(0)), 0.0, 0.0))
         else:
-            numbers.append((float(match.group(0)), 10.0 ** (int(exponent or 0) - len(decimals or ""))))
+            exponent, decimals = int(exponent or 0), decimals or ""
+            unit, rounded = 10.0 ** (exponent - len(decimals)), 10.0 ** (exponent - len(decimals.rstrip("0")))
+            numbers.append((float(match.group(0)), unit, rounded))
         return "#"
 
     return " ".join(_NUMBER.sub(take, text).split()), numbers

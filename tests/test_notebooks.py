@@ -124,6 +124,17 @@ def test_the_comparison_with_the_site_copy_forgives_rounding_only():
     assert rendered_differences(site_copies(text, source="x = 2"), committed)  # the code changed
 
 
+def test_a_value_rounded_to_fewer_digits_than_printed_may_take_the_next_step_of_its_rounding():
+    committed = site_copies("skip -2.574000, qp -0.573997")  # pandas' float32 after .round(3)
+    assert rendered_differences(site_copies("skip -2.573000, qp -0.573997"), committed) == []  # -2.5735 on another CPU
+    for changed in [
+        "skip -2.571000, qp -0.573997",  # three steps of the rounding
+        "skip -2.574000, qp -0.574997",  # a number printed in full moved by 1e-3
+        "skip -2.576100, qp -0.573997",  # two steps off, and not rounded: its own, finer digit counts
+    ]:
+        assert rendered_differences(site_copies(changed), committed), changed
+
+
 def test_cli_reports_an_unknown_notebook(capsys):
     assert main(["run", "no_such_notebook"]) == 2
     assert "no_such_notebook: no such notebook" in capsys.readouterr().err
