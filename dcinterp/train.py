@@ -65,7 +65,6 @@ import random
 import shlex
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -74,7 +73,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from .cli import Parser
+from .cli import Parser, check_writable_dir
 from .synth import data_dir, generate, load_catalog, read_jsonl, unbracket
 from .synth.catalog import OV_TRANSFORMATIONS, QK_PATTERNS
 from .synth.evaluate import RELEASED_DATA, accuracy_by, evaluate
@@ -1343,20 +1342,6 @@ def run_state(cfg: TrainConfig, out_dir: Path) -> tuple[str, str | None]:
     return "new", None
 
 
-def check_writable(folder: Path, option: str) -> None:
-    """ValueError (one line) unless `folder` is a directory this process can write in, or can be made one: checked
-    before training starts, so that no run's minutes are lost at its save."""
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ValueError(f"{option}: {folder}: {existing} is not a directory")
-    try:
-        tempfile.TemporaryDirectory(dir=existing).cleanup()
-    except OSError as e:
-        raise ValueError(f"{option}: {folder}: cannot write in {existing} ({e.strerror})") from None
-
-
 def check_resumable(runs: list[Run], resume: bool) -> None:
     """With --resume: every checkpoint is of its run, and there is at least one checkpoint or finished run.
     Without: no run would start over a stopped run's checkpoint. ValueError (one line) otherwise."""
@@ -1419,9 +1404,9 @@ def main(argv=None) -> None:
         if not args.eval_only:
             check_resumable(runs, args.resume)
             for run in runs:
-                check_writable(run.out_dir, "--out")
+                check_writable_dir(run.out_dir, "--out")  # before any step: no run lost at its save
             if args.log_dir:
-                check_writable(Path(args.log_dir), "--log-dir")
+                check_writable_dir(Path(args.log_dir), "--log-dir")
             runs = screen(runs, Path(args.out), args.lookup_threshold, args.seeds is not None)
     except ValueError as e:
         usage_error(str(e))

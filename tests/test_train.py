@@ -365,9 +365,9 @@ def test_train_cli_rejects_bad_focus_stages_before_writing(capsys, tmp_path, arg
 @pytest.mark.parametrize(
     "args, named",
     [
-        (["--out", "{file}"], "--out: {file}/pythia-synth: {file} is not a directory"),
-        (["--out", "{file}/runs"], "--out: {file}/runs/pythia-synth: {file} is not a directory"),
-        (["--out", "{tmp}/runs", "--log-dir", "{file}"], "--log-dir: {file}: {file} is not a directory"),
+        (["--out", "{file}"], "--out {file}/pythia-synth: {file} is a file, not a directory"),
+        (["--out", "{file}/runs"], "--out {file}/runs/pythia-synth: {file} is a file, not a directory"),
+        (["--out", "{tmp}/runs", "--log-dir", "{file}"], "--log-dir {file}: exists and is not a directory"),
         (["--out", "{tmp}/runs", "--eval-only"], "--eval-only: {tmp}/runs/pythia-synth: not a checkpoint directory"),
     ],
 )
