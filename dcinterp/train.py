@@ -1410,10 +1410,10 @@ def main(argv=None) -> None:
             runs = screen(runs, Path(args.out), args.lookup_threshold, args.seeds is not None)
     except ValueError as e:
         usage_error(str(e))
+    from .loading import CheckpointError
+
     for run in runs:
         if args.eval_only:
-            from .loading import CheckpointError
-
             try:
                 evaluate_saved(run, args)
             except (CheckpointError, OSError) as e:
