@@ -811,9 +811,10 @@ def exploratory_markdown(table: pd.DataFrame) -> str:
         "(least p) |",
         "|---|---|---|---|---|---|---|",
     ]
-    for row in table.itertuples():
+    for row, previous in zip(table.itertuples(), [None, *table["comparison"]], strict=False):
+        comparison = "" if row.comparison == previous else row.comparison  # named on its first row only
         lines.append(
-            f"| {row.comparison} | {measure_label(row.measure, row.group)} | {points(row.dcmha, False)} / "
+            f"| {comparison} | {measure_label(row.measure, row.group)} | {points(row.dcmha, False)} / "
             f"{points(row.mha, False)} | {points(row.difference)} ({points(row.low)} to {points(row.high)}; "
             f"{row.level:.1%}) | {row.p:.2g} | {row.holm:.2g} | {row.dcmha_ahead} of {row.seeds} "
             f"({least_p(row.seeds):.2g}) |"
@@ -888,6 +889,11 @@ def matched_markdown(data: TableData) -> str:
     return "\n".join(lines) + "\n"
 
 
+def seeds_named(seeds: list[int]) -> str:
+    """ "seed 3" or "seeds 3, 4"."""
+    return ("seed " if len(seeds) == 1 else "seeds ") + ", ".join(map(str, seeds))
+
+
 def lookup_markdown(data: TableData) -> str:
     """Each arm's rate of answering the two person-answer patterns beside its mean accuracy (every task, released),
     and Fisher's exact test of every task trained against 8 tasks never trained."""
@@ -896,8 +902,8 @@ def lookup_markdown(data: TableData) -> str:
     for (study, arch), name in ARM_NAMES.items():
         arm = answers[(answers["study"] == study) & (answers["arch"] == arch)]
         yes, part = sorted(arm.loc[arm["answers"] == "yes", "seed"]), sorted(arm.loc[arm["answers"] == "part", "seed"])
-        said = f"{len(yes)} of {len(arm)}" + (f" (seed {', '.join(map(str, yes))})" if yes else "")
-        said += f", seed {', '.join(map(str, part))} in part" if part else ""
+        said = f"{len(yes)} of {len(arm)}" + (f" ({seeds_named(yes)})" if yes else "")
+        said += f", {seeds_named(part)} in part" if part else ""
         mean = overall.loc[(overall["study"] == study) & (overall["arch"] == arch), "accuracy"].mean()
         lines.append(f"| {name} | {said} | {mean:.1f} |")
     full, held = answers[answers["study"] == "full"], answers[answers["study"] == "held_out"]
