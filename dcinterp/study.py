@@ -840,10 +840,12 @@ def primary_endpoint(data: TableData, level: float = 0.95) -> dict:
 
 
 def primary_markdown(endpoint: dict, level: float = 0.95) -> str:
+    """The primary endpoint's row: mean, sign-flip interval with its level, t interval, p, seeds ahead."""
     e = endpoint
     return (
-        f"| DCMHA's loss - MHA's loss | interval: sign-flip test inverted (its level) | {level:.0%} t interval | p "
-        f"| DCMHA ahead (least p) |\n|---|---|---|---|---|\n| {e['mean']:+.1f} points | {e['low']:+.1f} to "
+        "| DCMHA - MHA (negative: DCMHA lost more) | interval: sign-flip test inverted (its level) "
+        f"| {level:.0%} t interval | p | DCMHA ahead (least p) |\n|---|---|---|---|---|\n"
+        f"| {e['mean']:+.1f} points | {e['low']:+.1f} to "
         f"{e['high']:+.1f} ({e['level']:.1%}) | {e['t'][0]:+.1f} to {e['t'][1]:+.1f} | {e['p']:.2g} | "
         f"{e['ahead']} of {e['seeds']} ({least_p(e['seeds']):.2g}) |\n"
     )
