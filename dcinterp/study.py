@@ -806,6 +806,8 @@ def least_p(seeds: int) -> float:
 
 
 def exploratory_markdown(table: pd.DataFrame) -> str:
+    """`exploratory_table` as the page prints it: means, difference with its interval and level, p uncorrected and
+    Holm-adjusted, the seeds ahead with the least p that many seeds can give."""
     lines = [
         "| comparison | measure | mean | difference (interval, its level) | p, uncorrected | p, Holm | ahead "
         "(least p) |",
@@ -852,6 +854,8 @@ def primary_markdown(endpoint: dict, level: float = 0.95) -> str:
 
 
 def screen_markdown(screen: pd.DataFrame) -> str:
+    """The seeds kept and screened out, each with its start's answer loss, and the kept share with its exact
+    (Clopper-Pearson) 95% interval."""
     kept, dropped = screen[screen["kept"]], screen[~screen["kept"]]
     rate = len(kept) / len(screen)
     ci = scipy.stats.binomtest(len(kept), len(screen)).proportion_ci(0.95, method="exact")
