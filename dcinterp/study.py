@@ -5,6 +5,7 @@
     python -m dcinterp.train summarize runs/study --head-diversity    # + each run's head diversity (Fig. 5)
     python -m dcinterp.train summarize runs/study --figures figs     # + the study's figures (PNG), see below
     python -m dcinterp.train summarize runs/study-heldout --trained-on runs/study   # + held_out_change rows
+    python -m dcinterp.train summarize --from-table docs/study-data --out DIR   # the study page's tables (below)
 
 Every finished run's recipe.json under the folder is read (runs stopped early, or not evaluated, are listed and
 left out). The DCMHA and MHA runs are paired by seed: the twins of a seed share the data order and the initial
@@ -20,23 +21,25 @@ pattern or the transformation better". Its columns: each
 architecture's mean over the paired seeds, the mean paired difference DCMHA - MHA with its interval, the number of
 seeds in which DCMHA is ahead, and each run's own accuracy (`dcmha_seed0`, `mha_seed0`, ...).
 
-The interval is a percentile bootstrap over seeds, paired: a resample draws n seeds with replacement from the n
-paired seeds, each with both its twins, and takes the mean of their differences; the interval holds the central
-`level` of those means. Over seeds, because a seed is the unit the experiment repeats: it fixes the
+The interval is the sign-flip test inverted (Hartigan's subset means): the 2^n - 1 means of the nonempty subsets
+of the n seeds' differences cut the line into 2^n gaps, and when the differences are symmetric about their true
+mean, each gap holds it with probability 1 / 2^n; the interval from the k-th smallest subset mean to the k-th
+largest holds it with probability 1 - 2k / 2^n exactly, k the largest that keeps this at `level` or more (column
+`level`: the interval's exact level). Over seeds, because a seed is the unit the experiment repeats: it fixes the
 initialisation and the data of both twins, and what varies most from one seed to another is whether and when a
-model forms the lookup, not the evaluation samples. The evaluation samples are the same for both twins, so their
-own noise largely cancels in the paired difference, and recipe.json keeps accuracies per group, not per answer
-(a bootstrap over seeds and samples would need every answer's result). Paired, because a seed's twins are not
-independent draws: resampling them apart would count the seed's shared luck as architecture noise. With few
-seeds this interval is narrow (5 seeds give at most 126 distinct resamples, and it cannot see beyond the seeds
-drawn): read it with the per-seed differences beside it. Resamples are drawn with numpy's `default_rng(seed)`,
-the same seed draws for every row.
+model forms the lookup, not the evaluation samples (which are the same for both twins, so their own noise largely
+cancels in the paired difference). Paired, because a seed's twins are not independent draws. Why not a percentile
+bootstrap: over few seeds it covers the true mean less often than it says (at 6 seeds, 81-86% of the time for a
+95% interval); why not a t interval: the outcomes are bimodal (a model forms a lookup or does not), far from
+normal. At 6 seeds the 95% interval is the range of the six differences (its exact level 62/64 = 96.9%); at 5 or
+fewer no interval reaches 95%, and the range is given with its lower level.
 
 The p column is the exact paired permutation test of "no difference" (Fisher's sign-flip test, two-sided, by
 `scipy.stats.permutation_test`): under the null hypothesis each seed's difference is as likely to have the other
 sign, so p is the share of the 2^n sign assignments whose mean difference is at least as far from zero as the one
-observed. It assumes nothing about the differences' distribution, and its smallest value is 2 / 2^n: 0.25 with
-3 seeds, 0.0625 with 5, 0.0078 with 8; no result of 5 seeds reaches p < 0.05.
+observed. It assumes nothing about the differences' distribution but their symmetry, and its smallest value is
+2 / 2^n: 0.25 with 3 seeds, 0.0625 with 5, 0.031 with 6, 0.0078 with 8. The interval and p are one test read two
+ways: at 6 seeds, the 95% interval excludes 0 exactly when every seed's difference has the same sign, p = 0.031.
 
 The screen. A study's runs may start from a shared start (a run stopped at the end of the focus phase, where the
 twins are still the same model): a forked run's recipe.json names it under `started_from` (path, step, and its
@@ -433,17 +436,74 @@ def learning_curves(runs: list[RunResult]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["arch", "seed", "step", "eval_accuracy", "start_step"])
 
 
-def paired_bootstrap_interval(
-    differences: np.ndarray, level: float = 0.95, n_resamples: int = 10_000, seed: int = 0
-) -> tuple[float, float]:
-    """Percentile bootstrap of the mean paired difference: each resample draws the seeds (their differences)
-    with replacement."""
-    rng = np.random.default_rng(seed)
-    draws = rng.integers(0, len(differences), size=(n_resamples, len(differences)))
-    means = differences[draws].mean(axis=1)
-    tail = (1 - level) / 2
-    low, high = np.quantile(means, [tail, 1 - tail])
-    return float(low), float(high)
+MAX_EXACT_SEEDS = 20  # up to 2^20 subsets enumerated; beyond, SAMPLED_SUBSETS drawn at random
+
+
+def subset_means(differences: np.ndarray, seed: int = 0) -> np.ndarray:
+    """The means of the 2^n - 1 nonempty subsets of the n differences (for more than MAX_EXACT_SEEDS, of 2^20
+    subsets drawn at random with numpy's `default_rng(seed)`), unsorted."""
+    differences = np.asarray(differences, dtype=float)
+    if len(differences) <= MAX_EXACT_SEEDS:
+        sums, counts = np.zeros(1), np.zeros(1, dtype=np.int64)
+        for value in differences:  # each subset without the value, then with it
+            sums, counts = np.concatenate([sums, sums + value]), np.concatenate([counts, counts + 1])
+        return sums[1:] / counts[1:]
+    picks = np.random.default_rng(seed).random((2**20, len(differences))) < 0.5
+    picks = picks[picks.any(axis=1)]
+    return (picks @ differences) / picks.sum(axis=1)
+
+
+def sign_flip_interval(differences: np.ndarray, level: float = 0.95) -> tuple[float, float, float]:
+    """The sign-flip test inverted (module docstring): (low, high, the interval's exact level).
+
+    Args:
+        differences: each seed's paired difference.
+        level: the least level wanted; with too few seeds for it, the range of the differences at its own level.
+
+    Returns:
+        The k-th smallest and k-th largest subset mean and 1 - 2k / 2^n, k = max(1, floor((1 - level) 2^(n-1))).
+    """
+    n = len(differences)
+    means = np.sort(subset_means(differences))
+    if n > MAX_EXACT_SEEDS:
+        low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+        return float(low), float(high), level
+    k = max(1, int(np.floor((1 - level) * 2 ** (n - 1) + 1e-9)))
+    return float(means[k - 1]), float(means[len(means) - k]), 1 - 2 * k / 2**n
+
+
+def t_interval(differences: np.ndarray, level: float = 0.95) -> tuple[float, float]:
+    """The paired t interval of the mean difference (it assumes normal differences), for comparison."""
+    differences = np.asarray(differences, dtype=float)
+    half = scipy.stats.t.ppf((1 + level) / 2, len(differences) - 1) * scipy.stats.sem(differences)
+    return float(differences.mean() - half), float(differences.mean() + half)
+
+
+def holm(p_values) -> np.ndarray:
+    """Holm's step-down adjustment of a family of p-values (family-wise error), in their order."""
+    p_values = np.asarray(p_values, dtype=float)
+    order = np.argsort(p_values)
+    steps = p_values[order] * (len(p_values) - np.arange(len(p_values)))
+    adjusted = np.empty_like(p_values)
+    adjusted[order] = np.minimum(1.0, np.maximum.accumulate(steps))
+    return adjusted
+
+
+def paired_t_power(effect: float, sd: float, seeds: int, alpha: float = 0.05) -> float:
+    """The power of the two-sided paired t test at `seeds` pairs to detect a mean difference `effect` when the
+    differences spread with standard deviation `sd` (the noncentral t; the sign-flip test's power is close to it,
+    and a little lower at few seeds, where its p-values are coarse)."""
+    df, shift = seeds - 1, effect / sd * np.sqrt(seeds)
+    critical = scipy.stats.t.ppf(1 - alpha / 2, df)
+    return float(scipy.stats.nct.sf(critical, df, shift) + scipy.stats.nct.cdf(-critical, df, shift))
+
+
+def seeds_for_power(effect: float, sd: float, power: float = 0.8, alpha: float = 0.05) -> int:
+    """The fewest pairs at which `paired_t_power` reaches `power`."""
+    seeds = 2
+    while paired_t_power(effect, sd, seeds, alpha) < power:
+        seeds += 1
+    return seeds
 
 
 def paired_permutation_p(differences: np.ndarray) -> float:
@@ -456,11 +516,15 @@ def paired_permutation_p(differences: np.ndarray) -> float:
     return float(result.pvalue)
 
 
-def summary_table(runs: list[RunResult], level: float = 0.95, n_resamples: int = 10_000, seed: int = 0) -> pd.DataFrame:
+def summary_table(runs: list[RunResult], level: float = 0.95) -> pd.DataFrame:
     """One row per (eval_set, measure, group); see the module's docstring for the columns."""
-    by_arch = {arch: {run.seed: run for run in runs if run.arch == arch} for arch in ARCHES}
-    seeds = sorted({run.seed for run in runs})
-    values_of = {(run.arch, run.seed): run_values(run) for run in runs}
+    return paired_table({(run.arch, run.seed): run_values(run) for run in runs}, level)
+
+
+def paired_table(values_of: dict[tuple[str, int], dict], level: float = 0.95) -> pd.DataFrame:
+    """The table of `summary_table` from each run's values: {(arch, seed): {eval set: {(measure, group): value}}}."""
+    by_arch = {arch: sorted(s for a, s in values_of if a == arch) for arch in ARCHES}
+    seeds = sorted({s for _, s in values_of})
     eval_sets = list(dict.fromkeys(eval_set for values in values_of.values() for eval_set in values))  # recipe order
     rows_index = sorted(
         {(eval_set, *key) for values in values_of.values() for eval_set, entry in values.items() for key in entry},
@@ -475,9 +539,7 @@ def summary_table(runs: list[RunResult], level: float = 0.95, n_resamples: int =
         }
         paired = [s for s in seeds if accuracy.get(("dcmha", s)) is not None and accuracy.get(("mha", s)) is not None]
         differences = np.array([accuracy["dcmha", s] - accuracy["mha", s] for s in paired], dtype=float)
-        low, high = (
-            paired_bootstrap_interval(differences, level, n_resamples, seed) if len(paired) else (np.nan, np.nan)
-        )
+        low, high, exact_level = sign_flip_interval(differences, level) if len(paired) else (np.nan, np.nan, np.nan)
         row = {
             "eval_set": eval_set,
             "measure": measure,
@@ -487,6 +549,7 @@ def summary_table(runs: list[RunResult], level: float = 0.95, n_resamples: int =
             "difference": differences.mean() if paired else np.nan,
             "low": low,
             "high": high,
+            "level": exact_level,
             "p": paired_permutation_p(differences) if len(paired) else np.nan,
             "seeds": len(paired),
             "dcmha_ahead": int((differences < 0).sum() if measure in LOWER_IS_AHEAD else (differences > 0).sum()),
@@ -497,13 +560,15 @@ def summary_table(runs: list[RunResult], level: float = 0.95, n_resamples: int =
                 row[f"{arch}_seed{s}"] = np.nan if value is None else value
         rows.append(row)
     table = pd.DataFrame(rows)
-    table.attrs["interval"] = f"{level:.0%} paired bootstrap over seeds ({n_resamples} resamples, seed {seed})"
+    table.attrs["interval"] = f"sign-flip interval over seeds (the test inverted, at least {level:.0%}; column level)"
     return table
 
 
 def markdown(table: pd.DataFrame) -> str:
     """The table in markdown, accuracies and differences in percent."""
-    percent = [c for c in table.columns if c not in ("eval_set", "measure", "group", "p", "seeds", "dcmha_ahead")]
+    percent = [
+        c for c in table.columns if c not in ("eval_set", "measure", "group", "p", "level", "seeds", "dcmha_ahead")
+    ]
     lines = ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
     for _, row in table.iterrows():
         cells = [
@@ -516,7 +581,7 @@ def markdown(table: pd.DataFrame) -> str:
             )
             if c in percent
             else ("" if pd.isna(row[c]) else f"{row[c]:.3g}")
-            if c == "p"
+            if c in ("p", "level")
             else str(row[c])
             for c in table.columns
         ]
@@ -536,7 +601,9 @@ class Study:
     trained_on: Path | None = None
 
 
-def read_study(runs_dir: Path, head_diversity: bool = False, trained_on: Path | None = None, **bootstrap) -> Study:
+def read_study(
+    runs_dir: Path, head_diversity: bool = False, trained_on: Path | None = None, level: float = 0.95
+) -> Study:
     """Read the runs (with their head diversity if asked, and their `held_out_change` against the runs under
     `trained_on` if given), the screen, and make the table."""
     runs, left_out = read_runs(runs_dir)
@@ -547,7 +614,7 @@ def read_study(runs_dir: Path, head_diversity: bool = False, trained_on: Path | 
         left_out += add_held_out_change(runs, read_runs(trained_on)[0], trained_on)
     if head_diversity:
         add_head_diversity(runs)
-    return Study(runs_dir, runs, left_out, summary_table(runs, **bootstrap), screen, trained_on)
+    return Study(runs_dir, runs, left_out, summary_table(runs, level), screen, trained_on)
 
 
 def write_summary(
@@ -555,11 +622,11 @@ def write_summary(
     out_dir: Path | None = None,
     head_diversity: bool = False,
     trained_on: Path | None = None,
-    **bootstrap,
+    level: float = 0.95,
 ) -> tuple[pd.DataFrame, list[str]]:
     """Read the runs, write summary.csv and summary.md (and screen.csv if the study has a screen) to `out_dir`
     (default: `runs_dir`); (table, left out)."""
-    study = read_study(runs_dir, head_diversity, trained_on, **bootstrap)
+    study = read_study(runs_dir, head_diversity, trained_on, level)
     write_study(study, out_dir or runs_dir)
     return study.table, study.left_out
 
@@ -636,13 +703,317 @@ def write_figures(study: Study, figures_dir: Path) -> list[Path]:
     return written
 
 
+# The study page's tables and figures, from the data committed beside the page (docs/study-data/, whose README
+# says where each number comes from): the runs' own folders are not kept, so the page is regenerated from these.
+
+TABLE_FILES = {
+    "accuracy": ("accuracy.csv", ("study", "eval_set", "measure", "group", "arch", "seed", "accuracy")),
+    "screen": ("screen.csv", ("seed", "kept", "answer_loss", "threshold", "step")),
+    "held_out_change": ("held_out_change.csv", ("seed", "difference")),
+    "person_answer": ("person_answer.csv", ("study", "arch", "seed", "answers")),
+}
+ARM_NAMES = {
+    ("full", "dcmha"): "DCMHA, every task",
+    ("full", "mha"): "MHA, every task",
+    ("full", "mha_matched"): "parameter-matched MHA, every task",
+    ("held_out", "dcmha"): "DCMHA, 8 tasks never trained",
+    ("held_out", "mha"): "MHA, 8 tasks never trained",
+}
+# (study, {the data's arch: the table's slot}, seeds or None for all, label): every comparison but the primary one
+EXPLORATORY = (
+    ("full", {"dcmha": "dcmha", "mha": "mha"}, None, "DCMHA - MHA, every task trained"),
+    ("full", {"mha_matched": "dcmha", "mha": "mha"}, None, "matched MHA - plain MHA"),
+    ("full", {"dcmha": "dcmha", "mha_matched": "mha"}, None, "DCMHA - matched MHA"),
+    ("full", {"dcmha": "dcmha", "mha_matched": "mha"}, (3, 4, 11, 13), "DCMHA - matched MHA, seeds 3, 4, 11, 13"),
+    ("held_out", {"dcmha": "dcmha", "mha": "mha"}, None, "DCMHA - MHA, 8 tasks never trained"),
+)
+PATTERN_NAMES = {
+    "same-person": "same person",
+    "other-person": "other person",
+    "odd-one-out": "odd one out",
+    "matching-person": "matching person",
+    "not-matching-person": "not-matching person",
+}
+
+
+@dataclass
+class TableData:
+    """The committed data of the study page, in percent as the page prints them."""
+
+    accuracy: pd.DataFrame  # one row per model and measure: study, eval_set, measure, group, arch, seed, accuracy
+    screen: pd.DataFrame  # one row per seed: seed, kept, answer_loss, threshold, step
+    held_out_change: pd.DataFrame  # the primary endpoint per seed: seed, difference (points)
+    person_answer: pd.DataFrame  # one row per model: study, arch, seed, answers (yes, part, no), and the two rates
+
+
+def read_table_data(data_dir: Path) -> TableData:
+    """The CSV files of TABLE_FILES under `data_dir` ('#' lines are their provenance); a ValueError naming the file
+    at fault."""
+    frames = {}
+    for key, (name, columns) in TABLE_FILES.items():
+        path = data_dir / name
+        try:
+            frame = pd.read_csv(path, comment="#")
+        except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError) as e:
+            raise ValueError(f"{path}: cannot read the study's data ({type(e).__name__}: {e})") from None
+        missing = [c for c in columns if c not in frame.columns]
+        if missing:
+            raise ValueError(f"{path}: no column {', '.join(missing)} (expected {', '.join(columns)})")
+        frames[key] = frame
+    return TableData(**frames)
+
+
+def table_values(data: TableData, study: str, arches: dict[str, str], seeds=None) -> dict:
+    """{(slot, seed): {eval set: {(measure, group): accuracy as a fraction}}} for `paired_table`."""
+    rows = data.accuracy[(data.accuracy["study"] == study) & data.accuracy["arch"].isin(list(arches))]
+    values: dict = {}
+    for row in rows.itertuples():
+        if seeds is None or row.seed in seeds:
+            entry = values.setdefault((arches[row.arch], int(row.seed)), {}).setdefault(row.eval_set, {})
+            entry[row.measure, row.group] = row.accuracy / 100
+    return values
+
+
+def points(value: float, sign: bool = True) -> str:
+    """A fraction in percent (points), to 0.1, signed or not."""
+    return f"{100 * value:+.1f}" if sign else f"{100 * value:.1f}"
+
+
+def measure_label(measure: str, group: str) -> str:
+    """How the page names a row: "every task", "same person", "never seen: same person : superclass", ..."""
+    if measure == "held_out_combo":
+        pattern, transformation = group.split(":")
+        return f"never seen: {PATTERN_NAMES[pattern]} : {transformation}"
+    return {"overall": "every task", "held_out_combos": "the 8 never-seen tasks"}.get(
+        measure, PATTERN_NAMES.get(group, group)
+    )
+
+
+def exploratory_table(data: TableData, level: float = 0.95) -> pd.DataFrame:
+    """Every comparison of EXPLORATORY with paired seeds, with its Holm-adjusted p over them all."""
+    parts = []
+    for study, arches, seeds, label in EXPLORATORY:
+        table = paired_table(table_values(data, study, arches, seeds), level)
+        parts.append(table[table["seeds"] > 0].assign(comparison=label))
+    table = pd.concat(parts, ignore_index=True)
+    table["holm"] = holm(table["p"])
+    return table
+
+
+def least_p(seeds: int) -> float:
+    """The smallest two-sided sign-flip p that `seeds` pairs can give: 2 / 2^seeds."""
+    return 2 / 2**seeds
+
+
+def exploratory_markdown(table: pd.DataFrame) -> str:
+    """`exploratory_table` as the page prints it: means, difference with its interval and level, p uncorrected and
+    Holm-adjusted, the seeds ahead with the least p that many seeds can give."""
+    lines = [
+        "| comparison | measure | mean | difference (interval, its level) | p, uncorrected | p, Holm | ahead "
+        "(least p) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row, previous in zip(table.itertuples(), [None, *table["comparison"]], strict=False):
+        comparison = "" if row.comparison == previous else row.comparison  # named on its first row only
+        lines.append(
+            f"| {comparison} | {measure_label(row.measure, row.group)} | {points(row.dcmha, False)} / "
+            f"{points(row.mha, False)} | {points(row.difference)} ({points(row.low)} to {points(row.high)}; "
+            f"{row.level:.1%}) | {row.p:.2g} | {row.holm:.2g} | {row.dcmha_ahead} of {row.seeds} "
+            f"({least_p(row.seeds):.2g}) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def primary_endpoint(data: TableData, level: float = 0.95) -> dict:
+    """The primary endpoint: what never seeing the 8 tasks cost DCMHA minus what it cost MHA, per seed (points)."""
+    differences = data.held_out_change["difference"].to_numpy(dtype=float)
+    low, high, exact_level = sign_flip_interval(differences, level)
+    return {
+        "mean": differences.mean(),
+        "low": low,
+        "high": high,
+        "level": exact_level,
+        "t": t_interval(differences, level),
+        "p": paired_permutation_p(differences),
+        "ahead": int((differences > 0).sum()),
+        "seeds": len(differences),
+        "sd": differences.std(ddof=1),
+    }
+
+
+def primary_markdown(endpoint: dict, level: float = 0.95) -> str:
+    """The primary endpoint's row: mean, sign-flip interval with its level, t interval, p, seeds ahead."""
+    e = endpoint
+    return (
+        "| DCMHA - MHA (negative: DCMHA lost more) | interval: sign-flip test inverted (its level) "
+        f"| {level:.0%} t interval | p | DCMHA ahead (least p) |\n|---|---|---|---|---|\n"
+        f"| {e['mean']:+.1f} points | {e['low']:+.1f} to "
+        f"{e['high']:+.1f} ({e['level']:.1%}) | {e['t'][0]:+.1f} to {e['t'][1]:+.1f} | {e['p']:.2g} | "
+        f"{e['ahead']} of {e['seeds']} ({least_p(e['seeds']):.2g}) |\n"
+    )
+
+
+def screen_markdown(screen: pd.DataFrame) -> str:
+    """The seeds kept and screened out, each with its start's answer loss, and the kept share with its exact
+    (Clopper-Pearson) 95% interval."""
+    kept, dropped = screen[screen["kept"]], screen[~screen["kept"]]
+    rate = len(kept) / len(screen)
+    ci = scipy.stats.binomtest(len(kept), len(screen)).proportion_ci(0.95, method="exact")
+
+    def seeds(rows) -> str:
+        return ", ".join(
+            f"{row.seed} ({row.answer_loss:.{2 if row.answer_loss >= 1 else 3}f})" for row in rows.itertuples()
+        )
+
+    step = int(screen["step"].iloc[0])
+    return (
+        f"| | seeds (the start's answer loss at step {step:,}) |\n|---|---|\n"
+        f"| kept, {len(kept)} of {len(screen)} ({rate:.0%}; 95% interval {ci.low:.0%} to {ci.high:.0%}) | "
+        f"{seeds(kept)} |\n| screened out | {seeds(dropped)} |\n"
+    )
+
+
+def per_seed_markdown(data: TableData, study: str, rows: list[tuple[str, str]]) -> str:
+    """Per seed, `DCMHA / MHA` in %, one row per (measure, group)."""
+    accuracy = data.accuracy[data.accuracy["study"] == study]
+    seeds = sorted(accuracy["seed"].unique())
+    lines = ["| | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
+    for measure, group in rows:
+        at = accuracy[(accuracy["measure"] == measure) & (accuracy["group"] == group)].set_index(["arch", "seed"])
+        cells = [f"{at.loc[('dcmha', s), 'accuracy']:.1f} / {at.loc[('mha', s), 'accuracy']:.1f}" for s in seeds]
+        lines.append(f"| {measure_label(measure, group)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def matched_markdown(data: TableData) -> str:
+    """Per seed, the overall accuracy of DCMHA, its plain MHA twin and the parameter-matched MHA, and their means."""
+    overall = data.accuracy[(data.accuracy["study"] == "full") & (data.accuracy["measure"] == "overall")]
+    wide = overall.pivot(index="seed", columns="arch", values="accuracy")[["dcmha", "mha", "mha_matched"]]
+    lines = ["| seed | DCMHA | plain MHA twin | matched MHA |", "|---|---|---|---|"]
+    lines += [f"| {seed} | " + " | ".join(f"{v:.1f}" for v in row) + " |" for seed, row in wide.iterrows()]
+    lines.append("| mean | " + " | ".join(f"{v:.1f}" for v in wide.mean()) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def seeds_named(seeds: list[int]) -> str:
+    """ "seed 3" or "seeds 3, 4"."""
+    return ("seed " if len(seeds) == 1 else "seeds ") + ", ".join(map(str, seeds))
+
+
+def lookup_markdown(data: TableData) -> str:
+    """Each arm's rate of answering the two person-answer patterns beside its mean accuracy (every task, released),
+    and Fisher's exact test of every task trained against 8 tasks never trained."""
+    answers, overall = data.person_answer, data.accuracy[data.accuracy["measure"] == "overall"]
+    lines = ["| runs | answer the person-answer patterns | mean accuracy, every task (%) |", "|---|---|---|"]
+    for (study, arch), name in ARM_NAMES.items():
+        arm = answers[(answers["study"] == study) & (answers["arch"] == arch)]
+        yes, part = sorted(arm.loc[arm["answers"] == "yes", "seed"]), sorted(arm.loc[arm["answers"] == "part", "seed"])
+        said = f"{len(yes)} of {len(arm)}" + (f" ({seeds_named(yes)})" if yes else "")
+        said += f", {seeds_named(part)} in part" if part else ""
+        mean = overall.loc[(overall["study"] == study) & (overall["arch"] == arch), "accuracy"].mean()
+        lines.append(f"| {name} | {said} | {mean:.1f} |")
+    full, held = answers[answers["study"] == "full"], answers[answers["study"] == "held_out"]
+    table = [[(f["answers"] == "yes").sum(), (f["answers"] != "yes").sum()] for f in (full, held)]
+    p = scipy.stats.fisher_exact(table).pvalue
+    return (
+        "\n".join(lines)
+        + f"\n\nEvery task trained, {table[0][0]} of {len(full)} models; 8 tasks never trained, {table[1][0]} of "
+        f"{len(held)} (seed 18's in part counted as no): Fisher's exact test p = {p:.2f} (exploratory, uncorrected).\n"
+    )
+
+
+def power_markdown(data: TableData, endpoint: dict, small: float = 5.0, power: float = 0.8) -> str:
+    """The power of the paired test at the study's seeds, and the kept seeds (and shared starts, at the screen's
+    rate) that `power` at the observed effect and at `small` points would need, for the overall difference and for
+    the primary endpoint."""
+    overall = paired_table(table_values(data, "full", {"dcmha": "dcmha", "mha": "mha"}))
+    row = overall[overall["measure"] == "overall"].iloc[0]
+    seeds = [c for c in overall.columns if c.startswith("dcmha_seed")]
+    differences = 100 * np.array([row[c] - row[c.replace("dcmha", "mha")] for c in seeds])
+    kept_rate = data.screen["kept"].mean()
+    columns = {
+        "DCMHA - MHA, every task": (differences.mean(), differences.std(ddof=1), len(differences)),
+        "primary endpoint": (endpoint["mean"], endpoint["sd"], endpoint["seeds"]),
+    }
+
+    def need(effect: float, sd: float) -> str:
+        n = seeds_for_power(abs(effect), sd, power)
+        return f"{n} (about {int(np.ceil(n / kept_rate))} starts)"
+
+    rows = {
+        "spread of the paired differences (SD over seeds)": lambda m, sd, n: f"{sd:.1f} points",
+        "power at this many seeds to detect the observed mean": lambda m, sd, n: (
+            f"{paired_t_power(abs(m), sd, n):.0%} at {n} seeds ({m:+.1f} points)"
+        ),
+        f"kept seeds for {power:.0%} power at the observed mean": lambda m, sd, n: need(m, sd),
+        f"kept seeds for {power:.0%} power at {small:g} points": lambda m, sd, n: need(small, sd),
+    }
+    lines = ["| | " + " | ".join(columns) + " |", "|---|---|---|"]
+    lines += [f"| {label} | " + " | ".join(cell(*c) for c in columns.values()) + " |" for label, cell in rows.items()]
+    return "\n".join(lines) + "\n"
+
+
+def page_tables(data: TableData, level: float = 0.95) -> dict[str, str]:
+    """Every table of the study page, in markdown, by name (the page quotes each verbatim; tests/test_study.py)."""
+    endpoint = primary_endpoint(data, level)
+    qk = [
+        ("qk_pattern", g)
+        for g in ("same-person", "other-person", "odd-one-out", "matching-person", "not-matching-person")
+    ]
+    held = [
+        ("held_out_combo", g)
+        for g in (
+            "same-person:superclass",
+            "other-person:capability",
+            "matching-person:country",
+            "not-matching-person:opposite",
+        )
+    ]
+    return {
+        "screen": screen_markdown(data.screen),
+        "primary": primary_markdown(endpoint, level),
+        "pairs": per_seed_markdown(data, "full", [("overall", "all"), *qk]),
+        "matched": matched_markdown(data),
+        "held_out": per_seed_markdown(
+            data, "held_out", [*held, ("held_out_combos", "held_out_combos"), ("overall", "all")]
+        ),
+        "lookup": lookup_markdown(data),
+        "exploratory": exploratory_markdown(exploratory_table(data, level)),
+        "power": power_markdown(data, endpoint),
+    }
+
+
+def write_table_figures(data: TableData, figures_dir: Path, level: float = 0.95) -> list[Path]:
+    """The study page's figures that its data can draw: study_differences_released.png (every task trained) and
+    study_heldout_differences_released.png (8 tasks never trained), DCMHA - MHA per seed and per measure."""
+    from .plotting import plot_study_differences
+
+    figures_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for study, name in (
+        ("full", "study_differences_released.png"),
+        ("held_out", "study_heldout_differences_released.png"),
+    ):
+        table = paired_table(table_values(data, study, {"dcmha": "dcmha", "mha": "mha"}), level)
+        plot_study_differences(table, "released").savefig(figures_dir / name, dpi=120)
+        written.append(figures_dir / name)
+    return written
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = Parser(prog="python -m dcinterp.train summarize", description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs_dir", metavar="RUNS_DIR", help="a folder of runs (recipe.json files, at any depth)")
+    parser.add_argument(
+        "runs_dir", metavar="RUNS_DIR", nargs="?", help="a folder of runs (recipe.json files, at any depth)"
+    )
+    parser.add_argument(
+        "--from-table",
+        metavar="DATA_DIR",
+        default=None,
+        help="instead of RUNS_DIR: the study page's committed data (docs/study-data); prints the page's tables "
+        "(and writes them to --out DIR as tables.md; --figures DIR: the figures its data can draw)",
+    )
     parser.add_argument("--out", default=None, help="write summary.csv and summary.md here (default: RUNS_DIR)")
     parser.add_argument("--level", type=float, default=0.95, help="the interval's level (default %(default)s)")
-    parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="the bootstrap's random seed (default %(default)s)")
     parser.add_argument(
         "--head-diversity",
         action="store_true",
@@ -664,8 +1035,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not 0 < args.level < 1:
         parser.error(f"--level {args.level}: expected a number between 0 and 1")
-    if args.resamples < 1:
-        parser.error(f"--resamples {args.resamples}: expected at least 1")
+    if (args.runs_dir is None) == (args.from_table is None):
+        parser.error("give a folder of runs (RUNS_DIR) or --from-table DATA_DIR, one of the two")
+    if args.from_table is not None:
+        return summarize_table(parser, args)
     runs_dir = Path(args.runs_dir)
     out_dir = Path(args.out) if args.out else runs_dir
     figures_dir = Path(args.figures) if args.figures else None
@@ -677,8 +1050,6 @@ def main(argv: list[str] | None = None) -> None:
             head_diversity=args.head_diversity or figures_dir is not None,
             trained_on=Path(args.trained_on) if args.trained_on else None,
             level=args.level,
-            n_resamples=args.resamples,
-            seed=args.seed,
         )
         write_study(study, out_dir)
     except ValueError as e:
@@ -690,3 +1061,24 @@ def main(argv: list[str] | None = None) -> None:
         written += write_figures(study, figures_dir)
     print((out_dir / "summary.md").read_text())
     print(f"written: {', '.join(map(str, written))}", file=sys.stderr)
+
+
+def summarize_table(parser: Parser, args) -> None:
+    """`summarize --from-table`: the study page's tables printed (and written to --out), its figures drawn."""
+    out_dir, figures_dir = (Path(d) if d else None for d in (args.out, args.figures))
+    try:
+        for folder, flag in ((out_dir, "--out"), (figures_dir, "--figures")):
+            if folder is not None:
+                check_writable_dir(folder, flag)
+        data = read_table_data(Path(args.from_table))
+        text = "".join(f"<!-- {name} -->\n{table}\n" for name, table in page_tables(data, args.level).items())
+        written = write_table_figures(data, figures_dir, args.level) if figures_dir is not None else []
+    except ValueError as e:
+        parser.error(str(e))
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "tables.md").write_text(text)
+        written.insert(0, out_dir / "tables.md")
+    print(text)
+    if written:
+        print(f"written: {', '.join(map(str, written))}", file=sys.stderr)

@@ -345,6 +345,8 @@ BROWSER_PAGES = [
     "conventions",
     "benchmarks",
     "training",
+    "study",
+    "training-history",
     # notebook pages: their code cells and wide tables scroll inside their own boxes, as in Jupyter
     "notebooks/case_study",
     "notebooks/circuit_discovery",

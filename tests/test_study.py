@@ -11,8 +11,19 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import scipy.stats
 
-from dcinterp.study import paired_bootstrap_interval, paired_permutation_p, read_runs, write_summary
+from dcinterp.study import (
+    holm,
+    paired_permutation_p,
+    paired_t_power,
+    read_runs,
+    seeds_for_power,
+    sign_flip_interval,
+    subset_means,
+    t_interval,
+    write_summary,
+)
 from dcinterp.train import main
 
 FIXTURE = Path(__file__).parent / "fixtures" / "study_runs"
@@ -51,7 +62,7 @@ def fixture_differences(runs: dict, row) -> np.ndarray:
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
     out = tmp_path_factory.mktemp("summary")
-    table, left_out = write_summary(FIXTURE, out, level=0.95, n_resamples=4000, seed=7)
+    table, left_out = write_summary(FIXTURE, out, level=0.95)
     assert len(left_out) == 1 and "seed3/dcpythia-synth" in left_out[0] and "stopped early" in left_out[0]
     assert (out / "summary.md").read_text().count("\n| released |") == len(table)
     pd.testing.assert_frame_equal(pd.read_csv(out / "summary.csv"), table, check_dtype=False)
@@ -81,20 +92,73 @@ def test_accuracies_and_paired_differences_are_those_of_the_runs(table):
         assert np.isnan(row["dcmha_seed3"])  # stopped early: left out
 
 
-def test_intervals_are_the_paired_bootstrap_over_seeds(table):
-    """Against a direct numpy computation: the same seeded resampling of the seeds' differences, and the exact
-    bootstrap distribution (all 3^3 equally likely resamples of 3 seeds), which the interval's ends must cut at
-    2.5% and 97.5% up to the resampling error of 4,000 draws."""
+def test_intervals_are_the_sign_flip_test_inverted(table):
+    """3 seeds: too few for 95%, so each row's interval is the range of its three differences, at its own level
+    1 - 2/8 = 75% (the k = 1 case of Hartigan's subset means)."""
     runs = recipes()
     for _, row in table.iterrows():
         differences = fixture_differences(runs, row)
-        draws = np.random.default_rng(7).integers(0, 3, size=(4000, 3))
-        direct = np.quantile(differences[draws].mean(axis=1), [0.025, 0.975])
-        assert (row["low"], row["high"]) == pytest.approx(tuple(direct), abs=1e-12)
-        exact = np.array([differences[list(pick)].mean() for pick in itertools.product(range(3), repeat=3)])
-        slack = 0.01 + 1e-12
-        for end, tail in ((row["low"], 0.025), (row["high"], 0.975)):
-            assert (exact < end - 1e-12).mean() <= tail + slack and (exact <= end + 1e-12).mean() >= tail - slack
+        assert (row["low"], row["high"]) == pytest.approx((differences.min(), differences.max()), abs=1e-12)
+        assert row["level"] == 0.75
+
+
+def test_subset_means_are_every_nonempty_subsets_mean():
+    differences = np.array([0.3, -0.1, 0.7, 0.2])
+    direct = [np.mean(pick) for k in range(1, 5) for pick in itertools.combinations(differences, k)]
+    assert np.sort(subset_means(differences)) == pytest.approx(np.sort(direct), abs=1e-12)
+
+
+def test_sign_flip_interval_inverts_the_test():
+    """Every value inside the interval is one the one-sided sign-flip tests (by enumeration of the 2^8 signs) keep
+    at the interval's level, every value outside one they reject; at 6 seeds the 95% interval is their range
+    (62 of 64)."""
+    differences = np.array([0.12, -0.05, 0.31, 0.02, 0.4, -0.2, 0.08, 0.15])
+    low, high, level = sign_flip_interval(differences, 0.95)
+    k = int(0.05 * 2**7)
+    assert level == pytest.approx(1 - 2 * k / 2**8)
+    signs = np.array(list(itertools.product((-1, 1), repeat=8)))
+
+    def kept(delta: float) -> bool:  # neither one-sided test rejects delta at k / 2^n
+        shifted = differences - delta
+        flipped = (signs * shifted).mean(axis=1)
+        return (flipped >= shifted.mean()).sum() > k and (flipped <= shifted.mean()).sum() > k
+
+    for delta in np.linspace(differences.min() - 0.1, differences.max() + 0.1, 401):
+        if abs(delta - low) > 1e-9 and abs(delta - high) > 1e-9:
+            assert kept(delta) == (low < delta < high), delta
+    six = np.array([9.2, 16.9, 7.6, 3.4, -26.8, 38.2])
+    assert sign_flip_interval(six) == pytest.approx((-26.8, 38.2, 62 / 64))
+
+
+def test_sign_flip_interval_covers_at_its_level_on_bimodal_differences():
+    """On symmetric, bimodal differences (a lookup formed or not: +-0.3 around the true 0.05, plus noise), 6 seeds:
+    the interval holds the true mean in 62/64 of 4,000 studies, within three standard errors."""
+    rng = np.random.default_rng(0)
+    studies = 0.05 + rng.choice([-0.3, 0.3], size=(4000, 6)) + rng.normal(0, 0.05, size=(4000, 6))
+    covered = np.mean([low <= 0.05 <= high for low, high, _ in map(sign_flip_interval, studies)])
+    assert abs(covered - 62 / 64) < 3 * np.sqrt(62 / 64 * 2 / 64 / 4000)
+
+
+def test_t_interval_is_the_textbook_one():
+    differences = np.array([0.092, 0.169, 0.076, 0.034, -0.268, 0.382])
+    half = 2.570581836 * differences.std(ddof=1) / np.sqrt(6)  # t(0.975, 5)
+    assert t_interval(differences) == pytest.approx((differences.mean() - half, differences.mean() + half), abs=1e-9)
+
+
+def test_holm_by_hand():
+    """Sorted 0.01, 0.03, 0.04 times 3, 2, 1: 0.03, 0.06, 0.04, made monotone: 0.03, 0.06, 0.06; capped at 1."""
+    assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert holm([0.5, 0.031, 0.9]) == pytest.approx([1.0, 0.093, 1.0])
+
+
+def test_power_is_that_of_the_paired_t_test():
+    """Against 40,000 simulated studies of normal differences: the share in which scipy's t test rejects."""
+    rng = np.random.default_rng(1)
+    draws = rng.normal(8.1, 21.1, size=(40_000, 6))
+    simulated = np.mean(scipy.stats.ttest_1samp(draws, 0, axis=1).pvalue < 0.05)
+    assert paired_t_power(8.1, 21.1, 6) == pytest.approx(simulated, abs=0.006)
+    n = seeds_for_power(5.0, 21.1)
+    assert paired_t_power(5.0, 21.1, n - 1) < 0.8 <= paired_t_power(5.0, 21.1, n)
 
 
 def test_p_is_the_exact_sign_flip_test_of_the_paired_differences(table):
@@ -125,17 +189,17 @@ def test_permutation_p_by_hand(differences, p):
 
 def test_pairing_removes_what_the_seeds_share(table):
     """odd-one-out: DCMHA is 5 points ahead at every seed, while the seeds' own accuracies spread over 30 points.
-    Paired, the interval is the 5 points; resampling the twins apart would spread it over the seeds' spread."""
+    Paired, the interval is the 5 points; an interval of the twins taken apart would spread over the seeds' spread."""
     row = table[(table["measure"] == "qk_pattern") & (table["group"] == "odd-one-out")].iloc[0]
     assert row["low"] == pytest.approx(0.05, abs=1e-9) and row["high"] == pytest.approx(0.05, abs=1e-9)
     assert row["mha_seed0"] - row["mha_seed1"] > 0.25
 
 
 def test_a_higher_level_gives_a_wider_interval():
-    differences = np.array([0.02, -0.01, 0.08, 0.15, 0.03])
-    narrow = paired_bootstrap_interval(differences, level=0.5, n_resamples=2000, seed=0)
-    wide = paired_bootstrap_interval(differences, level=0.95, n_resamples=2000, seed=0)
-    assert wide[0] < narrow[0] < differences.mean() < narrow[1] < wide[1]
+    differences = np.array([0.02, -0.01, 0.08, 0.15, 0.03, 0.05, -0.04, 0.1])
+    narrow = sign_flip_interval(differences, level=0.5)
+    wide = sign_flip_interval(differences, level=0.95)
+    assert wide[0] < narrow[0] < differences.mean() < narrow[1] < wide[1] and narrow[2] < wide[2]
     assert differences.min() <= wide[0] and wide[1] <= differences.max()
 
 
@@ -160,8 +224,8 @@ def test_a_parameter_matched_study_pairs_twins_of_other_widths(tmp_path):
         recipe = json.loads(path.read_text())
         recipe["train_config"]["d_mlp"] = 304
         path.write_text(json.dumps(recipe))
-    table, _ = write_summary(runs_dir, tmp_path / "out", n_resamples=400)
-    same_widths, _ = write_summary(FIXTURE, tmp_path / "same", n_resamples=400)
+    table, _ = write_summary(runs_dir, tmp_path / "out")
+    same_widths, _ = write_summary(FIXTURE, tmp_path / "same")
     pd.testing.assert_frame_equal(table, same_widths)
     widths = json.loads((FIXTURE / "seed0" / "dcpythia-synth" / "recipe.json").read_text())["train_config"]["d_mlp"]
     assert f"DCMHA d_mlp {widths}, MHA d_mlp 304." in (tmp_path / "out" / "summary.md").read_text()
@@ -173,7 +237,7 @@ def test_a_parameter_matched_study_pairs_twins_of_other_widths(tmp_path):
     draw = plotting.plot_study_differences
     with pytest.MonkeyPatch.context() as patch:  # the figures name the wider MHA: their titles, read as drawn
         patch.setattr(plotting, "plot_study_differences", lambda *a, **k: drawn.append(draw(*a, **k)) or drawn[-1])
-        write_figures(read_study(runs_dir, n_resamples=100), tmp_path / "figures")
+        write_figures(read_study(runs_dir), tmp_path / "figures")
     assert drawn and all("DCMHA - MHA (d_mlp 304) accuracy" in fig._suptitle.get_text() for fig in drawn)
     odd = runs_dir / "seed1" / "pythia-synth" / "recipe.json"
     recipe = json.loads(odd.read_text())
@@ -204,7 +268,7 @@ def test_summarize_cli_errors_are_one_line(capsys, tmp_path, problem):
 
 
 def test_summarize_cli_writes_the_csv_and_markdown(capsys, tmp_path):
-    main(["summarize", str(FIXTURE), "--out", str(tmp_path), "--resamples", "500"])
+    main(["summarize", str(FIXTURE), "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert "| released | qk_pattern | matching-person |" in out and "paired seeds: 0, 1, 2" in out
     assert (tmp_path / "summary.csv").exists() and (tmp_path / "summary.md").read_text().strip() == out.strip()
@@ -283,11 +347,11 @@ def forked_runs(tmp_path_factory):
 def study(forked_runs):
     from dcinterp.study import read_study
 
-    return read_study(forked_runs, head_diversity=True, level=0.95, n_resamples=2000, seed=3)
+    return read_study(forked_runs, head_diversity=True, level=0.95)
 
 
 def test_the_screen_lists_the_seeds_kept_and_screened_out(forked_runs, tmp_path):
-    table, _ = write_summary(forked_runs, tmp_path, n_resamples=200)
+    table, _ = write_summary(forked_runs, tmp_path)
     screen = pd.read_csv(tmp_path / "screen.csv")
     assert list(screen["seed"]) == [0, 1, 2, 3, 4] and list(screen["kept"]) == [True] * 4 + [False]
     assert list(screen["answer_loss"]) == pytest.approx([start_loss(s) for s in range(4)] + [1.93], abs=1e-12)
@@ -300,7 +364,7 @@ def test_the_screen_lists_the_seeds_kept_and_screened_out(forked_runs, tmp_path)
 
 
 def test_without_a_screen_nothing_changes(tmp_path):
-    write_summary(FIXTURE, tmp_path, n_resamples=200)
+    write_summary(FIXTURE, tmp_path)
     assert not (tmp_path / "screen.csv").exists()
     assert "Screen" not in (tmp_path / "summary.md").read_text()
 
@@ -474,7 +538,7 @@ def test_each_never_seen_combination_has_a_row_and_a_panel(tmp_path):
             entry["per_task"] = {f"task{i}": round(float(rng.uniform()), 3) for i in range(74)}
             per_task[recipe["train_config"]["arch"], recipe["seed"]] = entry["per_task"]
         path.write_text(json.dumps(recipe))
-    table, _ = write_summary(runs_dir, tmp_path, n_resamples=200)
+    table, _ = write_summary(runs_dir, tmp_path)
     rows = table[table["measure"] == "held_out_combo"]
     assert list(rows["group"]) == sorted(combos)
     for _, row in rows.iterrows():
@@ -521,7 +585,7 @@ def test_held_out_change_is_each_runs_loss_against_its_twin_trained_on_every_tas
 
     combos = ["same-person:superclass", "other-person:capability"]
     heldout, full, per_task = held_out_and_trained_on(tmp_path, combos)
-    table, left_out = write_summary(heldout, tmp_path / "out", trained_on=full, n_resamples=200)
+    table, left_out = write_summary(heldout, tmp_path / "out", trained_on=full)
     rows = table[table["measure"] == "held_out_change"]
     assert sorted(rows["group"]) == sorted(["held_out_combos", *combos])
     for _, row in rows.iterrows():
@@ -549,7 +613,7 @@ def test_trained_on_twins_are_checked_by_name(tmp_path, capsys, problem):
     heldout, full, _ = held_out_and_trained_on(tmp_path, ["same-person:superclass"])
     if problem == "no twin":
         shutil.rmtree(full / "seed1" / "pythia-synth")
-        _, left_out = write_summary(heldout, tmp_path / "out", trained_on=full, n_resamples=50)
+        _, left_out = write_summary(heldout, tmp_path / "out", trained_on=full)
         assert any("no mha run of seed 1 under" in line and "no held_out_change" in line for line in left_out)
         return
     change = {"exclude_combos": ["other-person:capability"]} if "combinations" in problem else {"lr": 1.0}
@@ -616,9 +680,87 @@ def test_a_start_without_a_logged_answer_loss_is_reported_as_such(forked_runs, t
         recipe["started_from"]["answer_loss"] = None
         path.write_text(json.dumps(recipe))
     (runs_dir / "seed4" / "screened_out.json").write_text(json.dumps(SCREENED | {"answer_loss": None}))
-    write_summary(runs_dir, tmp_path / "out", n_resamples=200)
+    write_summary(runs_dir, tmp_path / "out")
     screen = pd.read_csv(tmp_path / "out" / "screen.csv")
     assert screen["answer_loss"].isna().tolist() == [False, False, True, False, True]
     header = (tmp_path / "out" / "summary.md").read_text().split("\n| ")[0]
     assert "kept seeds 0 (0.031), 1 (0.041), 2 (no answer loss logged), 3 (0.061)" in header
     assert "screened out seeds 4 (the shared start did not form the lookup)" in header
+
+
+# --------------------------------------------------------------------------------------------------
+# The study page (docs/study.md): every table it prints, regenerated from its committed data (docs/study-data).
+REPO = Path(__file__).parents[1]
+STUDY_DATA = REPO / "docs" / "study-data"
+STUDY_PAGE = REPO / "docs" / "study.md"
+
+
+@pytest.fixture(scope="module")
+def study_data():
+    from dcinterp.study import read_table_data
+
+    return read_table_data(STUDY_DATA)
+
+
+def test_the_study_page_prints_the_tables_its_data_give(study_data):
+    """`summarize --from-table docs/study-data` regenerates each table of the page, character for character."""
+    from dcinterp.study import page_tables
+
+    page = STUDY_PAGE.read_text()
+    for name, text in page_tables(study_data).items():
+        assert text in page, f"docs/study.md does not print the {name} table that docs/study-data gives:\n{text}"
+
+
+def test_the_primary_endpoint_is_its_data(study_data):
+    """-12.7 points, p = 0.47 (30 of the 64 sign assignments as far from zero), the interval the range of the
+    six seeds' values at 62/64."""
+    from dcinterp.study import primary_endpoint
+
+    values = study_data.held_out_change["difference"].to_numpy()
+    endpoint = primary_endpoint(study_data)
+    assert endpoint["mean"] == pytest.approx(values.mean()) and round(endpoint["mean"], 1) == -12.7
+    assert endpoint["p"] == pytest.approx(30 / 64)
+    assert (endpoint["low"], endpoint["high"], endpoint["level"]) == pytest.approx((-72.5, 19.0, 62 / 64))
+
+
+def test_the_committed_data_agree_with_each_other(study_data):
+    """The person-answer rates given for the models trained on every task are those of accuracy.csv; a model
+    "answers" the two person-answer patterns where their mean is 2/3 or more (chance is 1/3), "in part" between
+    1/2 and 2/3; the screen keeps exactly the seeds of the runs."""
+    answers, accuracy = study_data.person_answer, study_data.accuracy
+    rates = answers.dropna(subset=["matching_person", "not_matching_person"])
+    for row in rates.itertuples():
+        mean = (row.matching_person + row.not_matching_person) / 2
+        assert row.answers == ("yes" if mean >= 200 / 3 else "part" if mean >= 50 else "no"), row
+        if row.arch in ("dcmha", "mha") and row.study == "full":
+            at = accuracy[
+                (accuracy["study"] == "full") & (accuracy["arch"] == row.arch) & (accuracy["seed"] == row.seed)
+            ]
+            by_group = dict(zip(at["group"], at["accuracy"], strict=True))
+            assert (by_group["matching-person"], by_group["not-matching-person"]) == (
+                row.matching_person,
+                row.not_matching_person,
+            )
+    kept = set(study_data.screen.loc[study_data.screen["kept"], "seed"])
+    assert kept == set(accuracy["seed"]) == set(study_data.held_out_change["seed"]) == set(answers["seed"])
+    assert (study_data.screen["kept"] == (study_data.screen["answer_loss"] < study_data.screen["threshold"])).all()
+
+
+def test_summarize_from_table_cli(capsys, tmp_path):
+    """The CLI prints the tables, writes them to --out, and draws the two figures the data can draw; a folder of
+    runs and --from-table together, or a data folder without its files, are one line and exit 2."""
+    main(["summarize", "--from-table", str(STUDY_DATA), "--out", str(tmp_path / "out"), "--figures", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert (tmp_path / "out" / "tables.md").read_text().strip() == out.strip() and "<!-- primary -->" in out
+    assert {p.name for p in tmp_path.glob("*.png")} == {
+        "study_differences_released.png",
+        "study_heldout_differences_released.png",
+    }
+    for argv, message in (
+        (["summarize", str(FIXTURE), "--from-table", str(STUDY_DATA)], "one of the two"),
+        (["summarize", "--from-table", str(tmp_path / "out")], "accuracy.csv: cannot read"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
