@@ -1,9 +1,10 @@
 """The README and the pages under docs/ say what is true today: no commit hash, no word of how the project is run,
 a README table of one-sentence cells, and every number beside a `benchmarks/results/` file is in that file.
 
-A page cites a run by naming its file, `benchmarks/results/NAME`, in a paragraph, a list item or a table row: every
-number with a decimal point in that block (outside inline code) must be one of the file's numbers, as written or
-rounded to the page's decimals (1.848 in the file reads 1.85 on the page).
+A page cites a run by naming its file, `benchmarks/results/NAME` (or, in a table, the file's name alone as code), in
+a paragraph, a list item or a table row: every number with a decimal point in that block (outside inline code) must
+be one of the file's numbers, as written or rounded to the page's decimals (1.848 in the file reads 1.85 on the
+page).
 """
 
 import re
@@ -24,7 +25,7 @@ INLINE_CODE = re.compile(r"`[^`\n]*`")
 LINK_TARGET = re.compile(r"\]\([^)]*\)")
 HEX_WORD = re.compile(r"(?<![\w.#/-])[0-9a-f]{7,40}(?![\w/-])")
 PROJECT_WORDS = re.compile(r"\bissues?\s*#?\d+|\bthe issue's|(?<![\w&])#\d+\b|\bissue's aims?\b", flags=re.IGNORECASE)
-CITATION = re.compile(r"benchmarks/results/([\w.-]+)")
+CITATION = re.compile(r"benchmarks/results/([\w.-]+)|(?<=[|,;] `)([\w.-]+\.(?:md|txt|jsonl|json|csv))`")
 DECIMAL = re.compile(r"(?<![\w.])\d[\d,]*\.\d+")
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
 # README rows rewritten in a parallel change (the paired study's): exempt from the word limit while their old text
@@ -63,9 +64,15 @@ def file_numbers(path: Path) -> list[float]:
     return [float(n.replace(",", "")) for n in NUMBER.findall(path.read_text(encoding="utf-8", errors="replace"))]
 
 
+def citations(block: str) -> list[str]:
+    """The results files a block names: by path anywhere, by name alone as a table cell's code (where a file of
+    that name is in benchmarks/results/)."""
+    return [path or name for path, name in CITATION.findall(block) if path or (RESULTS / name).is_file()]
+
+
 def unbacked(block: str) -> list[str]:
     """The decimal numbers of a block that cites results files and that none of those files holds."""
-    names = CITATION.findall(block)
+    names = citations(block)
     if not names:
         return []
     numbers = [n for name in names for n in file_numbers(RESULTS / name)]
@@ -107,11 +114,11 @@ def test_numbers_beside_a_results_file_are_in_it():
     cited, problems = 0, []
     for page in PAGES:
         for block in blocks(page.read_text()):
-            for name in CITATION.findall(block):
+            for name in citations(block):
                 cited += 1
                 if not (RESULTS / name).is_file():
                     problems.append(f"{page.name}: cites benchmarks/results/{name}, which does not exist")
-            if all((RESULTS / name).is_file() for name in CITATION.findall(block)):
+            if all((RESULTS / name).is_file() for name in citations(block)):
                 missing = unbacked(block)
                 if missing:
                     problems.append(f"{page.name}: {missing} are not in the file it cites: {block.strip()[:100]}")
@@ -123,6 +130,7 @@ def test_the_checks_catch_what_they_are_for():
     table = "benchmarks/results/h100-2026-11-27-bench_gpu_dcmha-table.md"
     assert unbacked(f"| forward | 1.70x, 3.22x the twin | `{table}` |") == []
     assert unbacked(f"| forward | 1.71x the twin | `{table}` |") == ["1.71"]
+    assert unbacked("| forward | 1.71x the twin | `h100-2026-11-27-bench_gpu_dcmha-table.md` |") == ["1.71"]
     assert unbacked(f"| forward | 1.848 ms, 1.85 ms | `{table}` |") != []  # not in that file
     assert hashes("fixed in 5d59802 (see `af1e665`)\n\n```\nbad9033\n```\n") == ["5d59802"]
     assert hashes("2,048 tokens, 0.66-1.04x, deadbeef, 20261127") == []
