@@ -112,7 +112,7 @@ def main_loop(sass: str) -> dict:
     iteration of a warp executes: its instructions, and of them the block's barriers (a layout conversion or an
     operand's staging through shared memory), shuffles between lanes (sums across a tile's rows) and accesses to
     local memory (spills); {} without a loop. A static count, not a time: it did not rank the H100's times of the
-    key side's launches (docs/gpu.md, "Read without a card")."""
+    key side's launches (benchmarks/results/gpu-log.md, "Read without a card")."""
     found = loops(sass)
     if not found:
         return {}
