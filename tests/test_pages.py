@@ -14,10 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-# training.md is being split into the recipe, the study and how the recipe was found, in a parallel change that
-# cleans it; the rules below apply to it once that lands (drop it from this set then).
-ELSEWHERE = {"training.md"}
-PAGES = [ROOT / "README.md"] + sorted(p for p in (ROOT / "docs").glob("*.md") if p.name not in ELSEWHERE)
+PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 
 FENCE = re.compile(r"^(```|~~~).*?^\1", flags=re.DOTALL | re.MULTILINE)
 INDENTED_CODE = re.compile(r"(?:^\n)((?: {4}.*\n)+)", flags=re.MULTILINE)
@@ -28,9 +25,6 @@ PROJECT_WORDS = re.compile(r"\bissues?\s*#?\d+|\bthe issue's|(?<![\w&])#\d+\b|\b
 CITATION = re.compile(r"benchmarks/results/([\w.-]+)|(?<=[|,;] `)([\w.-]+\.(?:md|txt|jsonl|json|csv))`")
 DECIMAL = re.compile(r"(?<![\w.])\d[\d,]*\.\d+")
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
-# README rows rewritten in a parallel change (the paired study's): exempt from the word limit while their old text
-# stands, by a phrase of that text.
-OLD_TEXT = "6 of 22 seeds form the person lookup"
 
 
 def prose(text: str) -> str:
@@ -105,7 +99,7 @@ def test_readme_table_cells_are_a_sentence():
     for row in rows:
         for cell in re.split(r"(?<!\\)\|", row)[1:-1]:
             words = len(LINK_TARGET.sub("]", cell).split())
-            if words > 35 and OLD_TEXT not in cell:
+            if words > 35:
                 long.append(f"{words} words: {cell.strip()[:80]}")
     assert not long, "README cells over 35 words (one sentence and a link):\n" + "\n".join(long)
 
