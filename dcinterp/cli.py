@@ -1,5 +1,5 @@
-"""What the command lines share: a parser whose errors are one line, the check that an output can be written, and
-the one line that says a GPU ran out of memory.
+"""What the command lines share: a parser whose errors are one line, the argument types (`positive_int`,
+`non_negative_int`), the check that an output can be written, and the one line that says a GPU ran out of memory.
 
 Light on purpose (no torch, no transformer_lens), so that parsing arguments and `--help` stay fast.
 """
@@ -56,3 +56,47 @@ def out_of_memory_line(message: str, remedies: list[str]) -> str:
     card's capacity, what was free; not the allocator's advice that follows), then the remedies, if any."""
     account = ". ".join(" ".join(message.split()).split(". ")[:3]).rstrip(".")
     return f"{account}; try {', or '.join(remedies)}" if remedies else account
+
+
+# --------------------------------------------------------------------------------------------------
+# Argument types shared by every command (argparse's `type=`)
+def positive_int(text: str) -> int:
+    """An integer of at least 1, as argparse reads an option's value.
+
+    Args:
+        text: The value as typed.
+
+    Returns:
+        The integer.
+
+    Raises:
+        argparse.ArgumentTypeError: Not an integer, or below 1 (argparse prints the one line and exits 2).
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer of at least 0, as argparse reads an option's value.
+
+    Args:
+        text: The value as typed.
+
+    Returns:
+        The integer.
+
+    Raises:
+        argparse.ArgumentTypeError: Not an integer, or below 0 (argparse prints the one line and exits 2).
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, not {text!r}")
+    return value

@@ -229,10 +229,22 @@ def parse_task_ids(spec: str, catalog: Catalog) -> list[str]:
         if not first.isdigit() or (last and not (last.isdigit() and int(last) >= int(first))):
             raise ValueError(f"bad task selection {part!r} (use task3, 3 or 0-7)")
         task_ids += [f"task{number}" for number in range(int(first), int(last or first) + 1)]
-    return _known_task_ids(task_ids, catalog)
+    return known_task_ids(task_ids, catalog)
 
 
-def _known_task_ids(task_ids: Iterable, catalog: Catalog) -> list[str]:
+def known_task_ids(task_ids: Iterable, catalog: Catalog) -> list[str]:
+    """Task ids as the catalog names them, each checked to be one of its tasks.
+
+    Args:
+        task_ids: Ids such as "task3" or 3 (a bare number is the task of that number).
+        catalog: The task catalog.
+
+    Returns:
+        The ids as "task{n}", in the order given.
+
+    Raises:
+        ValueError: An id the catalog does not have (one line naming it and the range of ids).
+    """
     normalized = [f"task{task_id}" if str(task_id).isdigit() else str(task_id) for task_id in task_ids]
     unknown = [task_id for task_id in normalized if task_id not in catalog.tasks]
     if unknown:
@@ -247,7 +259,7 @@ def select_tasks(
     ov_transformations: Iterable[str] | None = None,
 ) -> list[Task]:
     """The catalog's tasks, in task order, restricted by ids, QK patterns and OV transformations."""
-    task_ids = set(_known_task_ids(tasks, catalog)) if tasks is not None else None
+    task_ids = set(known_task_ids(tasks, catalog)) if tasks is not None else None
     patterns = _known_names(qk_patterns, QK_PATTERNS, "QK pattern")
     transformations = _known_names(ov_transformations, OV_TRANSFORMATIONS, "OV transformation")
     return [

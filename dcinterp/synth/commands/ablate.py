@@ -26,12 +26,29 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-# torch, pandas and the model are imported inside the functions that use them: `python -m dcinterp.synth --help`
+from ...cli import positive_int
+from ..evaluate import (
+    EvalError,
+    encode_all,
+    load_samples,
+    pad_token_id,
+    padded_tokens,
+    parse_sample,
+    resolve_data_path,
+    results_frame,
+    sample_batches,
+    score_batch,
+    summarize,
+)
+from . import common
+from .common import agreed, check_out_dir, eval_device, parse_task_selection, select_samples, write_files
+
+# torch and the model are imported inside the functions that use them: `python -m dcinterp.synth --help`
 # builds this command's parser and should stay fast.
 if TYPE_CHECKING:
     import pandas as pd
 
-    from ..patching import Component
+    from ...patching import Component
 
 DEFAULT_CHECKPOINT = "dcpythia-synth"
 OUTPUTS = ("ablation.csv", "ablation.json", "ablation.png")
@@ -39,8 +56,7 @@ OUTPUTS = ("ablation.csv", "ablation.json", "ablation.png")
 
 def ablations(model) -> list[Component | None]:
     """None (the full model), then each (stage, branch), each stage and all compose in every layer, then each layer."""
-    from ..patching import everywhere_components, layer_components
-    from .evaluate import EvalError
+    from ...patching import everywhere_components, layer_components
 
     if not model.cfg.use_dcmha:
         raise EvalError(f"{model.cfg.model_name}: the checkpoint has no DCMHA (use_dcmha is false), nothing to ablate")
@@ -64,6 +80,7 @@ def ablation_table(model, samples, batch_size: int = 8, progress: bool = True, c
     components: default `ablations(model)` (None in the list is the full model). Each batch of samples runs once
     unablated, keeping the residual stream entering every layer; an ablation starts at its first ablated layer
     from there (nothing before it changes), and switches its branches off through their dynamic weights
+
     (`patching.zero_weight_hooks`: the model built without the branch, on the compose's no-hook path). The rows are
     those of `evaluate` under `ablation_hooks` (zeroed branch outputs) for each ablation in turn, up to float32
     rounding (the full model bit for bit).
@@ -75,9 +92,8 @@ def ablation_table(model, samples, batch_size: int = 8, progress: bool = True, c
     import torch
     from tqdm import tqdm
 
-    from ..distributed import gather, in_order, my_batches
-    from ..patching import check_components
-    from .evaluate import encode_all, pad_token_id, padded_tokens, results_frame, sample_batches, score_batch, summarize
+    from ...distributed import gather, in_order, my_batches
+    from ...patching import check_components
 
     if components is None:
         components = ablations(model)
@@ -121,7 +137,7 @@ def ablated_logits(model, tokens, components):
     """The logits [batch, pos, vocab] of `tokens` with each component switched off (None: the full model), in
     order. The unablated run goes layer by layer, keeping the stream entering each layer; each ablation starts
     from the stream entering its first ablated layer."""
-    from ..patching import zero_weight_hooks
+    from ...patching import zero_weight_hooks
 
     n_layers = model.cfg.n_layers
     streams = [model(tokens, stop_at_layer=0)]
@@ -152,9 +168,7 @@ def table_json(table: pd.DataFrame, checkpoint: str, data: Path, world_size: int
 
 
 def write_outputs(table: pd.DataFrame, summary: dict, figure, out_dir: Path) -> None:
-    """Write the CSV, the JSON and the figure, all or none (`evaluate.write_files`)."""
-    from .evaluate import write_files
-
+    """Write the CSV, the JSON and the figure, all or none (`common.write_files`)."""
     write_files(
         out_dir,
         {
@@ -163,18 +177,6 @@ def write_outputs(table: pd.DataFrame, summary: dict, figure, out_dir: Path) -> 
             "ablation.png": lambda path: figure.savefig(path, dpi=130, format="png"),
         },
     )
-
-
-def _positive_int(text: str) -> int:
-    from .evaluate import positive_int
-
-    return positive_int(text)
-
-
-def _task_selection(text: str) -> set[str]:
-    from .evaluate import parse_task_selection
-
-    return parse_task_selection(text)
 
 
 def add_ablate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -195,14 +197,14 @@ def add_ablate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     )
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--batch-size", type=_positive_int, default=8, metavar="N")
+    parser.add_argument("--batch-size", type=positive_int, default=8, metavar="N")
     parser.add_argument(
         "--tasks",
-        type=_task_selection,
+        type=parse_task_selection,
         metavar="SEL",
         help="tasks to evaluate: ids and ranges, e.g. task0,task5 or 0-7",
     )
-    parser.add_argument("--limit", type=_positive_int, metavar="N", help="only the first N samples (after --tasks)")
+    parser.add_argument("--limit", type=positive_int, metavar="N", help="only the first N samples (after --tasks)")
     return parser
 
 
@@ -211,15 +213,14 @@ def run_ablate(args: argparse.Namespace) -> int:
 
     Under `torchrun --nproc-per-node N` the N processes share the batches of samples (each runs every ablation on
     its batches); rank 0 writes what one process writes, and ablation.json records `world_size`."""
-    from ..distributed import finish, start
-    from .evaluate import EvalError, agreed
+    from ...distributed import finish, start
 
     rank, world_size, rank_device = start()
     try:
         model, data_path, samples = agreed(lambda: ablate_inputs(args, rank_device))
         table = ablation_table(model, samples, batch_size=args.batch_size, progress=rank == 0)
         if args.out is not None and rank == 0:
-            from ..plotting import plot_ablation_table
+            from ...plotting import plot_ablation_table
 
             figure = plot_ablation_table(
                 table, title=f"{args.checkpoint}: compose switched off, {len(samples)} samples"
@@ -243,16 +244,7 @@ def run_ablate(args: argparse.Namespace) -> int:
 
 def ablate_inputs(args: argparse.Namespace, rank_device: str | None):
     """The checked checkpoint (loaded on this process's device, with DCMHA), data file and samples."""
-    from ..distributed import process_device
-    from .evaluate import (
-        check_out_dir,
-        eval_device,
-        load_checkpoint,
-        load_samples,
-        parse_sample,
-        resolve_data_path,
-        select_samples,
-    )
+    from ...distributed import process_device
 
     if args.out is not None:
         check_out_dir(args.out)
@@ -261,6 +253,6 @@ def ablate_inputs(args: argparse.Namespace, rank_device: str | None):
     samples = select_samples(load_samples(data_path), args.tasks, args.limit, data_path)
     for sample in samples:
         parse_sample(sample)  # structural errors before the checkpoint is loaded
-    model = load_checkpoint(args.checkpoint, args.dtype, device)
+    model = common.load_checkpoint(args.checkpoint, args.dtype, device)
     ablations(model)  # EvalError for a checkpoint without DCMHA
     return model, data_path, samples

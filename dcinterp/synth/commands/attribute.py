@@ -22,6 +22,10 @@ import json
 import sys
 from pathlib import Path
 
+from ...cli import positive_int
+from ..evaluate import EvalError
+from .common import agreed, write_files
+
 DEFAULT_CHECKPOINT = "dcpythia-synth"
 DEFAULT_TASKS = "2,3"
 OUTPUTS = ("heads.csv", "prompts.csv", "summary.json", "heads.png")
@@ -30,7 +34,6 @@ TOP_HEADS = 10
 
 def add_attribute_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from .circuit import task_list
-    from .evaluate import positive_int
 
     parser.add_argument(
         "--checkpoint",
@@ -72,7 +75,7 @@ def add_attribute_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
 
 def attribute(model, pairs, tokens, args: argparse.Namespace, progress: bool = True):
     """`head_attribution_sweep` of the pairs' clean prompts and answers, with the command's settings."""
-    from ..attribution import head_attribution_sweep
+    from ...attribution import head_attribution_sweep
 
     if progress:
         print(f"{model.cfg.model_name}: {len(pairs)} prompts, {args.n_steps} steps", file=sys.stderr, flush=True)
@@ -130,8 +133,6 @@ def summary_of(result, args: argparse.Namespace, world_size: int) -> dict:
 
 
 def write_outputs(result, pairs, summary: dict, figure, out_dir: Path) -> None:
-    from .evaluate import write_files
-
     write_files(
         out_dir,
         {
@@ -148,8 +149,7 @@ def run_attribute(args: argparse.Namespace) -> int:
 
     Under `torchrun --nproc-per-node N` the N processes share the batches of prompts; rank 0 writes what one process
     writes, and summary.json records `world_size`."""
-    from ..distributed import finish, start
-    from .evaluate import EvalError, agreed
+    from ...distributed import finish, start
 
     rank, world_size, rank_device = start()
     try:
@@ -157,7 +157,7 @@ def run_attribute(args: argparse.Namespace) -> int:
         result = attribute(model, pairs, tokens, args, progress=rank == 0)
         summary = summary_of(result, args, world_size)
         if rank == 0:
-            from ..plotting import plot_head_attribution
+            from ...plotting import plot_head_attribution
 
             figure = plot_head_attribution(
                 result,

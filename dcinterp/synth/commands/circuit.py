@@ -19,6 +19,11 @@ import json
 import sys
 from pathlib import Path
 
+from ...cli import positive_int
+from ..evaluate import EvalError
+from . import common
+from .common import agreed, check_out_dir, eval_device, parse_task_selection, write_files
+
 DEFAULT_CHECKPOINT = "dcpythia-synth"
 DEFAULT_TASKS = "2,3"  # same-person : superclass, the case study's family
 OUTPUTS = ("edges.csv", "faithfulness.csv", "summary.json", "faithfulness.png", "circuit.png")
@@ -27,14 +32,10 @@ MAX_DRAWN_EDGES = 300
 
 def task_list(text: str) -> list[str]:
     """ "2,3" or "0-7" -> ["task2", "task3"], in task order (an argparse type)."""
-    from .evaluate import parse_task_selection
-
     return sorted(parse_task_selection(text), key=lambda t: int(t.removeprefix("task")))
 
 
 def add_circuit_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from .evaluate import positive_int
-
     parser.add_argument(
         "--checkpoint",
         default=DEFAULT_CHECKPOINT,
@@ -75,9 +76,8 @@ def add_circuit_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
 
 def check_kind(tasks: list[str], kind: str | None) -> None:
     """EvalError naming the first task the corruption does not apply to (before the checkpoint is loaded)."""
-    from .catalog import load_catalog
-    from .contrast import KIND_PATTERNS
-    from .evaluate import EvalError
+    from ..catalog import load_catalog
+    from ..contrast import KIND_PATTERNS
 
     if kind is None:
         return
@@ -104,7 +104,7 @@ def discover(
     """Scores (both methods), exact single-edge effects of the top edges, faithfulness curves and the summary."""
     import torch
 
-    from ..discovery import (
+    from ...discovery import (
         CircuitEvaluator,
         build_graph,
         edge_scores,
@@ -112,7 +112,7 @@ def discover(
         smallest_faithful_circuit,
         spearman,
     )
-    from ..distributed import rank_and_size
+    from ...distributed import rank_and_size
 
     def say(text: str) -> None:
         if progress:
@@ -166,8 +166,8 @@ def discover(
 
 
 def figures(result: dict, method: str, label: str):
-    from ..discovery import greedy_circuit
-    from ..plotting import plot_circuit, plot_faithfulness
+    from ...discovery import greedy_circuit
+    from ...plotting import plot_circuit, plot_faithfulness
 
     summary = result["summary"]
     n = min(summary["smallest_circuit_80"][f"{method}/greedy"]["edges"], MAX_DRAWN_EDGES)
@@ -184,8 +184,6 @@ def figures(result: dict, method: str, label: str):
 
 
 def write_outputs(result: dict, curve_figure, circuit_figure, out_dir: Path) -> None:
-    from .evaluate import write_files
-
     write_files(
         out_dir,
         {
@@ -204,8 +202,7 @@ def run_circuit(args: argparse.Namespace) -> int:
     Under `torchrun --nproc-per-node N` the N processes share the contrast pairs (every N-th batch of
     `--batch-size` pairs each): scores and metrics are gathered batch by batch and combined as one process does,
     so rank 0 writes the files one process writes, and summary.json records `world_size`."""
-    from ..distributed import finish, start
-    from .evaluate import EvalError, agreed
+    from ...distributed import finish, start
 
     rank, world_size, rank_device = start()
     try:
@@ -245,13 +242,12 @@ def circuit_inputs(args: argparse.Namespace, rank_device: str | None):
 def checked_model(args: argparse.Namespace, rank_device: str | None):
     """`--out`, `--device` and `--kind` checked, then the checkpoint loaded on this process's device, in eval mode
     with frozen weights; EvalError where a check fails or the checkpoint has no tokenizer."""
-    from ..distributed import process_device
-    from .evaluate import EvalError, check_out_dir, eval_device, load_checkpoint
+    from ...distributed import process_device
 
     check_out_dir(args.out)
     device = process_device(eval_device(args.device), rank_device)
     check_kind(args.tasks, args.kind)
-    model = load_checkpoint(args.checkpoint, args.dtype, device)
+    model = common.load_checkpoint(args.checkpoint, args.dtype, device)
     if model.tokenizer is None:
         raise EvalError(f"{args.checkpoint}: the checkpoint has no tokenizer; contrast pairs need one")
     model.eval()
@@ -262,8 +258,7 @@ def checked_model(args: argparse.Namespace, rank_device: str | None):
 def pairs_of(model, tasks: list[str], n: int, seed: int, kind: str | None):
     """n contrast pairs of each task and their tokens (`contrast_pairs`, `tokenize_pairs`); EvalError naming
     --tasks where a task gives none."""
-    from .contrast import contrast_pairs, tokenize_pairs
-    from .evaluate import EvalError
+    from ..contrast import contrast_pairs, tokenize_pairs
 
     try:
         pairs = [

@@ -33,6 +33,11 @@ import json
 import sys
 from pathlib import Path
 
+from ...cli import non_negative_int, positive_int
+from ..evaluate import EvalError
+from . import common
+from .common import check_out_dir, eval_device, parse_task_selection, write_files
+
 DEFAULT_CHECKPOINT = "dcpythia-synth"
 DEFAULT_TASKS = "2,3"  # same-person : superclass, the case study's family
 OUTPUTS = ("terms.csv", "summary.json", "qk.png")
@@ -51,22 +56,11 @@ TERM_CSV_COLUMNS = [
 
 
 def add_qk_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from .evaluate import parse_task_selection, positive_int
-
     def tasks(text: str) -> list[str]:
         return sorted(parse_task_selection(text), key=lambda t: int(t.removeprefix("task")))
 
-    def non_negative(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = -1
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"expected an integer >= 0, not {text!r}")
-        return value
-
-    parser.add_argument("--layer", type=non_negative, required=True, metavar="L", help="the head's layer")
-    parser.add_argument("--head", type=non_negative, required=True, metavar="H", help="the head explained")
+    parser.add_argument("--layer", type=non_negative_int, required=True, metavar="L", help="the head's layer")
+    parser.add_argument("--head", type=non_negative_int, required=True, metavar="H", help="the head explained")
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="write " + ", ".join(OUTPUTS) + " here")
     parser.add_argument(
         "--checkpoint",
@@ -88,7 +82,9 @@ def add_qk_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--contrast", metavar="WORD|ROLE", help="a second key: why the key rather than this one")
     parser.add_argument("--seed", type=int, default=0, help="the samples' seed")
     parser.add_argument("--top", type=positive_int, default=200, metavar="K", help="terms kept per sample (200)")
-    parser.add_argument("--checks", type=non_negative, default=3, metavar="K", help="components checked per side (3)")
+    parser.add_argument(
+        "--checks", type=non_negative_int, default=3, metavar="K", help="components checked per side (3)"
+    )
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     return parser
@@ -99,8 +95,7 @@ def add_qk_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 def resolve(model, tokens, pair, spec: str, option: str, layer: int, head: int, query_pos: int | None = None) -> int:
     """A role or a word as a position in the pair's clean prompt [1, pos]; EvalError naming `option` and the
     sample. "top" needs the query's position."""
-    from ..checks import find_word
-    from .evaluate import EvalError
+    from ...checks import find_word
 
     where = f"{pair.task_id} sample {pair.sample}"
     if spec == "last":
@@ -131,8 +126,8 @@ def top_key(model, tokens, layer: int, head: int, query_pos: int) -> int:
     """The key the head scores highest from the query (its composed score; plain MHA: its score)."""
     import torch
 
-    from ..model import visible_keys
-    from ..qk import layer_run
+    from ...model import visible_keys
+    from ...qk import layer_run
 
     run = layer_run(model, tokens, layer, query_pos, [query_pos])
     scores = run["composed" if model.cfg.use_dcmha else "scores"][head].float().cpu()
@@ -148,9 +143,8 @@ def explain(model, pairs, args, progress: bool = True) -> dict:
     through the source head with the largest mean share alone), so that their means stand beside the mean shares."""
     import pandas as pd
 
-    from ..qk import causal_checks, qk_attribution, qk_contrast
-    from ..qk_weights import compose_change
-    from .evaluate import EvalError
+    from ...qk import causal_checks, qk_attribution, qk_contrast
+    from ...qk_weights import compose_change
 
     layer, head = args.layer, args.head
     samples = []
@@ -349,7 +343,7 @@ def _score_label(spec: str) -> str:
 
 
 def figure(args, means: dict, contrast: dict, summary: dict):
-    from ..plotting import plot_qk_attribution
+    from ...plotting import plot_qk_attribution
 
     label = Path(str(args.checkpoint)).name
     second = None
@@ -376,9 +370,8 @@ def figure(args, means: dict, contrast: dict, summary: dict):
 
 def run_qk(args: argparse.Namespace) -> int:
     """The `qk` command: 0 on success, 2 (and one line on stderr) for bad input."""
-    from .catalog import CatalogError
-    from .contrast import contrast_pairs
-    from .evaluate import EvalError, check_out_dir, eval_device, load_checkpoint, write_files
+    from ..catalog import CatalogError
+    from ..contrast import contrast_pairs
 
     try:
         check_out_dir(args.out)
@@ -389,7 +382,7 @@ def run_qk(args: argparse.Namespace) -> int:
                 raise EvalError(f"--{option}: empty; pass a word or one of {', '.join(ROLES)}")
         if args.query == "top":
             raise EvalError("--query top: 'top' is a key; the query is a word, last, person or after-person")
-        model = load_checkpoint(args.checkpoint, args.dtype, device)
+        model = common.load_checkpoint(args.checkpoint, args.dtype, device)
         if model.tokenizer is None:
             raise EvalError(f"{args.checkpoint}: the checkpoint has no tokenizer; the samples need one")
         if args.layer >= model.cfg.n_layers:

@@ -1,0 +1,103 @@
+"""What the commands that run models on the synthetic tasks share: the task selection they parse, loading a checkpoint
+as one error line, the checks of `--out` and `--device`, outputs written whole or not at all, and inputs every
+process of a distributed run agrees on.
+
+Light on purpose (torch and the model are imported where a checkpoint is loaded), so that `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+from ...cli import check_writable_dir
+from ...devices import check_device
+from ..catalog import CatalogError, load_catalog
+from ..evaluate import EvalError, Sample
+from ..generator import parse_task_ids
+
+if TYPE_CHECKING:
+    from ...model import HookedDCFormer
+
+T = TypeVar("T")
+
+
+def parse_task_selection(text: str) -> set[str]:
+    """ "task0,task5" or "0-7,12" -> {"task0", ...}, as `generate --tasks` reads them."""
+    try:
+        return set(parse_task_ids(text, load_catalog()))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def agreed(check: Callable[[], T]) -> T:
+    """`check()` on every process of a distributed run; where any process refuses its input (EvalError,
+    CatalogError), every process raises an EvalError with the first refusal's line, so that all of them stop
+    with status 2 together rather than leave the others waiting (one process: `check()` as it is)."""
+    from ...distributed import first_error
+
+    try:
+        result, problem = check(), None
+    except (EvalError, CatalogError) as error:
+        result, problem = None, str(error)
+    problem = first_error(problem)
+    if problem is not None:
+        raise EvalError(problem)
+    return result
+
+
+def load_checkpoint(checkpoint: str, dtype: str, device: str) -> HookedDCFormer:
+    from ...loading import CheckpointError
+    from ...model import HookedDCFormer
+
+    try:
+        return HookedDCFormer.from_pretrained(checkpoint, dtype=dtype, device=device)
+    except CheckpointError as error:
+        raise EvalError(str(error)) from None
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """EvalError unless `out_dir` is a directory that can be written, or can be created; creates nothing."""
+    try:
+        check_writable_dir(out_dir, "--out")
+    except ValueError as error:
+        raise EvalError(str(error)) from None
+
+
+def eval_device(name: str | None) -> str:
+    """The --device to evaluate on (None: cuda if available, else cpu); EvalError if this machine lacks it."""
+    try:
+        return check_device(name)
+    except ValueError as error:
+        raise EvalError(f"--device: {error}") from None
+
+
+def write_files(out_dir: Path, writers: dict) -> None:
+    """Run each `writers[name](path)` on a partial file in out_dir, then rename them all into place; on an
+    OSError remove the partial files and raise one EvalError line: no half-written output."""
+    staged: list[tuple[Path, Path]] = []
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name, write in writers.items():
+            partial = out_dir / f".{name}.{os.getpid()}.partial"
+            staged.append((partial, out_dir / name))
+            write(partial)
+        for partial, final in staged:
+            os.replace(partial, final)
+    except OSError as error:
+        for partial, _ in staged:
+            partial.unlink(missing_ok=True)
+        raise EvalError(f"{out_dir}: cannot write the results ({error.strerror or error})") from None
+
+
+def select_samples(samples: list[Sample], tasks: set[str] | None, limit: int | None, source: Path) -> list[Sample]:
+    if tasks is not None:
+        samples = [s for s in samples if s.task_id in tasks]
+    if limit is not None:
+        samples = samples[:limit]
+    if not samples:
+        raise EvalError(f"{source}: no samples to evaluate" + (" of the selected tasks" if tasks else ""))
+    return samples
