@@ -72,13 +72,7 @@ def positive_int(text: str) -> int:
     Raises:
         argparse.ArgumentTypeError: Not an integer, or below 1 (argparse prints the one line and exits 2).
     """
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}")
-    return value
+    return _int_at_least(text, 1, "a positive integer")
 
 
 def non_negative_int(text: str) -> int:
@@ -93,10 +87,14 @@ def non_negative_int(text: str) -> int:
     Raises:
         argparse.ArgumentTypeError: Not an integer, or below 0 (argparse prints the one line and exits 2).
     """
+    return _int_at_least(text, 0, "an integer >= 0")
+
+
+def _int_at_least(text: str, minimum: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, not {text!r}")
+        value = minimum - 1
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected {what}, not {text!r}")
     return value

@@ -41,7 +41,17 @@ from ..evaluate import (
     summarize,
 )
 from . import common
-from .common import agreed, check_out_dir, eval_device, parse_task_selection, select_samples, write_files
+from .common import (
+    add_checkpoint_argument,
+    add_data_argument,
+    add_device_arguments,
+    agreed,
+    check_out_dir,
+    eval_device,
+    parse_task_selection,
+    select_samples,
+    write_files,
+)
 
 # torch and the model are imported inside the functions that use them: `python -m dcinterp.synth --help`
 # builds this command's parser and should stay fast.
@@ -180,23 +190,12 @@ def write_outputs(table: pd.DataFrame, summary: dict, figure, out_dir: Path) -> 
 
 
 def add_ablate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument(
-        "--checkpoint",
-        default=DEFAULT_CHECKPOINT,
-        metavar="PATH",
-        help="checkpoint directory or embedded model name (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--data",
-        default="released",
-        metavar="released|FILE",
-        help="'released' (the shipped synthetic_dataset.jsonl) or a JSON-lines file",
-    )
+    add_checkpoint_argument(parser, DEFAULT_CHECKPOINT)
+    add_data_argument(parser)
     parser.add_argument(
         "--out", type=Path, metavar="DIR", help="write " + ", ".join(OUTPUTS) + " here (default: only print the table)"
     )
-    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    add_device_arguments(parser)
     parser.add_argument("--batch-size", type=positive_int, default=8, metavar="N")
     parser.add_argument(
         "--tasks",

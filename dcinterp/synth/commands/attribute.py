@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ...cli import positive_int
 from ..evaluate import EvalError
-from .common import agreed, write_files
+from .common import add_checkpoint_argument, add_device_arguments, agreed, task_list, write_files
 
 DEFAULT_CHECKPOINT = "dcpythia-synth"
 DEFAULT_TASKS = "2,3"
@@ -33,14 +33,7 @@ TOP_HEADS = 10
 
 
 def add_attribute_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from .circuit import task_list
-
-    parser.add_argument(
-        "--checkpoint",
-        default=DEFAULT_CHECKPOINT,
-        metavar="PATH",
-        help="checkpoint directory or embedded model name (default: %(default)s)",
-    )
+    add_checkpoint_argument(parser, DEFAULT_CHECKPOINT)
     parser.add_argument(
         "--tasks",
         type=task_list,
@@ -61,8 +54,7 @@ def add_attribute_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--kind", choices=["person", "object"], help="which contrast pairs give the prompts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="write " + ", ".join(OUTPUTS) + " here")
-    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    add_device_arguments(parser)
     parser.add_argument("--batch-size", type=positive_int, default=8, metavar="N", help="prompts per call (default 8)")
     parser.add_argument(
         "--internal-batch-size",

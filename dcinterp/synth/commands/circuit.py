@@ -22,7 +22,15 @@ from pathlib import Path
 from ...cli import positive_int
 from ..evaluate import EvalError
 from . import common
-from .common import agreed, check_out_dir, eval_device, parse_task_selection, write_files
+from .common import (
+    add_checkpoint_argument,
+    add_device_arguments,
+    agreed,
+    check_out_dir,
+    eval_device,
+    task_list,
+    write_files,
+)
 
 DEFAULT_CHECKPOINT = "dcpythia-synth"
 DEFAULT_TASKS = "2,3"  # same-person : superclass, the case study's family
@@ -30,18 +38,8 @@ OUTPUTS = ("edges.csv", "faithfulness.csv", "summary.json", "faithfulness.png", 
 MAX_DRAWN_EDGES = 300
 
 
-def task_list(text: str) -> list[str]:
-    """ "2,3" or "0-7" -> ["task2", "task3"], in task order (an argparse type)."""
-    return sorted(parse_task_selection(text), key=lambda t: int(t.removeprefix("task")))
-
-
 def add_circuit_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument(
-        "--checkpoint",
-        default=DEFAULT_CHECKPOINT,
-        metavar="PATH",
-        help="checkpoint directory or embedded model name (default: %(default)s)",
-    )
+    add_checkpoint_argument(parser, DEFAULT_CHECKPOINT)
     parser.add_argument(
         "--tasks",
         type=task_list,
@@ -68,8 +66,7 @@ def add_circuit_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="write " + ", ".join(OUTPUTS) + " here")
-    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    add_device_arguments(parser)
     parser.add_argument("--batch-size", type=positive_int, default=8, metavar="N", help="pairs per forward pass")
     return parser
 

@@ -101,3 +101,59 @@ def select_samples(samples: list[Sample], tasks: set[str] | None, limit: int | N
     if not samples:
         raise EvalError(f"{source}: no samples to evaluate" + (" of the selected tasks" if tasks else ""))
     return samples
+
+
+# --------------------------------------------------------------------------------------------------
+# Arguments every command takes alike
+def task_list(text: str) -> list[str]:
+    """Tasks as `--tasks` gives them, in task order (an argparse type).
+
+    Args:
+        text: Ids and ranges, e.g. "2,3", "task0,task5" or "0-7".
+
+    Returns:
+        The task ids ("task2", ...) sorted by number.
+
+    Raises:
+        argparse.ArgumentTypeError: A selection the catalog does not have.
+    """
+    return sorted(parse_task_selection(text), key=lambda t: int(t.removeprefix("task")))
+
+
+def add_checkpoint_argument(parser: argparse.ArgumentParser, default: str) -> None:
+    """`--checkpoint PATH`: the one checkpoint a command runs.
+
+    Args:
+        parser: The command's parser.
+        default: The embedded model (or directory) taken without the option.
+    """
+    parser.add_argument(
+        "--checkpoint",
+        default=default,
+        metavar="PATH",
+        help="checkpoint directory or embedded model name (default: %(default)s)",
+    )
+
+
+def add_data_argument(parser: argparse.ArgumentParser) -> None:
+    """`--data released|FILE`: the samples a command scores.
+
+    Args:
+        parser: The command's parser.
+    """
+    parser.add_argument(
+        "--data",
+        default="released",
+        metavar="released|FILE",
+        help="'released' (the shipped synthetic_dataset.jsonl) or a JSON-lines file",
+    )
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--device` and `--dtype`: where and in which precision a command runs the model.
+
+    Args:
+        parser: The command's parser.
+    """
+    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])

@@ -28,7 +28,16 @@ from ..evaluate import (
     summarize,
 )
 from . import common
-from .common import agreed, check_out_dir, eval_device, parse_task_selection, select_samples, write_files
+from .common import (
+    add_data_argument,
+    add_device_arguments,
+    agreed,
+    check_out_dir,
+    eval_device,
+    parse_task_selection,
+    select_samples,
+    write_files,
+)
 
 DEFAULT_CHECKPOINTS = ("dcpythia-synth", "pythia-synth")
 DESCRIPTION = "Score language models on the synthetic ICL tasks as the paper does (Sec 4.3, Table 5, Fig. 6)."
@@ -42,20 +51,14 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         help="checkpoint directory or embedded model name; repeat to compare "
         f"(default: the embedded {' and '.join(DEFAULT_CHECKPOINTS)})",
     )
-    parser.add_argument(
-        "--data",
-        default="released",
-        metavar="released|FILE",
-        help="'released' (the shipped synthetic_dataset.jsonl) or a JSON-lines file",
-    )
+    add_data_argument(parser)
     parser.add_argument(
         "--out",
         type=Path,
         metavar="DIR",
         help="write results.csv and summary.json here (default: only print the table)",
     )
-    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    add_device_arguments(parser)
     parser.add_argument("--batch-size", type=positive_int, default=8, metavar="N")
     parser.add_argument(
         "--tasks",

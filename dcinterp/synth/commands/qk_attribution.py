@@ -36,7 +36,14 @@ from pathlib import Path
 from ...cli import non_negative_int, positive_int
 from ..evaluate import EvalError
 from . import common
-from .common import check_out_dir, eval_device, parse_task_selection, write_files
+from .common import (
+    add_checkpoint_argument,
+    add_device_arguments,
+    check_out_dir,
+    eval_device,
+    task_list,
+    write_files,
+)
 
 DEFAULT_CHECKPOINT = "dcpythia-synth"
 DEFAULT_TASKS = "2,3"  # same-person : superclass, the case study's family
@@ -56,21 +63,13 @@ TERM_CSV_COLUMNS = [
 
 
 def add_qk_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    def tasks(text: str) -> list[str]:
-        return sorted(parse_task_selection(text), key=lambda t: int(t.removeprefix("task")))
-
     parser.add_argument("--layer", type=non_negative_int, required=True, metavar="L", help="the head's layer")
     parser.add_argument("--head", type=non_negative_int, required=True, metavar="H", help="the head explained")
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="write " + ", ".join(OUTPUTS) + " here")
-    parser.add_argument(
-        "--checkpoint",
-        default=DEFAULT_CHECKPOINT,
-        metavar="PATH",
-        help="checkpoint directory or embedded model name (default: %(default)s)",
-    )
+    add_checkpoint_argument(parser, DEFAULT_CHECKPOINT)
     parser.add_argument(
         "--tasks",
-        type=tasks,
+        type=task_list,
         default=DEFAULT_TASKS,
         metavar="IDS",
         help="tasks whose samples are explained, e.g. 2,3 (default: %(default)s, same-person : superclass)",
@@ -85,8 +84,7 @@ def add_qk_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument(
         "--checks", type=non_negative_int, default=3, metavar="K", help="components checked per side (3)"
     )
-    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    add_device_arguments(parser)
     return parser
 
 
