@@ -24,7 +24,15 @@ BRANCHES = ("skip", "qp", "kp", "qg", "kg")
 # --------------------------------------------------------------------------------------------------
 # The run: what the decomposition reads, through hooks
 def component_names(model: HookedDCFormer, layer: int) -> list[str]:
-    """The residual components entering `layer`: embed, L{l}H{h} and MLP{l} of every earlier layer, bias."""
+    """The residual components entering a layer: embed, L{l}H{h} and MLP{l} of every earlier layer, bias.
+
+    Args:
+        model: The model.
+        layer: The layer the components enter.
+
+    Returns:
+        The names, in the order of `residual_components`' component axis.
+    """
     names = ["embed"]
     for earlier in range(layer):
         names += [f"L{earlier}H{h}" for h in range(model.cfg.n_heads)] + [f"MLP{earlier}"]
@@ -32,8 +40,15 @@ def component_names(model: HookedDCFormer, layer: int) -> list[str]:
 
 
 def compose_branches(model: HookedDCFormer, stage: str = "pre") -> list[str]:
-    """The branches a stage runs: `skip`, then those of qp, kp, qg, kg the model has (only skip for plain MHA or
-    a model without the stage)."""
+    """The branches a compose stage runs: `skip`, then those of qp, kp, qg, kg the model has.
+
+    Args:
+        model: The model.
+        stage: "pre" or "post".
+
+    Returns:
+        The branch names; only `skip` for plain MHA or a model without the stage.
+    """
     cfg = model.cfg
     if not cfg.use_dcmha or stage not in cfg.compose_stages:
         return ["skip"]
@@ -50,6 +65,16 @@ def layer_run(
     position: ln_scale [pos, 1], q_scale / k_scale [pos, head, 1] (the QK-norm's, from ln1's output by the
     forward's own projection), the compose weights
     `{stage}.{weight}`. The query's row [head, key] of scores, composed (DCMHA), pattern, composed_pattern (DCMHA).
+
+    Args:
+        model: The model.
+        prompt: One prompt's token ids [1, pos].
+        layer: The last layer run.
+        query_pos: The query whose row of scores and patterns is kept.
+        positions: The positions whose earlier-layer outputs are kept.
+
+    Returns:
+        The run: {name: tensor}, as listed above.
     """
     attn = f"blocks.{layer}.attn"
     at = torch.tensor(sorted(set(positions)))
@@ -92,8 +117,17 @@ def layer_run(
 def residual_components(
     model: HookedDCFormer, run: dict[str, Tensor], layer: int, positions: Int[Tensor, " pos"]
 ) -> Float[Tensor, "pos component d_model"]:
-    """The components of the stream entering `layer` at `positions` (float32, in `component_names` order; the
-    positions must be among those `layer_run` kept): they add up to `blocks.{layer}.hook_resid_pre` there."""
+    """The components of the stream entering a layer, which add up to `blocks.{layer}.hook_resid_pre` there.
+
+    Args:
+        model: The model.
+        run: What `layer_run` kept.
+        layer: The layer the stream enters.
+        positions: Positions among those `layer_run` kept.
+
+    Returns:
+        The components in float32, in `component_names` order.
+    """
     device = model.blocks[layer].attn.W_Q.device
     rows = torch.searchsorted(run["positions"], positions.cpu()).to(device)
     H, d = model.cfg.n_heads, model.cfg.d_model
@@ -119,8 +153,21 @@ def normed_components(
     components: Float[Tensor, "pos component d_model"],
     positions: Int[Tensor, " pos"],
 ) -> Float[Tensor, "pos component d_model"]:
-    """Each component through ln1 with the run's scale at its position (centred for a LayerNorm, divided by the
-    scale, times the weight; the norm's bias goes to `bias`): they add up to `ln1.hook_normalized`."""
+    """Each component through ln1 with the run's scale at its position; they add up to `ln1.hook_normalized`.
+
+    A component is centred for a LayerNorm, divided by the scale and multiplied by the weight; the norm's bias goes
+    to `bias`.
+
+    Args:
+        model: The model.
+        run: What `layer_run` kept.
+        layer: The layer whose ln1 the components go through.
+        components: What `residual_components` returned at `positions`.
+        positions: The positions of the components.
+
+    Returns:
+        The normed components, in the order given.
+    """
     norm = model.blocks[layer].ln1
     device = components.device
     x = components
@@ -141,9 +188,20 @@ def side_vectors(
     positions: Int[Tensor, " pos"],
     side: str,
 ) -> Float[Tensor, "pos component head d_head"]:
-    """Each component's share of every head's rotated q (side "q", divided by sqrt(d_head)) or k (side "k") at its
-    position, with ln1's and the QK-norm's scales frozen at the run's: they add up to `hook_rot_q` / `hook_rot_k`
-    (over sqrt(d_head) for q)."""
+    """Each component's share of every head's rotated q or k at its position, with ln1's and the QK-norm's scales
+    frozen at the run's: they add up to `hook_rot_q` (over sqrt(d_head)) or `hook_rot_k`.
+
+    Args:
+        model: The model.
+        run: What `layer_run` kept.
+        layer: The layer whose heads read the components.
+        components: What `residual_components` returned at `positions`.
+        positions: The positions of the components.
+        side: "q" (divided by sqrt(d_head)) or "k".
+
+    Returns:
+        The vectors [pos, component, head, d_head].
+    """
     cfg = model.cfg
     attn = model.blocks[layer].attn
     device = components.device
@@ -167,7 +225,19 @@ def side_vectors(
 def branch_weights(
     model: HookedDCFormer, run: dict[str, Tensor], stage: str, query_pos: int, keys: Tensor, head: int
 ) -> Float[Tensor, "key branch source_head"]:
-    """W_b[n, head] of every branch the stage runs (`compose_branches` order), at (query_pos, s) for each key s."""
+    """W_b[n, head] of every branch a compose stage runs, at (query_pos, s) for each key s.
+
+    Args:
+        model: The model.
+        run: What `layer_run` kept (its compose weights).
+        stage: "pre" or "post".
+        query_pos: The query position.
+        keys: The key positions.
+        head: The head m whose composed score the weights feed.
+
+    Returns:
+        The weights [key, branch, source head], branches in `compose_branches` order.
+    """
     branches = compose_branches(model, stage)
     H = model.cfg.n_heads
     W = torch.zeros(len(keys), len(branches), H)
@@ -196,8 +266,18 @@ def branch_weights(
 def single_prompt(
     model: HookedDCFormer, tokens, batch_index: int, name: str = "tokens", index_name: str = "batch_index"
 ) -> Int[Tensor, "1 pos"]:
-    """One prompt [1, pos] of `tokens` ([pos] or a batch, `batch_index` picking the prompt), checked; the
-    one-line errors name the arguments as `name` and `index_name`."""
+    """One prompt of a batch, checked.
+
+    Args:
+        model: The model.
+        tokens: Token ids [pos] or [batch, pos].
+        batch_index: The prompt picked (negative counts from the end).
+        name: The name of `tokens` in the one-line errors.
+        index_name: The name of `batch_index` in the one-line errors.
+
+    Returns:
+        The prompt [1, pos] on the model's input device.
+    """
     tokens = check_tokens(model, tokens, name)
     n = tokens.shape[0]
     if isinstance(batch_index, bool) or not isinstance(batch_index, int) or not -n <= batch_index < n:

@@ -26,7 +26,17 @@ T = TypeVar("T")
 
 
 def parse_task_selection(text: str) -> set[str]:
-    """ "task0,task5" or "0-7,12" -> {"task0", ...}, as `generate --tasks` reads them."""
+    """A task selection as `generate --tasks` reads it (an argparse type).
+
+    Args:
+        text: Ids and ranges, e.g. "task0,task5" or "0-7,12".
+
+    Returns:
+        The task ids, e.g. {"task0", "task5"}.
+
+    Raises:
+        argparse.ArgumentTypeError: A selection the catalog does not have.
+    """
     try:
         return set(parse_task_ids(text, load_catalog()))
     except ValueError as error:
@@ -34,9 +44,21 @@ def parse_task_selection(text: str) -> set[str]:
 
 
 def agreed(check: Callable[[], T]) -> T:
-    """`check()` on every process of a distributed run; where any process refuses its input (EvalError,
-    CatalogError), every process raises an EvalError with the first refusal's line, so that all of them stop
-    with status 2 together rather than leave the others waiting (one process: `check()` as it is)."""
+    """`check()` on every process of a distributed run, which all stop together where one refuses its input.
+
+    Where any process refuses (EvalError, CatalogError), every process raises an EvalError with the first
+    refusal's line, so that all of them stop with status 2 rather than leave the others waiting. One process:
+    `check()` as it is.
+
+    Args:
+        check: What reads and checks the command's inputs.
+
+    Returns:
+        What `check()` returned.
+
+    Raises:
+        EvalError: The first refusal's line, on every process.
+    """
     from ...distributed import first_error
 
     try:
@@ -50,6 +72,19 @@ def agreed(check: Callable[[], T]) -> T:
 
 
 def load_checkpoint(checkpoint: str, dtype: str, device: str) -> HookedDCFormer:
+    """The model of a checkpoint, for a command (every command loads through here).
+
+    Args:
+        checkpoint: A checkpoint directory or an embedded model's name.
+        dtype: "float32", "float16" or "bfloat16".
+        device: The torch device to load on.
+
+    Returns:
+        The model.
+
+    Raises:
+        EvalError: The checkpoint cannot be loaded (one line naming the file and key at fault).
+    """
     from ...loading import CheckpointError
     from ...model import HookedDCFormer
 
@@ -60,7 +95,14 @@ def load_checkpoint(checkpoint: str, dtype: str, device: str) -> HookedDCFormer:
 
 
 def check_out_dir(out_dir: Path) -> None:
-    """EvalError unless `out_dir` is a directory that can be written, or can be created; creates nothing."""
+    """Check that `--out` is a directory that can be written, or can be created; creates nothing.
+
+    Args:
+        out_dir: The directory given.
+
+    Raises:
+        EvalError: One line naming the directory and why not.
+    """
     try:
         check_writable_dir(out_dir, "--out")
     except ValueError as error:
@@ -68,7 +110,17 @@ def check_out_dir(out_dir: Path) -> None:
 
 
 def eval_device(name: str | None) -> str:
-    """The --device to evaluate on (None: cuda if available, else cpu); EvalError if this machine lacks it."""
+    """The `--device` a command runs on.
+
+    Args:
+        name: The device given, or None for cuda if available, else cpu.
+
+    Returns:
+        The device's name.
+
+    Raises:
+        EvalError: This machine lacks the device (one line naming it and what is available).
+    """
     try:
         return check_device(name)
     except ValueError as error:
@@ -76,8 +128,18 @@ def eval_device(name: str | None) -> str:
 
 
 def write_files(out_dir: Path, writers: dict) -> None:
-    """Run each `writers[name](path)` on a partial file in out_dir, then rename them all into place; on an
-    OSError remove the partial files and raise one EvalError line: no half-written output."""
+    """Write a command's outputs whole or not at all.
+
+    Each `writers[name](path)` writes a partial file in `out_dir`; then all are renamed into place. On an OSError
+    the partial files are removed: no half-written output.
+
+    Args:
+        out_dir: The output directory (created if missing).
+        writers: {file name: a function that writes the file at the path it is given}.
+
+    Raises:
+        EvalError: A file could not be written (one line naming the directory and why).
+    """
     staged: list[tuple[Path, Path]] = []
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -94,6 +156,20 @@ def write_files(out_dir: Path, writers: dict) -> None:
 
 
 def select_samples(samples: list[Sample], tasks: set[str] | None, limit: int | None, source: Path) -> list[Sample]:
+    """The samples a command scores: those of `--tasks`, then the first `--limit`.
+
+    Args:
+        samples: The data file's samples.
+        tasks: The task ids kept, or None for every task.
+        limit: How many samples are kept at most, or None for all.
+        source: The data file, named in the error.
+
+    Returns:
+        The samples kept, in file order.
+
+    Raises:
+        EvalError: No sample is left.
+    """
     if tasks is not None:
         samples = [s for s in samples if s.task_id in tasks]
     if limit is not None:

@@ -44,6 +44,14 @@ DESCRIPTION = "Score language models on the synthetic ICL tasks as the paper doe
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The `eval` command's options.
+
+    Args:
+        parser: The parser to add them to.
+
+    Returns:
+        The same parser.
+    """
     parser.add_argument(
         "--checkpoint",
         action="append",
@@ -78,11 +86,18 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    """The `eval` command: 0 on success, 2 (and one line on stderr) for bad input.
+    """The `eval` command.
 
     Launched with `torchrun --nproc-per-node N` (or `accelerate launch`), the N processes share the samples of
     each checkpoint; rank 0 prints and writes the same files as one process would, and each checkpoint's entry of
-    summary.json records `world_size`. Bad input stops every process with status 2."""
+    summary.json records `world_size`. Bad input stops every process with status 2.
+
+    Args:
+        args: The parsed options (`add_eval_arguments`).
+
+    Returns:
+        The exit status: 0 on success, 2 (and one line on stderr) for bad input.
+    """
     from ...distributed import finish, process_device, start
 
     rank, world_size, rank_device = start()
@@ -118,7 +133,17 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def eval_inputs(args: argparse.Namespace) -> tuple[str, list[str], Path, list[Sample]]:
-    """The checked device, checkpoints, data file and samples of `eval`, before any checkpoint is loaded."""
+    """The checked inputs of `eval`, before any checkpoint is loaded.
+
+    Args:
+        args: The parsed options.
+
+    Returns:
+        (device, checkpoints, data file, samples).
+
+    Raises:
+        EvalError: An input that cannot be evaluated (one line).
+    """
     if args.out is not None:
         check_out_dir(args.out)
     device = eval_device(args.device)
@@ -131,11 +156,30 @@ def eval_inputs(args: argparse.Namespace) -> tuple[str, list[str], Path, list[Sa
 
 
 def main_eval(argv: list[str] | None = None) -> int:
+    """`eval` as a program of its own.
+
+    Args:
+        argv: The arguments (None: the process's).
+
+    Returns:
+        The exit status.
+    """
     parser = argparse.ArgumentParser(prog="python -m dcinterp.synth eval", description=DESCRIPTION)
     return run_eval(add_eval_arguments(parser).parse_args(argv))
 
 
 def checkpoints_to_evaluate(given: list[str] | None) -> list[str]:
+    """The checkpoints `eval` scores.
+
+    Args:
+        given: The `--checkpoint` options, or None for the embedded models.
+
+    Returns:
+        The checkpoints.
+
+    Raises:
+        EvalError: None given and no embedded model shipped.
+    """
     if given:
         return given
     from ...loading import embedded_models
@@ -147,13 +191,26 @@ def checkpoints_to_evaluate(given: list[str] | None) -> list[str]:
 
 
 def checkpoint_names(checkpoints: list[str]) -> list[str]:
-    """Each checkpoint's directory name (or embedded name); the path as given where two names clash."""
+    """The names results carry for checkpoints.
+
+    Args:
+        checkpoints: The checkpoints as given.
+
+    Returns:
+        Each one's directory name (or embedded name); the path as given where two names clash.
+    """
     names = [Path(c).expanduser().resolve().name if Path(c).expanduser().is_dir() else str(c) for c in checkpoints]
     return [name if names.count(name) == 1 else str(c) for name, c in zip(names, checkpoints, strict=True)]
 
 
 def write_outputs(results: pd.DataFrame, summary: dict, out_dir: Path) -> None:
-    """Write results.csv and summary.json, both or neither (see `write_files`)."""
+    """Write results.csv and summary.json, both or neither (see `write_files`).
+
+    Args:
+        results: One row per answer (`evaluate`).
+        summary: `summarize(results)`, with each checkpoint's `world_size`.
+        out_dir: The output directory.
+    """
     write_files(
         out_dir,
         {
@@ -164,7 +221,11 @@ def write_outputs(results: pd.DataFrame, summary: dict, out_dir: Path) -> None:
 
 
 def print_table(summary: dict) -> None:
-    """Accuracy and perplexity side by side per checkpoint, as in the paper's Table 5, then accuracy by K."""
+    """Print accuracy and perplexity side by side per checkpoint, as in the paper's Table 5, then accuracy by K.
+
+    Args:
+        summary: `summarize(results)`.
+    """
     from rich.console import Console
     from rich.table import Table
 
