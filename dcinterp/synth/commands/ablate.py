@@ -65,7 +65,17 @@ OUTPUTS = ("ablation.csv", "ablation.json", "ablation.png")
 
 
 def ablations(model) -> list[Component | None]:
-    """None (the full model), then each (stage, branch), each stage and all compose in every layer, then each layer."""
+    """None (the full model), then each (stage, branch), each stage and all compose in every layer, then each layer.
+
+    Args:
+        model: The model (it must have DCMHA).
+
+    Returns:
+        The components, None first (the full model).
+
+    Raises:
+        EvalError: A model without DCMHA: nothing to ablate.
+    """
     from ...patching import everywhere_components, layer_components
 
     if not model.cfg.use_dcmha:
@@ -74,7 +84,14 @@ def ablations(model) -> list[Component | None]:
 
 
 def label(component: Component | None) -> str:
-    """'none', 'post.kp' (a branch in every layer), 'post' (a stage), 'all compose', 'layer 2'."""
+    """'none', 'post.kp' (a branch in every layer), 'post' (a stage), 'all compose', 'layer 2'.
+
+    Args:
+        component: A component of `ablations`, or None.
+
+    Returns:
+        Its row's name in the table.
+    """
     if component is None:
         return "none"
     if component.layer != "all":
@@ -97,6 +114,16 @@ def ablation_table(model, samples, batch_size: int = 8, progress: bool = True, c
 
     Under `torchrun` each process takes every world_size-th batch of the batches one process forms, with every
     ablation; the scores are gathered, so every process returns the table one process computes, bit for bit.
+
+    Args:
+        model: The model.
+        samples: The samples scored (`dcinterp.synth.evaluate.as_samples` reads records).
+        batch_size: Samples a forward pass.
+        progress: Show a progress bar.
+        components: The ablations (default `ablations(model)`; None in the list is the full model).
+
+    Returns:
+        The table, one row per ablation.
     """
     import pandas as pd
     import torch
@@ -146,7 +173,16 @@ def ablation_table(model, samples, batch_size: int = 8, progress: bool = True, c
 def ablated_logits(model, tokens, components):
     """The logits [batch, pos, vocab] of `tokens` with each component switched off (None: the full model), in
     order. The unablated run goes layer by layer, keeping the stream entering each layer; each ablation starts
-    from the stream entering its first ablated layer."""
+    from the stream entering its first ablated layer.
+
+    Args:
+        model: The model.
+        tokens: Token ids [batch, pos].
+        components: The ablations, in order (None: the full model).
+
+    Returns:
+        One logits tensor [batch, pos, vocab] per component.
+    """
     from ...patching import zero_weight_hooks
 
     n_layers = model.cfg.n_layers
@@ -164,7 +200,17 @@ def ablated_logits(model, tokens, components):
 
 
 def table_json(table: pd.DataFrame, checkpoint: str, data: Path, world_size: int = 1) -> dict:
-    """The table nested per ablation, with the checkpoint, the data file and how many processes shared the work."""
+    """The table nested per ablation, with the checkpoint, the data file and how many processes shared the work.
+
+    Args:
+        table: `ablation_table`'s result.
+        checkpoint: The checkpoint's name.
+        data: The data file.
+        world_size: How many processes shared the work.
+
+    Returns:
+        The JSON-ready dict.
+    """
     rows = []
     for record in table.to_dict("records"):
         rows.append(
@@ -178,7 +224,14 @@ def table_json(table: pd.DataFrame, checkpoint: str, data: Path, world_size: int
 
 
 def write_outputs(table: pd.DataFrame, summary: dict, figure, out_dir: Path) -> None:
-    """Write the CSV, the JSON and the figure, all or none (`common.write_files`)."""
+    """Write the CSV, the JSON and the figure, all or none (`common.write_files`).
+
+    Args:
+        table: `ablation_table`'s result.
+        summary: `table_json`'s result.
+        figure: The table's figure.
+        out_dir: The output directory.
+    """
     write_files(
         out_dir,
         {
@@ -190,6 +243,14 @@ def write_outputs(table: pd.DataFrame, summary: dict, figure, out_dir: Path) -> 
 
 
 def add_ablate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The `ablate` command's options.
+
+    Args:
+        parser: The parser to add them to.
+
+    Returns:
+        The same parser.
+    """
     add_checkpoint_argument(parser, DEFAULT_CHECKPOINT)
     add_data_argument(parser)
     parser.add_argument(
@@ -211,7 +272,14 @@ def run_ablate(args: argparse.Namespace) -> int:
     """The `ablate` command: 0 on success, 2 (and one line on stderr) for bad input.
 
     Under `torchrun --nproc-per-node N` the N processes share the batches of samples (each runs every ablation on
-    its batches); rank 0 writes what one process writes, and ablation.json records `world_size`."""
+    its batches); rank 0 writes what one process writes, and ablation.json records `world_size`.
+
+    Args:
+        args: The parsed options (`add_ablate_arguments`).
+
+    Returns:
+        The exit status.
+    """
     from ...distributed import finish, start
 
     rank, world_size, rank_device = start()
@@ -242,7 +310,18 @@ def run_ablate(args: argparse.Namespace) -> int:
 
 
 def ablate_inputs(args: argparse.Namespace, rank_device: str | None):
-    """The checked checkpoint (loaded on this process's device, with DCMHA), data file and samples."""
+    """The checked checkpoint (loaded on this process's device, with DCMHA), data file and samples.
+
+    Args:
+        args: The parsed options.
+        rank_device: This process's device under torchrun, else None.
+
+    Returns:
+        (model, data file, samples).
+
+    Raises:
+        EvalError: An input that cannot be scored (one line).
+    """
     from ...distributed import process_device
 
     if args.out is not None:

@@ -33,6 +33,14 @@ TOP_HEADS = 10
 
 
 def add_attribute_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The `attribute` command's options.
+
+    Args:
+        parser: The parser to add them to.
+
+    Returns:
+        The same parser.
+    """
     add_checkpoint_argument(parser, DEFAULT_CHECKPOINT)
     parser.add_argument(
         "--tasks",
@@ -66,7 +74,18 @@ def add_attribute_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
 
 
 def attribute(model, pairs, tokens, args: argparse.Namespace, progress: bool = True):
-    """`head_attribution_sweep` of the pairs' clean prompts and answers, with the command's settings."""
+    """`head_attribution_sweep` of the pairs' clean prompts and answers, with the command's settings.
+
+    Args:
+        model: The model.
+        pairs: The contrast pairs (their clean prompts are attributed).
+        tokens: The pairs' tokens (`tokenize_pairs`).
+        args: The parsed options (steps, baseline, path, batch sizes).
+        progress: Say on stderr what runs.
+
+    Returns:
+        The sweep's result.
+    """
     from ...attribution import head_attribution_sweep
 
     if progress:
@@ -88,6 +107,15 @@ def attribute(model, pairs, tokens, args: argparse.Namespace, progress: bool = T
 
 
 def prompts_frame(result, pairs):
+    """One row per prompt: task, sample, answer, the target at the input and at the baseline, and their gap.
+
+    Args:
+        result: `attribute`'s result.
+        pairs: The contrast pairs, in the result's order.
+
+    Returns:
+        The frame.
+    """
     import pandas as pd
 
     return pd.DataFrame(
@@ -103,6 +131,16 @@ def prompts_frame(result, pairs):
 
 
 def summary_of(result, args: argparse.Namespace, world_size: int) -> dict:
+    """What summary.json holds: the settings, the top heads and the completeness gaps.
+
+    Args:
+        result: `attribute`'s result.
+        args: The parsed options.
+        world_size: How many processes shared the work.
+
+    Returns:
+        The JSON-ready dict.
+    """
     gap = result.delta.abs()
     effect = (result.f_input - result.f_baseline).abs()
     return {
@@ -125,6 +163,15 @@ def summary_of(result, args: argparse.Namespace, world_size: int) -> dict:
 
 
 def write_outputs(result, pairs, summary: dict, figure, out_dir: Path) -> None:
+    """Write heads.csv, prompts.csv, summary.json and heads.png, all or none (`common.write_files`).
+
+    Args:
+        result: `attribute`'s result.
+        pairs: The contrast pairs.
+        summary: `summary_of`'s result.
+        figure: The heads' figure.
+        out_dir: The output directory.
+    """
     write_files(
         out_dir,
         {
@@ -140,7 +187,14 @@ def run_attribute(args: argparse.Namespace) -> int:
     """The `attribute` command: 0 on success, 2 (and one line on stderr) for bad input.
 
     Under `torchrun --nproc-per-node N` the N processes share the batches of prompts; rank 0 writes what one process
-    writes, and summary.json records `world_size`."""
+    writes, and summary.json records `world_size`.
+
+    Args:
+        args: The parsed options (`add_attribute_arguments`).
+
+    Returns:
+        The exit status.
+    """
     from ...distributed import finish, start
 
     rank, world_size, rank_device = start()
@@ -177,7 +231,18 @@ def run_attribute(args: argparse.Namespace) -> int:
 
 
 def attribute_inputs(args: argparse.Namespace, rank_device: str | None):
-    """The checked checkpoint (loaded, frozen, on this process's device), the contrast pairs and their tokens."""
+    """The checked checkpoint (loaded, frozen, on this process's device), the contrast pairs and their tokens.
+
+    Args:
+        args: The parsed options.
+        rank_device: This process's device under torchrun, else None.
+
+    Returns:
+        (model, pairs, tokens).
+
+    Raises:
+        EvalError: An input that cannot be attributed (one line).
+    """
     from .circuit import checked_model, pairs_of
 
     model = checked_model(args, rank_device)

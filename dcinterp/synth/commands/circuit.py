@@ -39,6 +39,14 @@ MAX_DRAWN_EDGES = 300
 
 
 def add_circuit_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The `circuit` command's options.
+
+    Args:
+        parser: The parser to add them to.
+
+    Returns:
+        The same parser.
+    """
     add_checkpoint_argument(parser, DEFAULT_CHECKPOINT)
     parser.add_argument(
         "--tasks",
@@ -72,7 +80,15 @@ def add_circuit_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
 
 
 def check_kind(tasks: list[str], kind: str | None) -> None:
-    """EvalError naming the first task the corruption does not apply to (before the checkpoint is loaded)."""
+    """EvalError naming the first task the corruption does not apply to (before the checkpoint is loaded).
+
+    Args:
+        tasks: The task ids.
+        kind: The corruption (`--kind`), or None for each task's own.
+
+    Raises:
+        EvalError: A task the corruption does not apply to.
+    """
     from ..catalog import load_catalog
     from ..contrast import KIND_PATTERNS
 
@@ -98,7 +114,22 @@ def discover(
     seed: int = 0,
     progress: bool = True,
 ) -> dict:
-    """Scores (both methods), exact single-edge effects of the top edges, faithfulness curves and the summary."""
+    """Scores (both methods), exact single-edge effects of the top edges, faithfulness curves and the summary.
+
+    Args:
+        model: The model.
+        pairs: The contrast pairs' tokens (`tokenize_pairs`).
+        method: The method the circuit is drawn from: "eap" or "eap-ig".
+        n_steps: EAP-IG's steps.
+        metric: "logit_diff" or "logprob".
+        exact_top: How many top-scored edges are patched exactly.
+        batch_size: Pairs a forward pass (None: all).
+        seed: The seed of the random-edges baseline.
+        progress: Say on stderr what runs.
+
+    Returns:
+        {graph, scores, edges, curve, summary}.
+    """
     import torch
 
     from ...discovery import (
@@ -163,6 +194,16 @@ def discover(
 
 
 def figures(result: dict, method: str, label: str):
+    """The faithfulness curves and the circuit `method` finds, drawn.
+
+    Args:
+        result: `discover`'s result.
+        method: The method whose circuit is drawn.
+        label: The checkpoint's name, in the titles.
+
+    Returns:
+        (curve figure, circuit figure).
+    """
     from ...discovery import greedy_circuit
     from ...plotting import plot_circuit, plot_faithfulness
 
@@ -181,6 +222,14 @@ def figures(result: dict, method: str, label: str):
 
 
 def write_outputs(result: dict, curve_figure, circuit_figure, out_dir: Path) -> None:
+    """Write edges.csv, faithfulness.csv, summary.json and the two figures, all or none (`common.write_files`).
+
+    Args:
+        result: `discover`'s result.
+        curve_figure: The faithfulness curves.
+        circuit_figure: The circuit.
+        out_dir: The output directory.
+    """
     write_files(
         out_dir,
         {
@@ -198,7 +247,14 @@ def run_circuit(args: argparse.Namespace) -> int:
 
     Under `torchrun --nproc-per-node N` the N processes share the contrast pairs (every N-th batch of
     `--batch-size` pairs each): scores and metrics are gathered batch by batch and combined as one process does,
-    so rank 0 writes the files one process writes, and summary.json records `world_size`."""
+    so rank 0 writes the files one process writes, and summary.json records `world_size`.
+
+    Args:
+        args: The parsed options (`add_circuit_arguments`).
+
+    Returns:
+        The exit status.
+    """
     from ...distributed import finish, start
 
     rank, world_size, rank_device = start()
@@ -231,14 +287,33 @@ def run_circuit(args: argparse.Namespace) -> int:
 
 
 def circuit_inputs(args: argparse.Namespace, rank_device: str | None):
-    """The checked checkpoint (loaded, frozen, on this process's device) and the tokenized contrast pairs."""
+    """The checked checkpoint (loaded, frozen, on this process's device) and the tokenized contrast pairs.
+
+    Args:
+        args: The parsed options.
+        rank_device: This process's device under torchrun, else None.
+
+    Returns:
+        (model, pairs' tokens).
+    """
     model = checked_model(args, rank_device)
     return model, pairs_of(model, args.tasks, args.pairs, args.seed, args.kind)[1]
 
 
 def checked_model(args: argparse.Namespace, rank_device: str | None):
     """`--out`, `--device` and `--kind` checked, then the checkpoint loaded on this process's device, in eval mode
-    with frozen weights; EvalError where a check fails or the checkpoint has no tokenizer."""
+    with frozen weights; EvalError where a check fails or the checkpoint has no tokenizer.
+
+    Args:
+        args: The parsed options.
+        rank_device: This process's device under torchrun, else None.
+
+    Returns:
+        The model.
+
+    Raises:
+        EvalError: A check fails, or the checkpoint has no tokenizer.
+    """
     from ...distributed import process_device
 
     check_out_dir(args.out)
@@ -254,7 +329,21 @@ def checked_model(args: argparse.Namespace, rank_device: str | None):
 
 def pairs_of(model, tasks: list[str], n: int, seed: int, kind: str | None):
     """n contrast pairs of each task and their tokens (`contrast_pairs`, `tokenize_pairs`); EvalError naming
-    --tasks where a task gives none."""
+    --tasks where a task gives none.
+
+    Args:
+        model: The model (its tokenizer).
+        tasks: The task ids.
+        n: Pairs per task.
+        seed: The pairs' seed.
+        kind: The corruption, or None for each task's own.
+
+    Returns:
+        (pairs, their tokens).
+
+    Raises:
+        EvalError: A task gives no pair.
+    """
     from ..contrast import contrast_pairs, tokenize_pairs
 
     try:
@@ -269,6 +358,12 @@ def pairs_of(model, tasks: list[str], n: int, seed: int, kind: str | None):
 
 
 def print_summary(args: argparse.Namespace, summary: dict) -> None:
+    """Print the summary's lines: the pairs, the metric, the smallest circuits and the rank agreements.
+
+    Args:
+        args: The parsed options.
+        summary: `discover`'s summary.
+    """
     processes = f" ({summary['world_size']} processes)" if summary["world_size"] > 1 else ""
     print(
         f"{args.checkpoint}: {summary['pairs']} pairs of {', '.join(args.tasks)}; graph {summary['graph']}{processes}"

@@ -243,4 +243,12 @@ def print_table(summary: dict) -> None:
 
 
 def fmt_accuracy(value: float | None) -> str:
+    """An accuracy as a percentage, or "-" for None.
+
+    Args:
+        value: The accuracy (0..1) or None.
+
+    Returns:
+        The text.
+    """
     return "-" if value is None else f"{value:.1%}"

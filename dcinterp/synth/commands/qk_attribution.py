@@ -63,6 +63,14 @@ TERM_CSV_COLUMNS = [
 
 
 def add_qk_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The `qk` command's options.
+
+    Args:
+        parser: The parser to add them to.
+
+    Returns:
+        The same parser.
+    """
     parser.add_argument("--layer", type=non_negative_int, required=True, metavar="L", help="the head's layer")
     parser.add_argument("--head", type=non_negative_int, required=True, metavar="H", help="the head explained")
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="write " + ", ".join(OUTPUTS) + " here")
@@ -92,7 +100,24 @@ def add_qk_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 # Positions
 def resolve(model, tokens, pair, spec: str, option: str, layer: int, head: int, query_pos: int | None = None) -> int:
     """A role or a word as a position in the pair's clean prompt [1, pos]; EvalError naming `option` and the
-    sample. "top" needs the query's position."""
+    sample. "top" needs the query's position.
+
+    Args:
+        model: The model.
+        tokens: The pair's clean prompt [1, pos].
+        pair: The contrast pair.
+        spec: A role (`ROLES`) or a word.
+        option: The option that gave it, in the error.
+        layer: The head's layer.
+        head: The head.
+        query_pos: The query's position ("top" needs it).
+
+    Returns:
+        The position.
+
+    Raises:
+        EvalError: A word or role the prompt does not have.
+    """
     from ...checks import find_word
 
     where = f"{pair.task_id} sample {pair.sample}"
@@ -121,7 +146,18 @@ def resolve(model, tokens, pair, spec: str, option: str, layer: int, head: int, 
 
 
 def top_key(model, tokens, layer: int, head: int, query_pos: int) -> int:
-    """The key the head scores highest from the query (its composed score; plain MHA: its score)."""
+    """The key the head scores highest from the query (its composed score; plain MHA: its score).
+
+    Args:
+        model: The model.
+        tokens: One prompt [1, pos].
+        layer: The head's layer.
+        head: The head.
+        query_pos: The query's position.
+
+    Returns:
+        The key's position.
+    """
     import torch
 
     from ...model import visible_keys
@@ -138,7 +174,17 @@ def top_key(model, tokens, layer: int, head: int, query_pos: int) -> int:
 def explain(model, pairs, args, progress: bool = True) -> dict:
     """Per sample: the attribution, the contrast and the change from the corrupted prompt; then the same causal
     checks in every sample: the `--checks` components with the largest mean share on each side (and the top one
-    through the source head with the largest mean share alone), so that their means stand beside the mean shares."""
+    through the source head with the largest mean share alone), so that their means stand beside the mean shares.
+
+    Args:
+        model: The model.
+        pairs: The contrast pairs.
+        args: The parsed options (the head, the roles, `--top`, `--checks`).
+        progress: Say on stderr what runs.
+
+    Returns:
+        {samples: one dict per sample, terms: every sample's top terms in one frame}.
+    """
     import pandas as pd
 
     from ...qk import causal_checks, qk_attribution, qk_contrast
@@ -188,7 +234,16 @@ def explain(model, pairs, args, progress: bool = True) -> dict:
 def checks_to_run(attributions: list, k: int, per_head: bool = True) -> list[tuple[str, str, int | None]]:
     """The k components with the largest mean |share| on each side (not `bias`), through every source head; and
     (per_head: DCMHA, where other heads' scores count) the first of each side through the source head with the
-    largest mean |share| alone."""
+    largest mean |share| alone.
+
+    Args:
+        attributions: The samples' attributions.
+        k: Components per side.
+        per_head: Also check through one source head (DCMHA).
+
+    Returns:
+        (component, side, source_head) triples, as `causal_checks` takes them.
+    """
     components = sum(a.component_table().set_index("component") for a in attributions) / len(attributions)
     components = components.drop(index="bias")
     head_branch = sum(a.head_branch_table() for a in attributions) / len(attributions)
@@ -202,7 +257,15 @@ def checks_to_run(attributions: list, k: int, per_head: bool = True) -> list[tup
 
 
 def mean_tables(results: list[dict], key: str = "attribution") -> dict:
-    """The tables of the samples' attributions (or contrasts) averaged (their components and heads agree)."""
+    """The tables of the samples' attributions (or contrasts) averaged (their components and heads agree).
+
+    Args:
+        results: The samples' results (`explain`).
+        key: "attribution" or "contrast".
+
+    Returns:
+        {pairs, head_branch, components, checks} averaged over the samples ({} where no sample has `key`).
+    """
     import pandas as pd
 
     results = [r for r in results if r.get(key) is not None]
@@ -242,6 +305,17 @@ def _records(frame) -> list[dict]:
 
 
 def summarise(model, args, result: dict, means: dict) -> dict:
+    """What summary.json holds: each sample's score, terms and gap, the mean tables' top entries and the checks.
+
+    Args:
+        model: The model.
+        args: The parsed options.
+        result: `explain`'s result.
+        means: `mean_tables`' result.
+
+    Returns:
+        The JSON-ready dict.
+    """
     samples = []
     for r in result["samples"]:
         a, pair = r["attribution"], r["pair"]
@@ -341,6 +415,17 @@ def _score_label(spec: str) -> str:
 
 
 def figure(args, means: dict, contrast: dict, summary: dict):
+    """The mean attribution (and contrast) drawn, titled in words.
+
+    Args:
+        args: The parsed options.
+        means: The mean attribution's tables.
+        contrast: The mean contrast's tables ({} without `--contrast`).
+        summary: `summarise`'s result.
+
+    Returns:
+        The figure.
+    """
     from ...plotting import plot_qk_attribution
 
     label = Path(str(args.checkpoint)).name
@@ -367,7 +452,14 @@ def figure(args, means: dict, contrast: dict, summary: dict):
 
 
 def run_qk(args: argparse.Namespace) -> int:
-    """The `qk` command: 0 on success, 2 (and one line on stderr) for bad input."""
+    """The `qk` command: 0 on success, 2 (and one line on stderr) for bad input.
+
+    Args:
+        args: The parsed options (`add_qk_arguments`).
+
+    Returns:
+        The exit status.
+    """
     from ..catalog import CatalogError
     from ..contrast import contrast_pairs
 
