@@ -278,3 +278,10 @@ def test_a_private_name_taken_is_found(tmp_path, monkeypatch):
         "dcinterp.sub.b imports _hidden from dcinterp.a (line 1)",
         "dcinterp.sub.b uses dcinterp.a._other (line 4)",
     ]
+
+
+def test_the_docs_draw_the_layers_of_this_table():
+    page = (PACKAGE.parent / "docs" / "layout.md").read_text()
+    diagram = page.split("```text")[1].split("```")[0]
+    for index, name in enumerate(LAYERS):
+        assert f"\n{index}  {name} " in diagram, f"docs/layout.md draws no layer {index} named {name!r}"
