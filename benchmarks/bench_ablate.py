@@ -27,7 +27,7 @@ import torch
 
 from dcinterp import HookedDCFormer
 from dcinterp.patching import ablation_hooks
-from dcinterp.synth.ablate import ablation_table, ablations, label
+from dcinterp.synth.commands.ablate import ablation_table, ablations, label
 from dcinterp.synth.evaluate import encode_all, evaluate, load_samples, resolve_data_path, sample_batches, summarize
 
 

@@ -223,8 +223,22 @@ def _gated_target(model: HookedDCFormer, target: Target, target_type: str, basel
 
 # --------------------------------------------------------------------------------------------------
 # Attribution and ablation
-def _prepare(model: HookedDCFormer, tokens, target: Target, position, target_type: str):
-    """Checked inputs: (tokens [batch, pos] on the model's device, target as token ids or a function, positions)."""
+def check_target_inputs(model: HookedDCFormer, tokens, target: Target, position, target_type: str):
+    """The inputs of an attribution to a target, checked (one-line errors naming the argument at fault).
+
+    Args:
+        model: The model.
+        tokens: Token ids [batch, pos] (or [pos]: one prompt).
+        target: A word (its first piece), one token id or one per prompt, or a function of the final logits.
+        position: The position read, one or one per prompt (negative counts from the end).
+        target_type: One of `TARGET_TYPES`.
+
+    Returns:
+        (tokens [batch, pos] on the model's input device, target as token ids or the function, position).
+
+    Raises:
+        ValueError: An argument out of range or of the wrong shape.
+    """
     tokens = check_tokens(model, tokens)
     if not isinstance(target_type, str) or target_type not in TARGET_TYPES:
         raise ValueError(f"target_type must be one of {TARGET_TYPES}, not {target_type!r}")
@@ -325,7 +339,7 @@ def head_attribution(
         large models. Many prompts: `head_attribution_sweep` takes them a batch at a time, across processes.
     """
     _check_ig_arguments(n_steps, method, internal_batch_size, path)
-    tokens, target, position = _prepare(model, tokens, target, position, target_type)
+    tokens, target, position = check_target_inputs(model, tokens, target, position, target_type)
     if tasks is not None and len(tasks) != tokens.shape[0]:
         raise ValueError(f"tasks has {len(tasks)} labels for {tokens.shape[0]} prompts")
     base = head_baseline(model, baseline, reference_tokens)
@@ -453,7 +467,7 @@ def head_attribution_sweep(
     _check_ig_arguments(n_steps, method, internal_batch_size, path)
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, not {batch_size!r}")
-    tokens, target, position = _prepare(model, tokens, target, position, target_type)
+    tokens, target, position = check_target_inputs(model, tokens, target, position, target_type)
     n = tokens.shape[0]
     if tasks is not None and len(tasks) != n:
         raise ValueError(f"tasks has {len(tasks)} labels for {n} prompts")
@@ -542,7 +556,7 @@ def head_ablation(
     `head_attribution` and a few others); the others are NaN. Same target and baseline conventions as
     `head_attribution`.
     """
-    tokens, target, position = _prepare(model, tokens, target, position, target_type)
+    tokens, target, position = check_target_inputs(model, tokens, target, position, target_type)
     cfg = model.cfg
     heads = heads if heads is not None else [(l, h) for l in range(cfg.n_layers) for h in range(cfg.n_heads)]
     if (

@@ -192,3 +192,22 @@ def real_lengths(model, tokens: Tensor, lengths=None, name: str = "lengths") -> 
     if (values == 0).any():
         raise ValueError(f"{name}: prompt {int((values == 0).nonzero()[0])} is all padding")
     return values
+
+
+# --------------------------------------------------------------------------------------------------
+# Positions in one prompt
+def prompt_position(model, prompt: Tensor, pos: int | str, name: str) -> int:
+    """A position of one prompt given as an index or a word, checked.
+
+    Args:
+        model: The model whose tokenizer reads a word.
+        prompt: One prompt's token ids [1, pos].
+        pos: An index (negative counts from the end) or a word (the last piece of its last occurrence).
+        name: The argument's name in the one-line ValueError.
+
+    Returns:
+        The position as a non-negative index.
+    """
+    if isinstance(pos, str):
+        return find_word(model, prompt[0], pos, name=name)
+    return check_position(pos, prompt.shape[1], name)

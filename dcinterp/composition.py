@@ -28,7 +28,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .checks import check_head, check_key_before_query, check_layer, check_position, check_tokens, find_word
+from .checks import check_head, check_key_before_query, check_layer, check_tokens, prompt_position
 from .dcmha.materialised import branch_outputs
 from .model import HookedDCFormer, at_least_float32, visible_keys
 
@@ -111,15 +111,8 @@ def _single_prompt(model: HookedDCFormer, tokens, batch_index: int) -> Int[Tenso
     return tokens[batch_index : batch_index + 1]
 
 
-def _position(model: HookedDCFormer, prompt: Tensor, pos: int | str, name: str) -> int:
-    """A position (negative counts from the end) or a word (the last piece of its last occurrence), checked."""
-    if isinstance(pos, str):
-        return find_word(model, prompt[0], pos, name=name)
-    return check_position(pos, prompt.shape[1], name)
-
-
 def _query_key(model: HookedDCFormer, prompt: Tensor, query_pos, key_pos) -> tuple[int, int]:
-    t, s = _position(model, prompt, query_pos, "query_pos"), _position(model, prompt, key_pos, "key_pos")
+    t, s = prompt_position(model, prompt, query_pos, "query_pos"), prompt_position(model, prompt, key_pos, "key_pos")
     check_key_before_query(t, s)
     return t, s
 
@@ -222,7 +215,7 @@ def composition_maps_along_keys(
 ) -> Float[Tensor, "key head head"]:
     """W for (query_pos, s) at every key s <= query_pos, from one run: how the composition varies along the sequence."""
     prompt = _single_prompt(model, tokens, batch_index)
-    t = _position(model, prompt, query_pos, "query_pos")
+    t = prompt_position(model, prompt, query_pos, "query_pos")
     prompt, acts = _prompt_stage_activations(model, prompt, layer, stage, 0)
     H = model.cfg.n_heads
     maps = torch.eye(H).expand(t + 1, H, H).clone() if include_identity else torch.zeros(t + 1, H, H)
@@ -285,7 +278,7 @@ def attention_distributions(
     """
     layer = check_layer(model, layer)
     prompt = _single_prompt(model, tokens, batch_index)
-    t = _position(model, prompt, query_pos, "query_pos")
+    t = prompt_position(model, prompt, query_pos, "query_pos")
     heads = list(range(model.cfg.n_heads)) if heads is None else [check_head(model, h, "heads") for h in heads]
     if model.cfg.use_dcmha:
         _check_stage(model, stage)

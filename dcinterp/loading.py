@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import pickle
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,27 +38,39 @@ class CheckpointError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------------
-# Entry points
-def load_pretrained(
-    path_or_name,
-    dtype=None,
-    device=None,
-    device_map=None,
-    max_memory=None,
-    offload_folder=None,
-    processing: dict | None = None,
-    *,
-    model_class: type[HookedDCFormer],
-) -> HookedDCFormer:
-    """Build the model on the meta device, then stream the weights into it one tensor at a time.
+# Entry points: `HookedDCFormer.from_pretrained` opens a checkpoint, builds itself on the meta device from its
+# configuration, streams the weights in, then takes the tokenizer and dispatches.
+@dataclass
+class Checkpoint:
+    """A checkpoint directory opened for loading: what the model needs to build itself, before any weight is read.
 
-    Each tensor is read from the memory-mapped checkpoint, converted once into `dtype` and copied straight to
-    the device it will live on (`device`, or the one `device_map` gives its module): peak memory is the
-    weights in their target dtype plus one tensor, and nothing stays mapped. With a `device_map` the model is
-    dispatched with accelerate (blocks across GPUs, CPU or disk offload); the forward moves activations.
-    `processing`: `process_weights_` keywords, applied in place before dispatch (no second copy of the weights).
+    Attributes:
+        directory: The checkpoint directory (a local path or an embedded model's).
+        cfg: The model configuration read from `config.json`, its `dtype` set to the one to load in.
+        model_type: `config.json`'s `model_type` (`dcinterp`, `dcpythia`, `dcformer` or `gpt_neox`).
+        weight_processing: The processing a saved dcinterp model went through (`dcinterp.processing`), else `{}`.
+        convert: The function that turns the checkpoint's tensors into the model's, one at a time.
+    """
 
-    `model_class`: the class to build (`HookedDCFormer.from_pretrained` passes itself).
+    directory: Path
+    cfg: DCFormerConfig
+    model_type: str | None
+    weight_processing: dict
+    convert: Callable
+
+
+def open_checkpoint(path_or_name, dtype=None) -> Checkpoint:
+    """Read a checkpoint's `config.json` (no weights yet) and choose the converter of its format.
+
+    Args:
+        path_or_name: A local checkpoint directory or the name of an embedded model.
+        dtype: The dtype to load the weights in (a torch.dtype or a name such as "bfloat16"); float32 if None.
+
+    Returns:
+        The opened `Checkpoint`.
+
+    Raises:
+        CheckpointError: The directory, its `config.json` or its `model_type` cannot be read.
     """
     directory = resolve_checkpoint(path_or_name)
     raw = read_json(directory / "config.json")
@@ -65,9 +78,35 @@ def load_pretrained(
     dtype = resolve_dtype(dtype)
     cfg, convert = _config_and_converter(raw, directory / "config.json")
     cfg.dtype = dtype
+    processing = dict(raw.get("weight_processing", {})) if model_type == "dcinterp" else {}
+    return Checkpoint(directory, cfg, model_type, processing, convert)
 
-    with torch.device("meta"):
-        model = model_class(cfg, init=False)
+
+def stream_weights(
+    model: HookedDCFormer, checkpoint: Checkpoint, device=None, device_map=None, max_memory=None, offload_folder=None
+) -> dict:
+    """Stream a checkpoint's weights into a model built on the meta device, one tensor at a time.
+
+    Each tensor is read from the memory-mapped checkpoint, converted once into the checkpoint's dtype and copied
+    straight to the device it will live on (`device`, or the one `device_map` gives its module): peak memory is the
+    weights in their target dtype plus one tensor, and nothing stays mapped.
+
+    Args:
+        model: The model to fill, built on the meta device from `checkpoint.cfg`.
+        checkpoint: What `open_checkpoint` returned.
+        device: The one device for every weight (the CPU if neither it nor `device_map` is given).
+        device_map: A strategy name ("auto", "balanced", "balanced_low_0", "sequential") or {module name: device}.
+        max_memory: Per-device memory limits for a strategy name, as Hugging Face takes them.
+        offload_folder: Where weights placed on "disk" go.
+
+    Returns:
+        The device map every weight was placed by ({module name: device}), for `dispatch`.
+
+    Raises:
+        ValueError: Both `device` and `device_map`, or a device map that does not place every weight.
+        CheckpointError: A weight that is missing, unexpected or of the wrong shape, named with its file.
+    """
+    dtype = checkpoint.cfg.dtype
     if device_map is not None and device is not None:
         raise ValueError("pass either device or device_map, not both")
     if device_map is None:
@@ -76,21 +115,16 @@ def load_pretrained(
         device_map = plan_device_map(model, device_map, max_memory, dtype)
     warn_if_half_on_cpu(dtype, device_map)
 
-    with CheckpointFiles(directory) as files:
+    with CheckpointFiles(checkpoint.directory) as files:
         take = _Taker(files)
-        if model_type == "dcinterp":
+        if checkpoint.model_type == "dcinterp":
             add_folded_biases(model, files)
-        placer = _Placer(model, dtype, device_map, offload_folder, directory)
-        for key, value in _reshape_errors_named(convert(take, cfg), take, files):
+        placer = _Placer(model, dtype, device_map, offload_folder, checkpoint.directory)
+        for key, value in _reshape_errors_named(checkpoint.convert(take, checkpoint.cfg), take, files):
             placer.put(key, value, files.origin(take.last))
         take.finish()
         placer.finish()
-    model.tokenizer = load_tokenizer(directory)
-    model.weight_processing = dict(raw.get("weight_processing", {})) if model_type == "dcinterp" else {}
-    if processing:  # in place, before accelerate's hooks: no second copy of the weights
-        model.process_weights_(**processing)
-    dispatch(model, device_map, offload_folder)
-    return model.eval().requires_grad_(False)  # inference: no autograd graph over the weights
+    return device_map
 
 
 def load_config(path_or_name) -> DCFormerConfig:
@@ -248,7 +282,7 @@ def plan_device_map(model: HookedDCFormer, device_map, max_memory, dtype: torch.
             )
         placed[name] = device if device == "disk" else _accelerate_device(resolve_device(device))
     for key, _ in model.named_parameters():
-        if _module_device(placed, key) is None:
+        if module_device(placed, key) is None:
             raise ValueError(f"device_map does not place weight {key!r}")
     return placed
 
@@ -257,8 +291,16 @@ def _accelerate_device(device: torch.device):
     return device.index if device.type == "cuda" else str(device)  # accelerate's own spelling: 0, 1, "cpu"
 
 
-def _module_device(device_map: dict, key: str):
-    """The device of the longest module name in device_map that contains the weight `key`."""
+def module_device(device_map: dict, key: str):
+    """The device of the longest module name in a device map that contains a weight or hook.
+
+    Args:
+        device_map: {module name: device}, as `plan_device_map` returns it ("" names the whole model).
+        key: A weight's or hook's dotted name, e.g. "blocks.0.attn.W_Q".
+
+    Returns:
+        That module's device as the map spells it (a GPU index, "cpu", "disk", ...), or None if none contains it.
+    """
     parts = key.split(".")
     for i in range(len(parts), -1, -1):
         name = ".".join(parts[:i])
@@ -277,7 +319,7 @@ def dispatch(model: HookedDCFormer, device_map: dict, offload_folder) -> None:
         model._hf_hook.io_same_device = False  # logits stay where the model computes them, as with one device
         model.hf_device_map = device_map
         gpus = sorted(d for d in devices if isinstance(d, int))
-        first = device_map.get("embed", _module_device(device_map, "embed.W_E"))
+        first = device_map.get("embed", module_device(device_map, "embed.W_E"))
         main = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
         model.cfg.device = str(main if first in ("cpu", "disk") else _as_torch_device(first))
     else:
@@ -309,7 +351,7 @@ class _Placer:
                 f"{where}: weight {key!r} has shape {tuple(value.shape)}, expected {tuple(expected.shape)}"
             )
         dtype = self.dtype if value.is_floating_point() else value.dtype
-        device = _module_device(self.device_map, key)
+        device = module_device(self.device_map, key)
         if device == "disk":
             from accelerate.utils import offload_weight
 

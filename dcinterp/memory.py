@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from .loading import module_device
+
 GiB = 2**30
 
 # Hooks whose tensors are [batch, pos, d_model].
@@ -154,9 +156,7 @@ def hook_device(model, name: str) -> str:
     """Where a hook's activations live: its module's execution device on a dispatched model, else the model's."""
     device_map = getattr(model, "hf_device_map", None)
     if device_map:
-        from .loading import _module_device
-
-        device = _module_device(device_map, name)
+        device = module_device(device_map, name)
         if isinstance(device, int):
             return f"cuda:{device}"
         if device not in (None, "cpu", "disk"):

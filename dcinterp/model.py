@@ -42,6 +42,8 @@ from . import dcmha
 from .config import DCFormerConfig
 from .dcmha import blocked, materialised
 from .kv_cache import DCFormerKeyValueCache
+from .loading import dispatch, load_tokenizer, open_checkpoint, stream_weights
+from .loading import save_pretrained as save_checkpoint
 from .processing import DCActivationCache
 from .tl_api import TransformerLensAPI
 
@@ -993,8 +995,12 @@ class HookedDCFormer(TransformerLensAPI, HookedRootModule):
         Hugging Face and `offload_folder` for "disk"). The model comes back in eval mode with its parameters
         frozen; `model.train().requires_grad_(True)` unfreezes it for fine-tuning.
         """
-        from .loading import load_pretrained
-
+        checkpoint = open_checkpoint(path_or_name, dtype)
+        with torch.device("meta"):
+            model = cls(checkpoint.cfg, init=False)
+        device_map = stream_weights(model, checkpoint, device, device_map, max_memory, offload_folder)
+        model.tokenizer = load_tokenizer(checkpoint.directory)
+        model.weight_processing = checkpoint.weight_processing
         processing = dict(
             fold_ln=fold_ln,
             center_writing_weights=center_writing_weights,
@@ -1002,22 +1008,14 @@ class HookedDCFormer(TransformerLensAPI, HookedRootModule):
             fold_value_biases=fold_value_biases,
             refactor_factored_attn_matrices=refactor_factored_attn_matrices,
         )
-        return load_pretrained(
-            path_or_name,
-            model_class=cls,
-            dtype=dtype,
-            device=device,
-            device_map=device_map,
-            max_memory=max_memory,
-            offload_folder=offload_folder,
-            processing=processing if any(processing.values()) else None,
-        )
+        if any(processing.values()):  # in place, before accelerate's hooks: no second copy of the weights
+            model.process_weights_(**processing)
+        dispatch(model, device_map, offload_folder)
+        return model.eval().requires_grad_(False)  # inference: no autograd graph over the weights
 
     def save_pretrained(self, directory) -> None:
         """Write `config.json`, `model.safetensors` and the tokenizer (if any) to a directory."""
-        from .loading import save_pretrained
-
-        save_pretrained(self, directory)
+        save_checkpoint(self, directory)
 
 
 def pad_attention_mask(

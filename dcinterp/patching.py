@@ -38,7 +38,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .attribution import Target, _prepare, answer_logits, final_normed, target_value
+from .attribution import Target, answer_logits, check_target_inputs, final_normed, target_value
 from .checks import check_finite, check_position, check_token_ids, check_tokens, real_lengths
 from .dcmha.materialised import branch_outputs
 from .model import HookedDCFormer, at_least_float32, visible_keys
@@ -331,7 +331,7 @@ def zero_weight_hooks(component: Component) -> list[tuple[str, Callable]]:
 
     The branch output is then exactly zero, so this is `ablation_hooks(component)` (zero ablation), but the compose
     keeps its no-hook path (`dcinterp.dcmha.blocked` on a CPU), without a [batch, head, query, key] tensor per branch
-    (`synth.ablate.ablation_table`, which also shares the unablated layers before the first ablated one: on
+    (`synth.commands.ablate.ablation_table`, which also shares the unablated layers before the first ablated one: on
     `dcpythia-synth` its 15 ablations of the 888 released samples cost 0.86x 15 plain evaluations where zeroed
     outputs cost 1.79x, `benchmarks/bench_ablate.py`). The result is the model
     built without the branch (`DCFormerConfig(compose_branches=...)` or `compose_stages=...`) bit for bit, and
@@ -389,7 +389,7 @@ def branch_ablation(
         or a function of the logits). Columns: layer, stage, branch, head, clean, ablated, effect (negative: the
         component helps the target).
     """
-    tokens, target, position = _prepare(model, tokens, target, position, target_type)
+    tokens, target, position = check_target_inputs(model, tokens, target, position, target_type)
     if mean_over not in ("position", "token"):
         raise ValueError(f"mean_over must be 'position' or 'token', not {mean_over!r}")
     if isinstance(components, (str, Component)):

@@ -23,12 +23,12 @@ components (source head x branch), and the post-compose head loadings (head m's 
 sum_{n, b} W'_b[n, m] P_n[t, s]). `qk_contrast` explains a difference of two keys' scores (what moves the
 softmax). `check_terms` (and `causal_checks`, for the top components) removes a component from a head's query (or
 key) input and measures the change, frozen (equal to the component's terms) and not. The dynamic weights' own
-inputs: `dcinterp.qk_weights`. docs/qk-attribution.md has the method, the measurements and what it finds.
+inputs: `dcinterp.qk_weights`; the run both read: `dcinterp.qk_run`. docs/qk-attribution.md has the method, the
+measurements and what it finds.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -38,186 +38,28 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .checks import check_head, check_layer, check_tokens, find_word
-from .composition import _position
-from .model import HookedDCFormer, apply_rotary, at_least_float32, project_heads, visible_keys
+from .checks import check_head, check_layer, prompt_position
+from .model import HookedDCFormer, at_least_float32, visible_keys
+from .qk_run import (
+    Intervention,
+    branch_weights,
+    component_names,
+    compose_branches,
+    key_positions,
+    layer_run,
+    residual_components,
+    side_vectors,
+    single_prompt,
+)
+from .qk_run import (
+    normed_components as normed_components,  # imported from here before it had its own module
+)
 
-BRANCHES = ("skip", "qp", "kp", "qg", "kg")
 DIAGONAL_BRANCHES = ("skip", "qg", "kg")  # W_b diagonal: head n feeds only head n
 TERM_COLUMNS = ["key_pos", "query_component", "key_component", "source_head", "branch", "value"]
 REST = "rest"  # query_component, key_component and branch of the row that sums the terms left out
 MAX_TERMS = 100_000  # rows of `.terms` (the rest summed per key past it)
 MAX_TABLE_BYTES = 2**30  # component-pair tables kept per key: beyond this, ask for fewer keys
-
-
-# --------------------------------------------------------------------------------------------------
-# The run: what the decomposition reads, through hooks
-def component_names(model: HookedDCFormer, layer: int) -> list[str]:
-    """The residual components entering `layer`: embed, L{l}H{h} and MLP{l} of every earlier layer, bias."""
-    names = ["embed"]
-    for earlier in range(layer):
-        names += [f"L{earlier}H{h}" for h in range(model.cfg.n_heads)] + [f"MLP{earlier}"]
-    return [*names, "bias"]
-
-
-def compose_branches(model: HookedDCFormer, stage: str = "pre") -> list[str]:
-    """The branches a stage runs: `skip`, then those of qp, kp, qg, kg the model has (only skip for plain MHA or
-    a model without the stage)."""
-    cfg = model.cfg
-    if not cfg.use_dcmha or stage not in cfg.compose_stages:
-        return ["skip"]
-    return ["skip", *(b for b in BRANCHES[1:] if b in cfg.active_branches)]
-
-
-@torch.no_grad()
-def layer_run(
-    model: HookedDCFormer, prompt: Int[Tensor, "1 pos"], layer: int, query_pos: int, positions: list[int]
-) -> dict[str, Tensor]:
-    """One forward of layers 0..layer with hooks that keep what the decomposition reads (batch dimension dropped).
-
-    At `positions` only (`run["positions"]`, sorted): embed, z{l} and mlp{l} of the earlier layers. At every
-    position: ln_scale [pos, 1], q_scale / k_scale [pos, head, 1] (the QK-norm's, from ln1's output by the
-    forward's own projection), the compose weights
-    `{stage}.{weight}`. The query's row [head, key] of scores, composed (DCMHA), pattern, composed_pattern (DCMHA).
-    """
-    attn = f"blocks.{layer}.attn"
-    at = torch.tensor(sorted(set(positions)))
-    names = {"embed": ("hook_embed", "at"), "ln_scale": (f"blocks.{layer}.ln1.hook_scale", "all")}
-    for earlier in range(layer):
-        names[f"z{earlier}"] = (f"blocks.{earlier}.attn.hook_z", "at")
-        names[f"mlp{earlier}"] = (f"blocks.{earlier}.hook_mlp_out", "at")
-    names |= {"scores": (f"{attn}.hook_attn_scores", "row"), "pattern": (f"{attn}.hook_pattern", "row")}
-    if model.cfg.use_qk_norm:
-        names["normed"] = (f"blocks.{layer}.ln1.hook_normalized", "all")
-    if model.cfg.use_dcmha:
-        names["composed"] = (f"{attn}.hook_composed_scores", "row")
-        names["composed_pattern"] = (f"{attn}.hook_composed_pattern", "row")
-        for stage in model.cfg.compose_stages:
-            for weight in ("qw1", "qw2", "kw1", "kw2", "qg", "kg"):
-                names[f"{stage}.{weight}"] = (f"{attn}.{stage}_compose.hook_{weight}", "all")
-    run: dict[str, Tensor] = {"positions": at}
-
-    def keep(key: str, part: str):
-        def hook(x: Tensor, hook) -> Tensor:
-            value = x[0].detach()
-            run[key] = value[at.to(x.device)] if part == "at" else value[:, query_pos] if part == "row" else value
-            return x
-
-        return hook
-
-    hooked = set(model.hook_dict)
-    hooks = [(name, keep(key, part)) for key, (name, part) in names.items() if name in hooked]
-    model.run_with_hooks(prompt, fwd_hooks=hooks, stop_at_layer=layer + 1)
-    if model.cfg.use_qk_norm:  # the QK-norm's scales, by the forward's own ops (a hook on them changes the last bit)
-        block = model.blocks[layer].attn
-        normed = run.pop("normed")[None]
-        for side, W, b, norm in (("q", block.W_Q, block.b_Q, block.q_norm), ("k", block.W_K, block.b_K, block.k_norm)):
-            linear = project_heads(normed, W)
-            linear = at_least_float32((linear + b if b is not None else linear)[0])
-            run[f"{side}_scale"] = (linear.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt()  # [pos, head, 1]
-    return run
-
-
-def residual_components(
-    model: HookedDCFormer, run: dict[str, Tensor], layer: int, positions: Int[Tensor, " pos"]
-) -> Float[Tensor, "pos component d_model"]:
-    """The components of the stream entering `layer` at `positions` (float32, in `component_names` order; the
-    positions must be among those `layer_run` kept): they add up to `blocks.{layer}.hook_resid_pre` there."""
-    device = model.blocks[layer].attn.W_Q.device
-    rows = torch.searchsorted(run["positions"], positions.cpu()).to(device)
-    H, d = model.cfg.n_heads, model.cfg.d_model
-    out = torch.empty(len(rows), 1 + layer * (H + 1) + 1, d, device=device)
-    out[:, 0] = at_least_float32(run["embed"].to(device)[rows])
-    bias = torch.zeros(d, device=device)
-    for earlier in range(layer):
-        attn = model.blocks[earlier].attn
-        start = 1 + earlier * (H + 1)
-        z = at_least_float32(run[f"z{earlier}"].to(device)[rows])
-        out[:, start : start + H] = torch.einsum("phe,hed->phd", z, at_least_float32(attn.W_O.to(device)))
-        out[:, start + H] = at_least_float32(run[f"mlp{earlier}"].to(device)[rows])
-        if attn.b_O is not None:
-            bias += at_least_float32(attn.b_O.to(device))
-    out[:, -1] = bias
-    return out
-
-
-def normed_components(
-    model: HookedDCFormer,
-    run: dict[str, Tensor],
-    layer: int,
-    components: Float[Tensor, "pos component d_model"],
-    positions: Int[Tensor, " pos"],
-) -> Float[Tensor, "pos component d_model"]:
-    """Each component through ln1 with the run's scale at its position (centred for a LayerNorm, divided by the
-    scale, times the weight; the norm's bias goes to `bias`): they add up to `ln1.hook_normalized`."""
-    norm = model.blocks[layer].ln1
-    device = components.device
-    x = components
-    if norm.kind == "LN":
-        x = x - x.mean(-1, keepdim=True)
-    scale = at_least_float32(run["ln_scale"].to(device)[positions.to(device)])  # [pos, 1]
-    x = x / scale[:, None] * at_least_float32(norm.w.to(device))
-    if norm.b is not None:
-        x[:, -1] += at_least_float32(norm.b.to(device))
-    return x
-
-
-def side_vectors(
-    model: HookedDCFormer,
-    run: dict[str, Tensor],
-    layer: int,
-    components: Float[Tensor, "pos component d_model"],
-    positions: Int[Tensor, " pos"],
-    side: str,
-) -> Float[Tensor, "pos component head d_head"]:
-    """Each component's share of every head's rotated q (side "q", divided by sqrt(d_head)) or k (side "k") at its
-    position, with ln1's and the QK-norm's scales frozen at the run's: they add up to `hook_rot_q` / `hook_rot_k`
-    (over sqrt(d_head) for q)."""
-    cfg = model.cfg
-    attn = model.blocks[layer].attn
-    device = components.device
-    positions = positions.to(device)
-    x = normed_components(model, run, layer, components, positions)
-    W = at_least_float32((attn.W_Q if side == "q" else attn.W_K).to(device))
-    vectors = torch.einsum("pcd,hde->pche", x, W)
-    b = attn.b_Q if side == "q" else attn.b_K
-    if b is not None:
-        vectors[:, -1] += at_least_float32(b.to(device))
-    if cfg.use_qk_norm:
-        qk_scale = at_least_float32(run[f"{side}_scale"].to(device)[positions])  # [pos, head, 1]
-        weight = at_least_float32((attn.q_norm if side == "q" else attn.k_norm).w.to(device))
-        vectors = vectors / qk_scale[:, None] * weight
-    table = torch.float16 if cfg.window == "official-inference" else torch.float32
-    P, C = vectors.shape[:2]
-    vectors = apply_rotary(vectors, cfg.rotary_dim, cfg.rotary_base, table, positions[:, None].expand(P, C))
-    return vectors / math.sqrt(cfg.d_head) if side == "q" else vectors
-
-
-def branch_weights(
-    model: HookedDCFormer, run: dict[str, Tensor], stage: str, query_pos: int, keys: Tensor, head: int
-) -> Float[Tensor, "key branch source_head"]:
-    """W_b[n, head] of every branch the stage runs (`compose_branches` order), at (query_pos, s) for each key s."""
-    branches = compose_branches(model, stage)
-    H = model.cfg.n_heads
-    W = torch.zeros(len(keys), len(branches), H)
-    w = {
-        name: at_least_float32(run[f"{stage}.{name}"]).cpu()
-        for name in ("qw1", "qw2", "kw1", "kw2", "qg", "kg")
-        if f"{stage}.{name}" in run
-    }
-    keys = keys.cpu()
-    for b, branch in enumerate(branches):
-        if branch == "skip":
-            W[:, b, head] = 1.0
-        elif branch == "qp":
-            W[:, b] = w["qw1"][query_pos].T @ w["qw2"][query_pos][:, head]
-        elif branch == "kp":
-            W[:, b] = torch.einsum("srn,sr->sn", w["kw1"][keys], w["kw2"][keys][:, :, head])
-        elif branch == "qg":
-            W[:, b, head] = w["qg"][query_pos, head]
-        else:
-            W[:, b, head] = w["kg"][keys, head]
-    return W
 
 
 # --------------------------------------------------------------------------------------------------
@@ -373,49 +215,7 @@ def _named(rows: pd.DataFrame, components: list[str]) -> pd.DataFrame:
 
 
 # --------------------------------------------------------------------------------------------------
-# Prompt and positions
-def single_prompt(
-    model: HookedDCFormer, tokens, batch_index: int, name: str = "tokens", index_name: str = "batch_index"
-) -> Int[Tensor, "1 pos"]:
-    """One prompt [1, pos] of `tokens` ([pos] or a batch, `batch_index` picking the prompt), checked; the
-    one-line errors name the arguments as `name` and `index_name`."""
-    tokens = check_tokens(model, tokens, name)
-    n = tokens.shape[0]
-    if isinstance(batch_index, bool) or not isinstance(batch_index, int) or not -n <= batch_index < n:
-        raise ValueError(f"{index_name}={batch_index!r} is out of range: the batch has prompts 0..{n - 1}")
-    return tokens[batch_index % n :][:1]
-
-
-def _key_positions(model: HookedDCFormer, prompt: Tensor, layer: int, t: int, key_pos, name: str) -> list[int]:
-    """The keys asked for (None: every key the query sees in this layer), each checked to be visible from t."""
-    n = prompt.shape[1]
-    visible = visible_keys(n, model.cfg.layer_window(layer), "cpu", model.cfg.window)[t]
-    if key_pos is None:
-        return visible.nonzero()[:, 0].tolist()
-    if isinstance(key_pos, (list, tuple)) or isinstance(key_pos, Tensor) and key_pos.ndim:
-        values = list(key_pos)
-    else:  # one position or word (checked below)
-        values = [key_pos]
-    if not values:
-        raise ValueError(f"{name} is empty: pass a position, a word, a list of them, or None for every visible key")
-    keys = []
-    for value in values:
-        s = (
-            find_word(model, prompt[0], value, name=name)
-            if isinstance(value, str)
-            else _position(model, prompt, value, name)
-        )
-        if not visible[s]:
-            window = model.cfg.layer_window(layer)
-            why = (
-                "it comes after the query" if s > t else f"it is outside layer {layer}'s local window of {window} keys"
-            )
-            raise ValueError(f"{name}={value!r} (position {s}) is not visible from query_pos {t}: {why}")
-        if s not in keys:
-            keys.append(s)
-    return keys
-
-
+# Arguments and scale
 def _check_max_terms(max_terms, groups: int) -> int:
     if isinstance(max_terms, bool) or not isinstance(max_terms, int) or max_terms <= groups:
         raise ValueError(
@@ -502,7 +302,18 @@ class QKAttribution:
     tokens: Int[Tensor, " pos"]  # the prompt
     str_tokens: list[str] | None = field(default=None, repr=False)
 
-    def _key(self, key_pos: int | None) -> int:
+    def key_index(self, key_pos: int | None) -> int:
+        """Where a key sits among this attribution's keys (its index in `key_pos`, `composed`, `pairs`, ...).
+
+        Args:
+            key_pos: One of `key_pos`, or None when the attribution has a single key.
+
+        Returns:
+            The key's index.
+
+        Raises:
+            ValueError: A key this attribution does not hold, or None when it holds several.
+        """
         if key_pos is None:
             if len(self.key_pos) != 1:
                 raise ValueError(f"key_pos: this attribution has {len(self.key_pos)} keys; name one of {self.key_pos}")
@@ -542,17 +353,17 @@ class QKAttribution:
     def pair_table(self, key_pos: int | None = None, top: int | None = None) -> pd.DataFrame:
         """[query component x key component] at one key, summed over source heads and branches (exact, every
         pair; `top`: the `top` rows and columns with the largest |sums|)."""
-        return _pair_frame(self.pairs[self._key(key_pos)], self.components, top)
+        return _pair_frame(self.pairs[self.key_index(key_pos)], self.components, top)
 
     def head_branch_table(self, key_pos: int | None = None) -> pd.DataFrame:
         """[source head x branch] at one key, summed over components: W_b[n, head] * S_n[t, s]."""
-        table = self.head_branch[self._key(key_pos)].T
+        table = self.head_branch[self.key_index(key_pos)].T
         return _frame_table(table, list(range(table.shape[0])), self.branches, "source_head", "branch")
 
     def component_table(self, key_pos: int | None = None, source_head: int | None = None) -> pd.DataFrame:
         """Each component's terms summed on the query side and on the key side (through every source head, or
         one), at one key."""
-        k = self._key(key_pos)
+        k = self.key_index(key_pos)
         heads = slice(None) if source_head is None else slice(source_head, source_head + 1)
         query, key = self.query_marginal[k, heads].sum(0), self.key_marginal[k, heads].sum(0)
         return _component_frame(query, key, self.components)
@@ -617,8 +428,8 @@ def qk_attribution(
     """
     layer, head = check_layer(model, layer), check_head(model, head)
     prompt = single_prompt(model, tokens, batch_index)
-    t = _position(model, prompt, query_pos, "query_pos")
-    keys = _key_positions(model, prompt, layer, t, key_pos, "key_pos")
+    t = prompt_position(model, prompt, query_pos, "query_pos")
+    keys = key_positions(model, prompt, layer, t, key_pos, "key_pos")
     max_terms = _check_max_terms(max_terms, len(keys))
     components = component_names(model, layer)
     _check_table_size(len(keys), len(components), "key_pos")
@@ -753,9 +564,9 @@ def qk_contrast(
     `qk_attribution`, with one key each."""
     layer, head = check_layer(model, layer), check_head(model, head)
     prompt = single_prompt(model, tokens, batch_index)
-    t = _position(model, prompt, query_pos, "query_pos")
-    (s,) = _key_positions(model, prompt, layer, t, _one(key_pos, "key_pos"), "key_pos")
-    (other,) = _key_positions(model, prompt, layer, t, _one(other_key_pos, "other_key_pos"), "other_key_pos")
+    t = prompt_position(model, prompt, query_pos, "query_pos")
+    (s,) = key_positions(model, prompt, layer, t, _one(key_pos, "key_pos"), "key_pos")
+    (other,) = key_positions(model, prompt, layer, t, _one(other_key_pos, "other_key_pos"), "other_key_pos")
     if s == other:
         raise ValueError(f"other_key_pos is key_pos (position {s}): a contrast needs two different keys")
     max_terms = _check_max_terms(max_terms, 1)
@@ -843,7 +654,7 @@ def check_terms(
     component's terms in `attribution` (run on this model). Six forwards of layers 0..layer (five for plain MHA);
     `causal_checks` shares the clean ones between checks."""
     _check_arguments(model, attribution, component, side, source_head)
-    attribution._key(key_pos)
+    attribution.key_index(key_pos)
     return _Checker(model, attribution, key_pos).check(component, side, source_head)
 
 
@@ -868,7 +679,7 @@ class _Checker:
 
     def __init__(self, model: HookedDCFormer, attribution: QKAttribution, key_pos: int | None):
         self.model, self.attribution = model, attribution
-        self.k = attribution._key(key_pos)
+        self.k = attribution.key_index(key_pos)
         layer, t, s = attribution.layer, attribution.query_pos, attribution.key_pos[self.k]
         prompt = attribution.tokens[None].to(model.input_device)
         run = layer_run(model, prompt, layer, t, [t, s])
@@ -876,7 +687,7 @@ class _Checker:
             "query": residual_components(model, run, layer, torch.tensor([t]))[0],
             "key": residual_components(model, run, layer, torch.tensor([s]))[0],
         }
-        self.measure = _Intervention(model, prompt, layer, run, t, s, attribution.head)
+        self.measure = Intervention(model, prompt, layer, run, t, s, attribution.head)
         self.clean_frozen, self.clean = self.measure(freeze=True), self.measure()
 
     def check(self, component: str, side: str, source_head: int | None) -> QKCheck:
@@ -893,76 +704,6 @@ class _Checker:
         return QKCheck(a.layer, a.head, t, s, component, side, source_head, estimate, frozen, norms, weights)
 
 
-class _Intervention:
-    """Forwards of layers 0..layer with per-head q/k/v inputs, reading head m's composed score at (t, s)."""
-
-    def __init__(self, model: HookedDCFormer, prompt: Tensor, layer: int, run: dict, t: int, s: int, m: int):
-        self.model, self.prompt, self.layer, self.run = model, prompt, layer, run
-        self.t, self.s, self.m = t, s, m
-
-    def __call__(self, remove=None, freeze: bool = False, from_compose: bool = False) -> float:
-        model, layer, run = self.model, self.layer, self.run
-        block = f"blocks.{layer}"
-        score = "hook_composed_scores" if model.cfg.use_dcmha else "hook_attn_scores"
-        read: list[float] = []
-
-        def read_score(x, hook):
-            read.append(float(x[0, self.m, self.t, self.s]))
-            return x
-
-        hooks = [(f"{block}.attn.{score}", read_score)]
-        if freeze:
-            hooks.append((f"{block}.ln1.hook_scale", _frozen(run["ln_scale"])))
-            if model.cfg.use_qk_norm:
-                hooks += [
-                    (f"{block}.attn.{side}_norm.hook_inv_scale", _frozen(1 / run[f"{side}_scale"])) for side in "qk"
-                ]
-        if remove is not None:
-            fork, p, heads, vector = remove
-            if from_compose:  # out of the stream at p, then back into every fork but the removed heads'
-                hooks.append((f"{block}.hook_resid_pre", _shift(p, None, -vector)))
-                for other in "qkv":
-                    kept = [h for h in range(model.cfg.n_heads) if other != fork or h not in heads]
-                    hooks.append((f"{block}.attn.hook_{other}_input", _shift(p, kept, vector)))
-            else:
-                hooks.append((f"{block}.attn.hook_{fork}_input", _shift(p, heads, -vector)))
-        split = model.cfg.use_split_qkv_input
-        model.set_use_split_qkv_input(True)
-        try:
-            with torch.no_grad():
-                model.run_with_hooks(self.prompt, fwd_hooks=hooks, stop_at_layer=layer + 1)
-        finally:
-            model.set_use_split_qkv_input(split)
-        return read[0]
-
-
-def _frozen(clean: Tensor):
-    """A hook that returns the clean run's scale ([pos, 1] or [pos, head, 1]) in the shape the hook sees."""
-
-    def hook(x: Tensor, hook) -> Tensor:
-        value = clean.to(x.device, x.dtype)[None]
-        if x.ndim == value.ndim + 1:  # ln1 on a per-head copy: [batch, pos, head, 1]
-            value = value[:, :, None]
-        return value.expand_as(x)
-
-    return hook
-
-
-def _shift(p: int, heads: list[int] | None, vector: Tensor):
-    """A hook adding `vector` at position p ([batch, pos, d]; or [batch, pos, head, d] at `heads`)."""
-
-    def hook(x: Tensor, hook) -> Tensor:
-        x = x.clone()
-        delta = vector.to(x.device, x.dtype)
-        if heads is None:
-            x[:, p] += delta
-        elif heads:
-            x[:, p, heads] += delta
-        return x
-
-    return hook
-
-
 @torch.no_grad()
 def causal_checks(
     model: HookedDCFormer,
@@ -975,7 +716,7 @@ def causal_checks(
     with the largest |terms| on each side (through every source head; `bias` left out) and, in a DCMHA model, for
     the largest single term, its two components through its source head alone. One row per check (the fields of
     `QKCheck`)."""
-    index = attribution._key(key_pos)
+    index = attribution.key_index(key_pos)
     s = attribution.key_pos[index]
     if checks is None:
         table = attribution.component_table(s)

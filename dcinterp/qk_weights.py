@@ -32,14 +32,13 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from .checks import check_head, check_layer
-from .composition import _position
+from .checks import check_head, check_layer, prompt_position
 from .model import HookedDCFormer, at_least_float32
-from .qk import (
-    _key_positions,
+from .qk_run import (
     branch_weights,
     component_names,
     compose_branches,
+    key_positions,
     layer_run,
     normed_components,
     residual_components,
@@ -220,8 +219,8 @@ def weight_attribution(
     _check_stage(model, stage)
     _check_method(method, n_steps)
     prompt = single_prompt(model, tokens, batch_index)
-    t = _position(model, prompt, query_pos, "query_pos")
-    (s,) = _key_positions(model, prompt, layer, t, _one_key(key_pos), "key_pos")
+    t = prompt_position(model, prompt, query_pos, "query_pos")
+    (s,) = key_positions(model, prompt, layer, t, _one_key(key_pos), "key_pos")
     run = layer_run(model, prompt, layer, t, [t, s])
     normed = _normed(model, run, layer, [t, s])
     A = at_least_float32(run[STAGE_INPUT[stage]][:, s])
@@ -351,8 +350,8 @@ def compose_change(
         ),
     ):
         prompt = single_prompt(model, toks, index, f"{name}tokens", f"{name}batch_index")
-        t = _position(model, prompt, q, f"{name}query_pos")
-        (s,) = _key_positions(model, prompt, layer, t, _one_key(k), f"{name}key_pos")
+        t = prompt_position(model, prompt, q, f"{name}query_pos")
+        (s,) = key_positions(model, prompt, layer, t, _one_key(k), f"{name}key_pos")
         run = layer_run(model, prompt, layer, t, [t, s])
         runs.append(run)
         positions.append((t, s))

@@ -14,7 +14,7 @@ import pytest
 from dcinterp import notebooks
 from dcinterp.devices import available_devices, check_device
 from dcinterp.synth import __main__ as synth_cli
-from dcinterp.synth import evaluate
+from dcinterp.synth.commands import common
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -52,7 +52,7 @@ def no_model_loading(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a checkpoint was loaded before the arguments were checked")
 
-    monkeypatch.setattr(evaluate, "load_checkpoint", forbidden)
+    monkeypatch.setattr(common, "load_checkpoint", forbidden)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -448,7 +448,7 @@ def test_qk_figure_of_plain_mha_has_no_branch_panel():
 
 def test_synth_qk_figure_titles_say_positions_in_words():
     """`synth qk`'s figure names its positions as a reader would, not by the command line's role names."""
-    from dcinterp.synth import qk
+    from dcinterp.synth.commands import qk_attribution as qk
 
     assert set(qk.ROLE_WORDS) == set(qk.ROLES)
     assert not any("-" in words for words in qk.ROLE_WORDS.values())  # 'after-person', 'other-source' spelled out

@@ -10,7 +10,7 @@ import pytest
 from dcinterp import HookedDCFormer
 from dcinterp.patching import ablation_hooks
 from dcinterp.synth.__main__ import main
-from dcinterp.synth.ablate import ablation_table, ablations, label
+from dcinterp.synth.commands.ablate import ablation_table, ablations, label
 from dcinterp.synth.evaluate import evaluate, load_samples, resolve_data_path
 
 LIMIT = 6  # released samples of task0 (other-person, superclass)
@@ -121,7 +121,7 @@ def test_a_bad_out_or_device_is_refused_before_any_work(tmp_path, capsys, monkey
     import torch
 
     monkeypatch.setattr(
-        sys.modules["dcinterp.synth.evaluate"], "load_checkpoint", lambda *a: pytest.fail("loaded a checkpoint")
+        sys.modules["dcinterp.synth.commands.common"], "load_checkpoint", lambda *a: pytest.fail("loaded a checkpoint")
     )
     blocker = tmp_path / "file"
     blocker.write_text("")

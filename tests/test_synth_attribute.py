@@ -10,7 +10,7 @@ from dcinterp import HookedDCFormer
 from dcinterp.attribution import head_attribution
 from dcinterp.synth import contrast_pairs, tokenize_pairs
 from dcinterp.synth.__main__ import main
-from dcinterp.synth.attribute import OUTPUTS
+from dcinterp.synth.commands.attribute import OUTPUTS
 
 FAST = ["--tasks", "2,3", "--prompts", "2", "--n-steps", "8", "--batch-size", "3"]
 

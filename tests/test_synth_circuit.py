@@ -7,7 +7,7 @@ import pytest
 
 from dcinterp.discovery import EDGE_COLUMNS
 from dcinterp.synth.__main__ import main
-from dcinterp.synth.circuit import OUTPUTS
+from dcinterp.synth.commands.circuit import OUTPUTS
 
 FAST = ["--tasks", "2", "--pairs", "2", "--n-steps", "2", "--exact-top", "6"]
 

@@ -11,17 +11,17 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from dcinterp import DCFormerConfig, HookedDCFormer, loading
-from dcinterp.synth import evaluate as evaluate_module
 from dcinterp.synth.__main__ import main as synth_main
+from dcinterp.synth.commands import common
+from dcinterp.synth.commands.common import parse_task_selection
+from dcinterp.synth.commands.eval import main_eval
 from dcinterp.synth.evaluate import (
     RESULT_COLUMNS,
     encode_all,
     evaluate,
     evaluate_naive,
     load_samples,
-    main_eval,
     parse_sample,
-    parse_task_selection,
     score_answer,
     summarize,
 )
@@ -317,7 +317,7 @@ def test_a_checkpoint_past_the_gpus_memory_is_one_line_and_nothing_is_written(
             "MiB is free. Including non-PyTorch memory, this process has 23.53 GiB memory in use."
         )
 
-    monkeypatch.setattr(evaluate_module, "load_checkpoint", too_large)
+    monkeypatch.setattr(common, "load_checkpoint", too_large)
     out = tmp_path / "eval"
     code = synth_main(["eval", "--checkpoint", str(checkpoints / "tiny-dc"), "--limit", "2", "--out", str(out)])
     assert code == 3 and not out.exists()
@@ -336,7 +336,7 @@ def test_no_checkpoint_and_no_embedded_models_says_so(monkeypatch, capsys):
 def test_ppl_pooling_flag(capsys):
     import argparse
 
-    from dcinterp.synth.evaluate import add_eval_arguments
+    from dcinterp.synth.commands.eval import add_eval_arguments
 
     parser = add_eval_arguments(argparse.ArgumentParser())
     assert parser.parse_args([]).ppl_pooling == "token"

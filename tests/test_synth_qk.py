@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from dcinterp.synth.__main__ import main
-from dcinterp.synth.qk import OUTPUTS, TERM_CSV_COLUMNS
+from dcinterp.synth.commands.qk_attribution import OUTPUTS, TERM_CSV_COLUMNS
 
 FAST = ["--tasks", "2", "--samples", "2", "--checks", "1", "--top", "30"]
 

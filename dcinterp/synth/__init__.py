@@ -7,10 +7,14 @@ catalog, and ``unbracket()`` locates the scored answers.  Command line:
 ``python -m dcinterp.synth check FILE.jsonl``.
 ``contrast_pairs()`` makes clean/corrupted prompt pairs of a task for activation patching.
 
-Note: ``dcinterp.synth.generate`` is the function; import the module's other names with
-``from dcinterp.synth.generate import ...``.
+The dataset lives here: ``catalog`` (the tasks), ``generator`` (``generate()`` and the samplers), ``records`` (the
+JSON-lines format), ``check`` and ``contrast``. Scoring a model on it: ``evaluate`` and ``accuracy``. The commands
+that run models on it (``eval``, ``ablate``, ``circuit``, ``qk``, ``attribute``): ``dcinterp.synth.commands``.
 """
 
+import sys
+
+from . import generator
 from .catalog import (
     Catalog,
     CatalogError,
@@ -27,7 +31,7 @@ from .catalog import (
 )
 from .check import check_records
 from .contrast import ContrastPair, PairTokens, contrast_pairs, tokenize_pairs
-from .generate import generate
+from .generator import generate
 from .records import DatasetError, read_jsonl, sample_lines, unbracket, write_jsonl
 
 __all__ = [
@@ -55,3 +59,7 @@ __all__ = [
     "unbracket",
     "write_jsonl",
 ]
+
+# PENDING_HELPER_C: train.py imports `dcinterp.synth.generate` (now `generator`) by its old name. The alias keeps
+# that import working without a module file of that name, so that `dcinterp.synth.generate` stays the function.
+sys.modules.setdefault(f"{__name__}.generate", generator)

@@ -27,22 +27,12 @@ import os
 import sys
 from pathlib import Path
 
-from ..cli import Parser, check_writable_file, out_of_memory_line
+from ..cli import Parser, check_writable_file, non_negative_int, out_of_memory_line, positive_int
 from .catalog import OV_TRANSFORMATIONS, QK_PATTERNS, CatalogError, load_catalog
 from .check import check_records
-from .evaluate import add_eval_arguments, positive_int, run_eval
-from .generate import SAMPLES_PER_TASK, generate, parse_task_ids
+from .commands.eval import add_eval_arguments, run_eval
+from .generator import SAMPLES_PER_TASK, generate, parse_task_ids
 from .records import LINES_PER_SAMPLE, DatasetError, read_jsonl, write_jsonl
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, not {text!r}")
-    return value
 
 
 def _names(text: str | None) -> list[str] | None:
@@ -166,49 +156,50 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_ablate_arguments(parser: argparse.ArgumentParser) -> None:
-    from .ablate import add_ablate_arguments  # torch-heavy: imported when the parser is built or the command runs
+    # each command's module is imported when its parser is built or it runs
+    from .commands.ablate import add_ablate_arguments
 
     add_ablate_arguments(parser)
 
 
 def _run_ablate(args: argparse.Namespace) -> int:
-    from .ablate import run_ablate
+    from .commands.ablate import run_ablate
 
     return run_ablate(args)
 
 
 def _add_circuit_arguments(parser: argparse.ArgumentParser) -> None:
-    from .circuit import add_circuit_arguments
+    from .commands.circuit import add_circuit_arguments
 
     add_circuit_arguments(parser)
 
 
 def _run_circuit(args: argparse.Namespace) -> int:
-    from .circuit import run_circuit
+    from .commands.circuit import run_circuit
 
     return run_circuit(args)
 
 
 def _add_qk_arguments(parser: argparse.ArgumentParser) -> None:
-    from .qk import add_qk_arguments
+    from .commands.qk_attribution import add_qk_arguments
 
     add_qk_arguments(parser)
 
 
 def _run_qk(args: argparse.Namespace) -> int:
-    from .qk import run_qk
+    from .commands.qk_attribution import run_qk
 
     return run_qk(args)
 
 
 def _add_attribute_arguments(parser: argparse.ArgumentParser) -> None:
-    from .attribute import add_attribute_arguments
+    from .commands.attribute import add_attribute_arguments
 
     add_attribute_arguments(parser)
 
 
 def _run_attribute(args: argparse.Namespace) -> int:
-    from .attribute import run_attribute
+    from .commands.attribute import run_attribute
 
     return run_attribute(args)
 

@@ -21,7 +21,7 @@ from .catalog import (
     load_catalog,
     template_parts,
 )
-from .generate import Fact, Line, render_line
+from .generator import Fact, Line, render_line
 from .records import LINES_PER_SAMPLE, PLAIN_LINES, RECORD_KEYS, sample_lines
 
 _BRACKETED_LINE = re.compile(r"(.*) \[ ([^\[\]]+) \]")

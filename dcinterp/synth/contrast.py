@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from .catalog import Catalog, Task, load_catalog
-from .generate import Line, TaskSampler, _known_task_ids, answer_for, choose_phrasing, render_line
+from .generator import Line, TaskSampler, answer_for, choose_phrasing, known_task_ids, render_line
 
 if TYPE_CHECKING:  # torch is imported where it is used, so that `python -m dcinterp.synth --help` stays fast
     from torch import Tensor
@@ -81,7 +81,7 @@ def contrast_pairs(
     first samples that allow one, so the first pairs do not depend on `n`. ValueError names a bad argument.
     """
     catalog = catalog or load_catalog()
-    (task_id,) = _known_task_ids([task], catalog)
+    (task_id,) = known_task_ids([task], catalog)
     task = catalog.tasks[task_id]
     kind = kind or DEFAULT_KIND[task.qk_pattern]
     if kind not in KINDS:

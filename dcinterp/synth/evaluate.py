@@ -12,33 +12,22 @@ can be batched with right padding.
   of a checkpoint; "answer" the mean over answers of each answer's perplexity exp(nll / tokens); "answer-nll"
   exp of the mean over answers of each answer's mean nll. summary.json holds all three under ppl_by_pooling.
 
-Command line:
-
-    python -m dcinterp.synth eval --checkpoint PATH [--checkpoint PATH ...] [--data released|FILE] [--out DIR]
-
-Python: `evaluate(model, records)` and `evaluate_naive(model, records)` give one row per answer
-(`RESULT_COLUMNS`); `summarize(rows)` gives accuracy and perplexity per checkpoint.
+Python: `evaluate(model, records)` and `evaluate_naive(model, records)` give one row per answer (`RESULT_COLUMNS`);
+`summarize(rows)` gives accuracy and perplexity per checkpoint. The command line (`python -m dcinterp.synth eval`)
+is `dcinterp.synth.commands.eval`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import pandas as pd
 from tqdm import tqdm
 
-from ..cli import check_writable_dir
-from ..devices import check_device
-from .catalog import Catalog, CatalogError, data_dir, load_catalog
-from .generate import parse_task_ids
+from .catalog import Catalog, data_dir, load_catalog
 from .records import LINES_PER_SAMPLE, DatasetError, read_jsonl, sample_lines, unbracket
 
 if TYPE_CHECKING:  # torch and the model are imported where they are used, so that `eval --help` starts fast
@@ -46,9 +35,7 @@ if TYPE_CHECKING:  # torch and the model are imported where they are used, so th
 
     from ..model import HookedDCFormer
 
-T = TypeVar("T")
 K_SHOTS = tuple(range(2, 8))  # answers on lines 3..8 see 2..7 earlier lines
-DEFAULT_CHECKPOINTS = ("dcpythia-synth", "pythia-synth")
 RELEASED_DATA = "synthetic_dataset.jsonl"
 RESULT_COLUMNS = [
     "checkpoint",
@@ -380,189 +367,8 @@ def accuracy_by(rows: pd.DataFrame, column: str) -> dict[str, float]:
     return {str(value): float(group["correct"].mean()) for value, group in rows.groupby(column, sort=False)}
 
 
-def print_table(summary: dict) -> None:
-    """Accuracy and perplexity side by side per checkpoint, as in the paper's Table 5, then accuracy by K."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table()
-    table.add_column("")
-    for checkpoint in summary:
-        table.add_column(checkpoint, justify="right")
-    table.add_row("accuracy", *(f"{s['accuracy']:.1%}" for s in summary.values()))
-    pooling = next(iter(summary.values()), {}).get("ppl_pooling", "token")
-    table.add_row(f"perplexity ({pooling})", *(f"{s['ppl']:.2f}" for s in summary.values()), end_section=True)
-    ks = dict.fromkeys(k for s in summary.values() for k in s["by_k"])
-    for k in ks:
-        table.add_row(f"accuracy, K={k}", *(fmt_accuracy(s["by_k"].get(k)) for s in summary.values()))
-    Console().print(table)
-
-
-def fmt_accuracy(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1%}"
-
-
 # --------------------------------------------------------------------------------------------------
-# Command line
-def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument(
-        "--checkpoint",
-        action="append",
-        metavar="PATH",
-        help="checkpoint directory or embedded model name; repeat to compare "
-        f"(default: the embedded {' and '.join(DEFAULT_CHECKPOINTS)})",
-    )
-    parser.add_argument(
-        "--data",
-        default="released",
-        metavar="released|FILE",
-        help="'released' (the shipped synthetic_dataset.jsonl) or a JSON-lines file",
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        metavar="DIR",
-        help="write results.csv and summary.json here (default: only print the table)",
-    )
-    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--batch-size", type=positive_int, default=8, metavar="N")
-    parser.add_argument(
-        "--tasks",
-        type=parse_task_selection,
-        metavar="SEL",
-        help="tasks to evaluate: ids and ranges, e.g. task0,task5 or 0-7",
-    )
-    parser.add_argument("--limit", type=positive_int, metavar="N", help="only the first N samples (after --tasks)")
-    parser.add_argument(
-        "--ppl-pooling",
-        default="token",
-        choices=PPL_POOLINGS,
-        help="perplexity over all answer tokens (token, default), mean of per-answer perplexities "
-        "(answer), or exp of the mean per-answer NLL (answer-nll); docs/conventions.md",
-    )
-    return parser
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}")
-    return value
-
-
-def parse_task_selection(text: str) -> set[str]:
-    """ "task0,task5" or "0-7,12" -> {"task0", ...}, as `generate --tasks` reads them."""
-    try:
-        return set(parse_task_ids(text, load_catalog()))
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def run_eval(args: argparse.Namespace) -> int:
-    """The `eval` command: 0 on success, 2 (and one line on stderr) for bad input.
-
-    Launched with `torchrun --nproc-per-node N` (or `accelerate launch`), the N processes share the samples of
-    each checkpoint; rank 0 prints and writes the same files as one process would, and each checkpoint's entry of
-    summary.json records `world_size`. Bad input stops every process with status 2."""
-    from ..distributed import finish, process_device, start
-
-    rank, world_size, rank_device = start()
-    try:
-        device, checkpoints, data_path, samples = agreed(lambda: eval_inputs(args))
-        device = process_device(device, rank_device)
-        results = []
-        for checkpoint, name in zip(checkpoints, checkpoint_names(checkpoints), strict=True):
-            model = load_checkpoint(checkpoint, args.dtype, device)
-            results.append(evaluate(model, samples, batch_size=args.batch_size, name=name, progress=rank == 0))
-            del model
-        results = pd.concat(results, ignore_index=True)
-        summary = summarize(results, getattr(args, "ppl_pooling", "token"))
-        for entry in summary.values():
-            entry["world_size"] = world_size
-        if args.out is not None and rank == 0:
-            write_outputs(results, summary, args.out)
-    except (EvalError, CatalogError) as error:
-        if rank == 0:
-            print(f"error: {error}", file=sys.stderr)
-        return 2
-    finally:
-        finish(world_size)
-    if rank == 0:
-        print(
-            f"{data_path}: {len(samples)} samples, {len(results) // len(checkpoints)} answers"
-            + (f" ({world_size} processes)" if world_size > 1 else "")
-        )
-        print_table(summary)
-        if args.out is not None:
-            print(f"wrote {args.out / 'results.csv'} and {args.out / 'summary.json'}")
-    return 0
-
-
-def eval_inputs(args: argparse.Namespace) -> tuple[str, list[str], Path, list[Sample]]:
-    """The checked device, checkpoints, data file and samples of `eval`, before any checkpoint is loaded."""
-    if args.out is not None:
-        check_out_dir(args.out)
-    device = eval_device(args.device)
-    checkpoints = checkpoints_to_evaluate(args.checkpoint)
-    data_path = resolve_data_path(args.data)
-    samples = select_samples(load_samples(data_path), args.tasks, args.limit, data_path)
-    for sample in samples:
-        parse_sample(sample)  # structural errors before any checkpoint is loaded
-    return device, checkpoints, data_path, samples
-
-
-def agreed(check: Callable[[], T]) -> T:
-    """`check()` on every process of a distributed run; where any process refuses its input (EvalError,
-    CatalogError), every process raises an EvalError with the first refusal's line, so that all of them stop
-    with status 2 together rather than leave the others waiting (one process: `check()` as it is)."""
-    from ..distributed import first_error
-
-    try:
-        result, problem = check(), None
-    except (EvalError, CatalogError) as error:
-        result, problem = None, str(error)
-    problem = first_error(problem)
-    if problem is not None:
-        raise EvalError(problem)
-    return result
-
-
-def main_eval(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dcinterp.synth eval", description=__doc__.split("\n\n")[0])
-    return run_eval(add_eval_arguments(parser).parse_args(argv))
-
-
-def checkpoints_to_evaluate(given: list[str] | None) -> list[str]:
-    if given:
-        return given
-    from ..loading import embedded_models
-
-    embedded = [name for name in DEFAULT_CHECKPOINTS if name in embedded_models()]
-    if not embedded:
-        raise EvalError("no embedded models are shipped yet; pass --checkpoint PATH (a checkpoint directory)")
-    return embedded
-
-
-def checkpoint_names(checkpoints: list[str]) -> list[str]:
-    """Each checkpoint's directory name (or embedded name); the path as given where two names clash."""
-    names = [Path(c).expanduser().resolve().name if Path(c).expanduser().is_dir() else str(c) for c in checkpoints]
-    return [name if names.count(name) == 1 else str(c) for name, c in zip(names, checkpoints, strict=True)]
-
-
-def load_checkpoint(checkpoint: str, dtype: str, device: str) -> HookedDCFormer:
-    from ..loading import CheckpointError
-    from ..model import HookedDCFormer
-
-    try:
-        return HookedDCFormer.from_pretrained(checkpoint, dtype=dtype, device=device)
-    except CheckpointError as error:
-        raise EvalError(str(error)) from None
-
-
+# The data file
 def resolve_data_path(data: str) -> Path:
     if data == "released":
         return data_dir() / RELEASED_DATA
@@ -570,58 +376,3 @@ def resolve_data_path(data: str) -> Path:
     if not path.is_file():
         raise EvalError(f"{data}: no such data file")
     return path
-
-
-def select_samples(samples: list[Sample], tasks: set[str] | None, limit: int | None, source: Path) -> list[Sample]:
-    if tasks is not None:
-        samples = [s for s in samples if s.task_id in tasks]
-    if limit is not None:
-        samples = samples[:limit]
-    if not samples:
-        raise EvalError(f"{source}: no samples to evaluate" + (" of the selected tasks" if tasks else ""))
-    return samples
-
-
-def check_out_dir(out_dir: Path) -> None:
-    """EvalError unless `out_dir` is a directory that can be written, or can be created; creates nothing."""
-    try:
-        check_writable_dir(out_dir, "--out")
-    except ValueError as error:
-        raise EvalError(str(error)) from None
-
-
-def eval_device(name: str | None) -> str:
-    """The --device to evaluate on (None: cuda if available, else cpu); EvalError if this machine lacks it."""
-    try:
-        return check_device(name)
-    except ValueError as error:
-        raise EvalError(f"--device: {error}") from None
-
-
-def write_outputs(results: pd.DataFrame, summary: dict, out_dir: Path) -> None:
-    """Write results.csv and summary.json, both or neither (see `write_files`)."""
-    write_files(
-        out_dir,
-        {
-            "results.csv": lambda path: results.to_csv(path, index=False),
-            "summary.json": lambda path: path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8"),
-        },
-    )
-
-
-def write_files(out_dir: Path, writers: dict) -> None:
-    """Run each `writers[name](path)` on a partial file in out_dir, then rename them all into place; on an
-    OSError remove the partial files and raise one EvalError line: no half-written output."""
-    staged: list[tuple[Path, Path]] = []
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for name, write in writers.items():
-            partial = out_dir / f".{name}.{os.getpid()}.partial"
-            staged.append((partial, out_dir / name))
-            write(partial)
-        for partial, final in staged:
-            os.replace(partial, final)
-    except OSError as error:
-        for partial, _ in staged:
-            partial.unlink(missing_ok=True)
-        raise EvalError(f"{out_dir}: cannot write the results ({error.strerror or error})") from None

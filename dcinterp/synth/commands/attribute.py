@@ -22,6 +22,10 @@ import json
 import sys
 from pathlib import Path
 
+from ...cli import positive_int
+from ..evaluate import EvalError
+from .common import add_checkpoint_argument, add_device_arguments, agreed, task_list, write_files
+
 DEFAULT_CHECKPOINT = "dcpythia-synth"
 DEFAULT_TASKS = "2,3"
 OUTPUTS = ("heads.csv", "prompts.csv", "summary.json", "heads.png")
@@ -29,15 +33,15 @@ TOP_HEADS = 10
 
 
 def add_attribute_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from .circuit import task_list
-    from .evaluate import positive_int
+    """The `attribute` command's options.
 
-    parser.add_argument(
-        "--checkpoint",
-        default=DEFAULT_CHECKPOINT,
-        metavar="PATH",
-        help="checkpoint directory or embedded model name (default: %(default)s)",
-    )
+    Args:
+        parser: The parser to add them to.
+
+    Returns:
+        The same parser.
+    """
+    add_checkpoint_argument(parser, DEFAULT_CHECKPOINT)
     parser.add_argument(
         "--tasks",
         type=task_list,
@@ -58,8 +62,7 @@ def add_attribute_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--kind", choices=["person", "object"], help="which contrast pairs give the prompts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="write " + ", ".join(OUTPUTS) + " here")
-    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    add_device_arguments(parser)
     parser.add_argument("--batch-size", type=positive_int, default=8, metavar="N", help="prompts per call (default 8)")
     parser.add_argument(
         "--internal-batch-size",
@@ -71,8 +74,19 @@ def add_attribute_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
 
 
 def attribute(model, pairs, tokens, args: argparse.Namespace, progress: bool = True):
-    """`head_attribution_sweep` of the pairs' clean prompts and answers, with the command's settings."""
-    from ..attribution import head_attribution_sweep
+    """`head_attribution_sweep` of the pairs' clean prompts and answers, with the command's settings.
+
+    Args:
+        model: The model.
+        pairs: The contrast pairs (their clean prompts are attributed).
+        tokens: The pairs' tokens (`tokenize_pairs`).
+        args: The parsed options (steps, baseline, path, batch sizes).
+        progress: Say on stderr what runs.
+
+    Returns:
+        The sweep's result.
+    """
+    from ...attribution import head_attribution_sweep
 
     if progress:
         print(f"{model.cfg.model_name}: {len(pairs)} prompts, {args.n_steps} steps", file=sys.stderr, flush=True)
@@ -93,6 +107,15 @@ def attribute(model, pairs, tokens, args: argparse.Namespace, progress: bool = T
 
 
 def prompts_frame(result, pairs):
+    """One row per prompt: task, sample, answer, the target at the input and at the baseline, and their gap.
+
+    Args:
+        result: `attribute`'s result.
+        pairs: The contrast pairs, in the result's order.
+
+    Returns:
+        The frame.
+    """
     import pandas as pd
 
     return pd.DataFrame(
@@ -108,6 +131,16 @@ def prompts_frame(result, pairs):
 
 
 def summary_of(result, args: argparse.Namespace, world_size: int) -> dict:
+    """What summary.json holds: the settings, the top heads and the completeness gaps.
+
+    Args:
+        result: `attribute`'s result.
+        args: The parsed options.
+        world_size: How many processes shared the work.
+
+    Returns:
+        The JSON-ready dict.
+    """
     gap = result.delta.abs()
     effect = (result.f_input - result.f_baseline).abs()
     return {
@@ -130,8 +163,15 @@ def summary_of(result, args: argparse.Namespace, world_size: int) -> dict:
 
 
 def write_outputs(result, pairs, summary: dict, figure, out_dir: Path) -> None:
-    from .evaluate import write_files
+    """Write heads.csv, prompts.csv, summary.json and heads.png, all or none (`common.write_files`).
 
+    Args:
+        result: `attribute`'s result.
+        pairs: The contrast pairs.
+        summary: `summary_of`'s result.
+        figure: The heads' figure.
+        out_dir: The output directory.
+    """
     write_files(
         out_dir,
         {
@@ -147,9 +187,15 @@ def run_attribute(args: argparse.Namespace) -> int:
     """The `attribute` command: 0 on success, 2 (and one line on stderr) for bad input.
 
     Under `torchrun --nproc-per-node N` the N processes share the batches of prompts; rank 0 writes what one process
-    writes, and summary.json records `world_size`."""
-    from ..distributed import finish, start
-    from .evaluate import EvalError, agreed
+    writes, and summary.json records `world_size`.
+
+    Args:
+        args: The parsed options (`add_attribute_arguments`).
+
+    Returns:
+        The exit status.
+    """
+    from ...distributed import finish, start
 
     rank, world_size, rank_device = start()
     try:
@@ -157,7 +203,7 @@ def run_attribute(args: argparse.Namespace) -> int:
         result = attribute(model, pairs, tokens, args, progress=rank == 0)
         summary = summary_of(result, args, world_size)
         if rank == 0:
-            from ..plotting import plot_head_attribution
+            from ...plotting import plot_head_attribution
 
             figure = plot_head_attribution(
                 result,
@@ -185,7 +231,18 @@ def run_attribute(args: argparse.Namespace) -> int:
 
 
 def attribute_inputs(args: argparse.Namespace, rank_device: str | None):
-    """The checked checkpoint (loaded, frozen, on this process's device), the contrast pairs and their tokens."""
+    """The checked checkpoint (loaded, frozen, on this process's device), the contrast pairs and their tokens.
+
+    Args:
+        args: The parsed options.
+        rank_device: This process's device under torchrun, else None.
+
+    Returns:
+        (model, pairs, tokens).
+
+    Raises:
+        EvalError: An input that cannot be attributed (one line).
+    """
     from .circuit import checked_model, pairs_of
 
     model = checked_model(args, rank_device)

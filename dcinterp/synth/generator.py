@@ -29,6 +29,8 @@ SAMPLES_PER_TASK = 12
 
 @dataclass(frozen=True)
 class Fact:
+    """One fact of a line: a person's item, or an item of a list."""
+
     person: str | None  # None for the items of a list
     item: str
 
@@ -46,6 +48,8 @@ class Line:
 
 @dataclass(frozen=True)
 class Sample:
+    """One sample drawn: its lines and the draw that picks the phrasing of its questions."""
+
     phrasing_draw: float  # uniform in [0, 1); picks the phrasing by the rendering task's weights
     lines: tuple[Line, ...]
 
@@ -167,6 +171,15 @@ def _facts(persons: list, items: list[str]) -> tuple[Fact, ...]:
 
 
 def choose_phrasing(phrasings: tuple[Phrasing, ...], draw: float) -> Phrasing:
+    """The phrasing a uniform draw picks, by the phrasings' weights.
+
+    Args:
+        phrasings: The task's phrasings.
+        draw: A number in [0, 1).
+
+    Returns:
+        The phrasing.
+    """
     threshold = draw * sum(phrasing.weight for phrasing in phrasings)
     for phrasing in phrasings:
         threshold -= phrasing.weight
@@ -177,7 +190,16 @@ def choose_phrasing(phrasings: tuple[Phrasing, ...], draw: float) -> Phrasing:
 
 def answer_for(catalog: Catalog, task: Task, line: Line) -> str:
     """The line's answer in `task`, which may transform the source item differently than
-    the task that drew the line (task 72 answers with the predecessor of task 70's item)."""
+    the task that drew the line (task 72 answers with the predecessor of task 70's item).
+
+    Args:
+        catalog: The task catalog.
+        task: The task that renders the line.
+        line: The line, as the sampling task drew it.
+
+    Returns:
+        The answer.
+    """
     source = catalog.sample_source(task)
     if task.ov_transformation == source.ov_transformation or line.source_item is None:
         return line.answer
@@ -186,6 +208,17 @@ def answer_for(catalog: Catalog, task: Task, line: Line) -> str:
 
 
 def render_fact(catalog: Catalog, task: Task, fact: Fact) -> str:
+    """One fact as the task's syntax writes it.
+
+    Args:
+        catalog: The task catalog.
+        task: The task.
+        fact: The fact.
+
+    Returns:
+        The text.
+    """
+
     def value_of(field: str, form: str) -> str:
         return fact.person if field == "person" else catalog.lexicon.form(task.pool.kind, fact.item, form)
 
@@ -193,6 +226,19 @@ def render_fact(catalog: Catalog, task: Task, fact: Fact) -> str:
 
 
 def render_line(catalog: Catalog, task: Task, phrasing: Phrasing, line: Line, answer: str, bracketed: bool) -> str:
+    """One line as the task writes it: its facts, the question and the answer.
+
+    Args:
+        catalog: The task catalog.
+        task: The task.
+        phrasing: The question's phrasing.
+        line: The line.
+        answer: The answer written.
+        bracketed: Write the answer as ` [ answer ]` (a scored line).
+
+    Returns:
+        The text.
+    """
     unit = catalog.lexicon.domain_of(line.facts[0].item).unit if task.pool.kind == "ordinal" else None
     question_fields = {"person": line.query_person, "value": line.query_value, "unit": unit}
     question_parts = (
@@ -208,6 +254,16 @@ def render_line(catalog: Catalog, task: Task, phrasing: Phrasing, line: Line, an
 
 
 def render_sample(catalog: Catalog, task: Task, sample: Sample) -> str:
+    """A sample's lines as the task writes them, the scored ones bracketed.
+
+    Args:
+        catalog: The task catalog.
+        task: The task.
+        sample: The sample drawn.
+
+    Returns:
+        The sample's text.
+    """
     phrasing = choose_phrasing(task.phrasings, sample.phrasing_draw)
     return join_lines(
         [
@@ -221,7 +277,18 @@ def render_sample(catalog: Catalog, task: Task, sample: Sample) -> str:
 
 
 def parse_task_ids(spec: str, catalog: Catalog) -> list[str]:
-    """'task0,task5', '0-7' or '3,10-12' -> task ids; ValueError names a bad part."""
+    """'task0,task5', '0-7' or '3,10-12' -> task ids; ValueError names a bad part.
+
+    Args:
+        spec: Ids and ranges.
+        catalog: The task catalog.
+
+    Returns:
+        The task ids, in the order given.
+
+    Raises:
+        ValueError: A bad part of the selection, or a task the catalog does not have.
+    """
     task_ids = []
     for part in filter(None, (part.strip() for part in spec.split(","))):
         first, _, last = part.removeprefix("task").partition("-")
@@ -229,10 +296,22 @@ def parse_task_ids(spec: str, catalog: Catalog) -> list[str]:
         if not first.isdigit() or (last and not (last.isdigit() and int(last) >= int(first))):
             raise ValueError(f"bad task selection {part!r} (use task3, 3 or 0-7)")
         task_ids += [f"task{number}" for number in range(int(first), int(last or first) + 1)]
-    return _known_task_ids(task_ids, catalog)
+    return known_task_ids(task_ids, catalog)
 
 
-def _known_task_ids(task_ids: Iterable, catalog: Catalog) -> list[str]:
+def known_task_ids(task_ids: Iterable, catalog: Catalog) -> list[str]:
+    """Task ids as the catalog names them, each checked to be one of its tasks.
+
+    Args:
+        task_ids: Ids such as "task3" or 3 (a bare number is the task of that number).
+        catalog: The task catalog.
+
+    Returns:
+        The ids as "task{n}", in the order given.
+
+    Raises:
+        ValueError: An id the catalog does not have (one line naming it and the range of ids).
+    """
     normalized = [f"task{task_id}" if str(task_id).isdigit() else str(task_id) for task_id in task_ids]
     unknown = [task_id for task_id in normalized if task_id not in catalog.tasks]
     if unknown:
@@ -246,8 +325,21 @@ def select_tasks(
     qk_patterns: Iterable[str] | None = None,
     ov_transformations: Iterable[str] | None = None,
 ) -> list[Task]:
-    """The catalog's tasks, in task order, restricted by ids, QK patterns and OV transformations."""
-    task_ids = set(_known_task_ids(tasks, catalog)) if tasks is not None else None
+    """The catalog's tasks, in task order, restricted by ids, QK patterns and OV transformations.
+
+    Args:
+        catalog: The task catalog.
+        tasks: Task ids, or None for every task.
+        qk_patterns: QK patterns kept, or None for all.
+        ov_transformations: OV transformations kept, or None for all.
+
+    Returns:
+        The tasks.
+
+    Raises:
+        ValueError: An unknown task, QK pattern or OV transformation.
+    """
+    task_ids = set(known_task_ids(tasks, catalog)) if tasks is not None else None
     patterns = _known_names(qk_patterns, QK_PATTERNS, "QK pattern")
     transformations = _known_names(ov_transformations, OV_TRANSFORMATIONS, "OV transformation")
     return [
@@ -279,7 +371,23 @@ def generate(
     catalog: Catalog | None = None,
 ) -> list[dict]:
     """Fresh samples in the released format: [{"task_id": "taskN", "texts": "..."}, ...],
-    grouped by task in task order.  The same arguments give the same records."""
+    grouped by task in task order.  The same arguments give the same records.
+
+    Args:
+        seed: The seed of every sample's generator.
+        samples_per_task: Samples of each task.
+        tasks: Task ids, or None for every task.
+        qk_patterns: QK patterns kept, or None for all.
+        ov_transformations: OV transformations kept, or None for all.
+        lines: Lines per sample (more than the plain lines).
+        catalog: The task catalog (default: the shipped one).
+
+    Returns:
+        The records.
+
+    Raises:
+        ValueError: Too few lines, a negative count, or an unknown task, pattern or transformation.
+    """
     if lines <= PLAIN_LINES:
         raise ValueError(f"lines must be more than {PLAIN_LINES}, got {lines}")
     if samples_per_task < 0:

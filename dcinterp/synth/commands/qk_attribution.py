@@ -33,6 +33,18 @@ import json
 import sys
 from pathlib import Path
 
+from ...cli import non_negative_int, positive_int
+from ..evaluate import EvalError
+from . import common
+from .common import (
+    add_checkpoint_argument,
+    add_device_arguments,
+    check_out_dir,
+    eval_device,
+    task_list,
+    write_files,
+)
+
 DEFAULT_CHECKPOINT = "dcpythia-synth"
 DEFAULT_TASKS = "2,3"  # same-person : superclass, the case study's family
 OUTPUTS = ("terms.csv", "summary.json", "qk.png")
@@ -51,32 +63,21 @@ TERM_CSV_COLUMNS = [
 
 
 def add_qk_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from .evaluate import parse_task_selection, positive_int
+    """The `qk` command's options.
 
-    def tasks(text: str) -> list[str]:
-        return sorted(parse_task_selection(text), key=lambda t: int(t.removeprefix("task")))
+    Args:
+        parser: The parser to add them to.
 
-    def non_negative(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = -1
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"expected an integer >= 0, not {text!r}")
-        return value
-
-    parser.add_argument("--layer", type=non_negative, required=True, metavar="L", help="the head's layer")
-    parser.add_argument("--head", type=non_negative, required=True, metavar="H", help="the head explained")
+    Returns:
+        The same parser.
+    """
+    parser.add_argument("--layer", type=non_negative_int, required=True, metavar="L", help="the head's layer")
+    parser.add_argument("--head", type=non_negative_int, required=True, metavar="H", help="the head explained")
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="write " + ", ".join(OUTPUTS) + " here")
-    parser.add_argument(
-        "--checkpoint",
-        default=DEFAULT_CHECKPOINT,
-        metavar="PATH",
-        help="checkpoint directory or embedded model name (default: %(default)s)",
-    )
+    add_checkpoint_argument(parser, DEFAULT_CHECKPOINT)
     parser.add_argument(
         "--tasks",
-        type=tasks,
+        type=task_list,
         default=DEFAULT_TASKS,
         metavar="IDS",
         help="tasks whose samples are explained, e.g. 2,3 (default: %(default)s, same-person : superclass)",
@@ -88,9 +89,10 @@ def add_qk_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--contrast", metavar="WORD|ROLE", help="a second key: why the key rather than this one")
     parser.add_argument("--seed", type=int, default=0, help="the samples' seed")
     parser.add_argument("--top", type=positive_int, default=200, metavar="K", help="terms kept per sample (200)")
-    parser.add_argument("--checks", type=non_negative, default=3, metavar="K", help="components checked per side (3)")
-    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument(
+        "--checks", type=non_negative_int, default=3, metavar="K", help="components checked per side (3)"
+    )
+    add_device_arguments(parser)
     return parser
 
 
@@ -98,9 +100,25 @@ def add_qk_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 # Positions
 def resolve(model, tokens, pair, spec: str, option: str, layer: int, head: int, query_pos: int | None = None) -> int:
     """A role or a word as a position in the pair's clean prompt [1, pos]; EvalError naming `option` and the
-    sample. "top" needs the query's position."""
-    from ..checks import find_word
-    from .evaluate import EvalError
+    sample. "top" needs the query's position.
+
+    Args:
+        model: The model.
+        tokens: The pair's clean prompt [1, pos].
+        pair: The contrast pair.
+        spec: A role (`ROLES`) or a word.
+        option: The option that gave it, in the error.
+        layer: The head's layer.
+        head: The head.
+        query_pos: The query's position ("top" needs it).
+
+    Returns:
+        The position.
+
+    Raises:
+        EvalError: A word or role the prompt does not have.
+    """
+    from ...checks import find_word
 
     where = f"{pair.task_id} sample {pair.sample}"
     if spec == "last":
@@ -128,11 +146,22 @@ def resolve(model, tokens, pair, spec: str, option: str, layer: int, head: int, 
 
 
 def top_key(model, tokens, layer: int, head: int, query_pos: int) -> int:
-    """The key the head scores highest from the query (its composed score; plain MHA: its score)."""
+    """The key the head scores highest from the query (its composed score; plain MHA: its score).
+
+    Args:
+        model: The model.
+        tokens: One prompt [1, pos].
+        layer: The head's layer.
+        head: The head.
+        query_pos: The query's position.
+
+    Returns:
+        The key's position.
+    """
     import torch
 
-    from ..model import visible_keys
-    from ..qk import layer_run
+    from ...model import visible_keys
+    from ...qk import layer_run
 
     run = layer_run(model, tokens, layer, query_pos, [query_pos])
     scores = run["composed" if model.cfg.use_dcmha else "scores"][head].float().cpu()
@@ -145,12 +174,21 @@ def top_key(model, tokens, layer: int, head: int, query_pos: int) -> int:
 def explain(model, pairs, args, progress: bool = True) -> dict:
     """Per sample: the attribution, the contrast and the change from the corrupted prompt; then the same causal
     checks in every sample: the `--checks` components with the largest mean share on each side (and the top one
-    through the source head with the largest mean share alone), so that their means stand beside the mean shares."""
+    through the source head with the largest mean share alone), so that their means stand beside the mean shares.
+
+    Args:
+        model: The model.
+        pairs: The contrast pairs.
+        args: The parsed options (the head, the roles, `--top`, `--checks`).
+        progress: Say on stderr what runs.
+
+    Returns:
+        {samples: one dict per sample, terms: every sample's top terms in one frame}.
+    """
     import pandas as pd
 
-    from ..qk import causal_checks, qk_attribution, qk_contrast
-    from ..qk_weights import compose_change
-    from .evaluate import EvalError
+    from ...qk import causal_checks, qk_attribution, qk_contrast
+    from ...qk_weights import compose_change
 
     layer, head = args.layer, args.head
     samples = []
@@ -196,7 +234,16 @@ def explain(model, pairs, args, progress: bool = True) -> dict:
 def checks_to_run(attributions: list, k: int, per_head: bool = True) -> list[tuple[str, str, int | None]]:
     """The k components with the largest mean |share| on each side (not `bias`), through every source head; and
     (per_head: DCMHA, where other heads' scores count) the first of each side through the source head with the
-    largest mean |share| alone."""
+    largest mean |share| alone.
+
+    Args:
+        attributions: The samples' attributions.
+        k: Components per side.
+        per_head: Also check through one source head (DCMHA).
+
+    Returns:
+        (component, side, source_head) triples, as `causal_checks` takes them.
+    """
     components = sum(a.component_table().set_index("component") for a in attributions) / len(attributions)
     components = components.drop(index="bias")
     head_branch = sum(a.head_branch_table() for a in attributions) / len(attributions)
@@ -210,7 +257,15 @@ def checks_to_run(attributions: list, k: int, per_head: bool = True) -> list[tup
 
 
 def mean_tables(results: list[dict], key: str = "attribution") -> dict:
-    """The tables of the samples' attributions (or contrasts) averaged (their components and heads agree)."""
+    """The tables of the samples' attributions (or contrasts) averaged (their components and heads agree).
+
+    Args:
+        results: The samples' results (`explain`).
+        key: "attribution" or "contrast".
+
+    Returns:
+        {pairs, head_branch, components, checks} averaged over the samples ({} where no sample has `key`).
+    """
     import pandas as pd
 
     results = [r for r in results if r.get(key) is not None]
@@ -250,6 +305,17 @@ def _records(frame) -> list[dict]:
 
 
 def summarise(model, args, result: dict, means: dict) -> dict:
+    """What summary.json holds: each sample's score, terms and gap, the mean tables' top entries and the checks.
+
+    Args:
+        model: The model.
+        args: The parsed options.
+        result: `explain`'s result.
+        means: `mean_tables`' result.
+
+    Returns:
+        The JSON-ready dict.
+    """
     samples = []
     for r in result["samples"]:
         a, pair = r["attribution"], r["pair"]
@@ -349,7 +415,18 @@ def _score_label(spec: str) -> str:
 
 
 def figure(args, means: dict, contrast: dict, summary: dict):
-    from ..plotting import plot_qk_attribution
+    """The mean attribution (and contrast) drawn, titled in words.
+
+    Args:
+        args: The parsed options.
+        means: The mean attribution's tables.
+        contrast: The mean contrast's tables ({} without `--contrast`).
+        summary: `summarise`'s result.
+
+    Returns:
+        The figure.
+    """
+    from ...plotting import plot_qk_attribution
 
     label = Path(str(args.checkpoint)).name
     second = None
@@ -375,10 +452,16 @@ def figure(args, means: dict, contrast: dict, summary: dict):
 
 
 def run_qk(args: argparse.Namespace) -> int:
-    """The `qk` command: 0 on success, 2 (and one line on stderr) for bad input."""
-    from .catalog import CatalogError
-    from .contrast import contrast_pairs
-    from .evaluate import EvalError, check_out_dir, eval_device, load_checkpoint, write_files
+    """The `qk` command: 0 on success, 2 (and one line on stderr) for bad input.
+
+    Args:
+        args: The parsed options (`add_qk_arguments`).
+
+    Returns:
+        The exit status.
+    """
+    from ..catalog import CatalogError
+    from ..contrast import contrast_pairs
 
     try:
         check_out_dir(args.out)
@@ -389,7 +472,7 @@ def run_qk(args: argparse.Namespace) -> int:
                 raise EvalError(f"--{option}: empty; pass a word or one of {', '.join(ROLES)}")
         if args.query == "top":
             raise EvalError("--query top: 'top' is a key; the query is a word, last, person or after-person")
-        model = load_checkpoint(args.checkpoint, args.dtype, device)
+        model = common.load_checkpoint(args.checkpoint, args.dtype, device)
         if model.tokenizer is None:
             raise EvalError(f"{args.checkpoint}: the checkpoint has no tokenizer; the samples need one")
         if args.layer >= model.cfg.n_layers:
