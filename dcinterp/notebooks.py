@@ -319,8 +319,8 @@ def written_since(directory: Path, start: float) -> list[Path]:
 # --------------------------------------------------------------------------------------------------
 # The docs site's copies, with outputs
 RENDERED_DIR = Path(__file__).resolve().parent.parent / "docs" / "notebooks"
-# What the site's copies are run with: the notebook's defaults where they take seconds on the CPU; smaller where the
-# full run takes minutes (each page says so, and gives the command of the full run). The tests run the same.
+# What the site's copies are run with: the notebook's defaults where they are quick on the CPU; smaller where the
+# full run is long (each page says so, and gives the command of the full run). The tests run the same.
 SITE_PARAMETERS = {
     "case_study": {"n_steps": 16},
     "synthetic_eval": {"limit": 74},
