@@ -1,7 +1,7 @@
 """Memory: what a `run_with_cache` will hold, before it runs, and the guard that refuses an oversized one.
 
     from dcinterp import estimate_cache
-    estimate_cache(model, tokens)                                          # every hook: tensors and bytes
+    estimate_cache(model, tokens)                                          # every hook (docs/loading.md)
     estimate_cache(model, tokens, lambda name: name.startswith("blocks.16.attn"))
 
 The estimate comes from the config and the input's shape alone (nothing runs); a test checks it against real

@@ -178,3 +178,19 @@ def test_public_functions_document_their_arguments():
         f"{share:.0%} of {len(with_parameters)} public functions, classes and methods with parameters have an "
         f"Args: section, fewer than {THRESHOLD:.0%}; without one:\n" + "\n".join(lacking)
     )
+
+
+def test_the_reference_keeps_google_sections():
+    """docs/_build/griffe_plaintext.py makes plain-text lists Markdown, but leaves a Google-style section as it is
+    (a blank line after `Args:` would make griffe read it as text, not a table)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "docs" / "_build"))
+    try:
+        from griffe_plaintext import markdown_lists
+    finally:
+        sys.path.pop(0)
+    text = (
+        "Summary.\n\nArgs:\n    tokens: prompts [batch, pos],\n        continued.\n\nReturns:\n    The scores.\nAfter."
+    )
+    assert markdown_lists(text) == text
