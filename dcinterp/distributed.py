@@ -65,7 +65,7 @@ def finish(world_size: int) -> None:
     """Leave the process group if `start` created it; a group someone else set up stays theirs.
 
     Args:
-        world_size: what `start` returned; 1: nothing to leave.
+        world_size: the world size `start` returned (1: nothing to leave).
     """
     global _started_here
     import torch.distributed as dist

@@ -69,7 +69,7 @@ def load_pretrained(
         model_class: the class to build (`HookedDCFormer.from_pretrained` passes itself).
 
     Returns:
-        The model, in eval mode.
+        The model, in eval mode, its weights without gradients.
 
     Raises:
         CheckpointError: a checkpoint that cannot be loaded, naming the file and key at fault.

@@ -295,7 +295,7 @@ def run_notebook(
         notebook: a notebook's name or path.
         parameters: {name: value} (None: the defaults).
         out: the executed copy's path (None: `out/notebooks/<name>.ipynb`).
-        figures: where figures go (None: the executed copy's folder).
+        figures: where figures go (None: the `figures_dir` parameter, else the executed copy's folder).
         cwd: where the kernel runs (None: here).
         timeout: seconds a cell may run.
         log_output: stream each cell's output to the console.
