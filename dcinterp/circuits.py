@@ -78,13 +78,13 @@ def ov_circuit(model: HookedDCFormer, layer: int, head: int | None = None) -> Fa
     Args:
         model: the model whose weights are read.
         layer: the layer.
-        head: one head, or None for every head of the layer.
+        head: one head, or None for all of them.
 
     Returns:
-        A FactoredMatrix [d_model, d_model], or [head, d_model, d_model] for every head.
+        A FactoredMatrix: [d_model, d_model] for one head, [head, d_model, d_model] for all.
 
     Raises:
-        ValueError: `layer` or `head` is not in the model.
+        ValueError: a layer or head the model does not have.
     """
     attn = model.blocks[check_layer(model, layer)].attn
     head = None if head is None else check_head(model, head)

@@ -747,14 +747,14 @@ def config_from_gpt_neox(raw: dict, source: Path) -> DCFormerConfig:
     """The config of a Hugging Face GPT-NeoX checkpoint, from its config.json.
 
     Args:
-        raw: the config.json's content.
-        source: the file, named in errors.
+        raw: what config.json holds.
+        source: the config file, named in errors.
 
     Returns:
-        The config.
+        The config, as a DCFormerConfig with use_dcmha=False.
 
     Raises:
-        CheckpointError: a missing key or a setting dcinterp does not support.
+        CheckpointError: a missing key, or an activation or bias setting dcinterp does not support.
     """
     need = _required(raw, source)
     if raw.get("hidden_act", "gelu") != "gelu":

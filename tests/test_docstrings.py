@@ -6,6 +6,7 @@ Read from the source (the `ast` of each module the reference lists in docs/refer
 """
 
 import ast
+import importlib.util
 import inspect
 import re
 from dataclasses import dataclass
@@ -183,14 +184,10 @@ def test_public_functions_document_their_arguments():
 def test_the_reference_keeps_google_sections():
     """docs/_build/griffe_plaintext.py makes plain-text lists Markdown, but leaves a Google-style section as it is
     (a blank line after `Args:` would make griffe read it as text, not a table)."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "docs" / "_build"))
-    try:
-        from griffe_plaintext import markdown_lists
-    finally:
-        sys.path.pop(0)
+    spec = importlib.util.spec_from_file_location("griffe_plaintext", ROOT / "docs" / "_build" / "griffe_plaintext.py")
+    extension = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(extension)
     text = (
         "Summary.\n\nArgs:\n    tokens: prompts [batch, pos],\n        continued.\n\nReturns:\n    The scores.\nAfter."
     )
-    assert markdown_lists(text) == text
+    assert extension.markdown_lists(text) == text
