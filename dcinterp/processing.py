@@ -11,8 +11,8 @@ stream before any weight), what writes to the residual stream has no component a
 - Centring is valid only where every reader of the residual stream is a centring LayerNorm: on an RMSNorm
   model (DCFormer++) `center_writing_weights` is skipped with one warning, as in TransformerLens.
 - Value biases are folded into `b_O` only in layers whose attention rows sum to 1. After post-compose they do
-  not (`hook_composed_pattern` rows on dcpythia-synth sum to anything from -5.4 to 9.0), so b_V's effect there
-  depends on the input and stays in `b_V` (one warning says so).
+  not (`hook_composed_pattern`'s rows: docs/weight-processing.md), so b_V's effect there depends on the input and
+  stays in `b_V` (one warning says so).
 - `refactor_factored_attn_matrices` is refused: with rotary embeddings the QK product depends on the relative
   position, and QK-norm makes q and k nonlinear in the stream (TransformerLens refuses rotary models too).
 
