@@ -65,18 +65,29 @@ def _head_name(layer: int, head: int) -> str:
 class HeadAttribution:
     """Integrated-gradients scores of every head for a batch of prompts.
 
-    `scores` is the mean over prompts; `per_prompt[i].sum()` equals `f_input[i] - f_baseline[i]` up to `delta[i]`.
+    `per_prompt[i].sum()` equals `f_input[i] - f_baseline[i]` up to `delta[i]`.
+
+    Attributes:
+        scores: the mean over prompts [layer, head].
+        per_prompt: each prompt's scores [batch, layer, head].
+        delta: the completeness error [batch]: per_prompt.sum((1, 2)) - (f_input - f_baseline).
+        f_input: the target with every head as it is (alpha = 1) [batch].
+        f_baseline: the target with every head at its baseline (alpha = 0) [batch].
+        by_task: the mean scores of each task's prompts [layer, head], by task label.
+        target_type: "logit", "logprob" or "prob".
+        path: "joint" or "per-layer".
+        f_layer_baseline: path="per-layer" only: the target with one layer's heads at baseline, the others as they
+            are [batch, layer].
     """
 
     scores: Float[Tensor, "layer head"]
     per_prompt: Float[Tensor, "batch layer head"]
-    delta: Float[Tensor, " batch"]  # completeness error: per_prompt.sum((1, 2)) - (f_input - f_baseline)
-    f_input: Float[Tensor, " batch"]  # the target with every head as it is (alpha = 1)
-    f_baseline: Float[Tensor, " batch"]  # the target with every head at its baseline (alpha = 0)
+    delta: Float[Tensor, " batch"]
+    f_input: Float[Tensor, " batch"]
+    f_baseline: Float[Tensor, " batch"]
     by_task: dict[Hashable, Float[Tensor, "layer head"]] = field(default_factory=dict)
     target_type: str = "logit"
     path: str = "joint"
-    # path="per-layer" only: the target with one layer's heads at baseline, the others as they are
     f_layer_baseline: Float[Tensor, "batch layer"] | None = None
 
     def __repr__(self) -> str:
@@ -90,7 +101,14 @@ class HeadAttribution:
         )
 
     def top_heads(self, k: int = 5) -> list[tuple[int, int]]:
-        """The k (layer, head) pairs with the largest mean score."""
+        """The k (layer, head) pairs with the largest mean score.
+
+        Args:
+            k: how many pairs.
+
+        Returns:
+            The pairs, largest score first.
+        """
         flat = self.scores.flatten().topk(min(k, self.scores.numel())).indices
         n_heads = self.scores.shape[1]
         return [(int(i) // n_heads, int(i) % n_heads) for i in flat]
@@ -115,12 +133,21 @@ class HeadAttribution:
 def head_baseline(
     model: HookedDCFormer, baseline: Baseline = "zero", reference_tokens: Int[Tensor, "ref pos"] | None = None
 ) -> Float[Tensor, "layer ... head d_head"] | None:
-    """The head outputs that alpha = 0 stands for: None for zero, else a tensor that broadcasts against
-    `hook_z` [batch, pos, head, d_head] once indexed by layer.
+    """The head outputs that alpha = 0 stands for.
 
-    "mean" averages `hook_z` over the reference batch's real tokens ([layer, head, d_head]; the trailing pad
-    tokens of the model's tokenizer do not count).
-    A tensor is taken as is: [layer, head, d_head] or [layer, pos, head, d_head].
+    Args:
+        model: the model.
+        baseline: "zero" (head output zero), "mean" (mean `hook_z` over the reference batch's real tokens; the
+            trailing pad tokens of the model's tokenizer do not count) or a tensor, taken as is:
+            [layer, head, d_head] or [layer, pos, head, d_head].
+        reference_tokens: the reference batch [ref, pos], for "mean".
+
+    Returns:
+        None for zero, else a tensor that broadcasts against `hook_z` [batch, pos, head, d_head] once indexed by
+        layer.
+
+    Raises:
+        ValueError: an unknown `baseline`, or "mean" without `reference_tokens`.
     """
     if isinstance(baseline, Tensor):
         return baseline
@@ -142,7 +169,15 @@ def head_baseline(
 
 
 def gate_hooks(alpha: Float[Tensor, "batch layer head"], baseline: Tensor | None) -> list[tuple[str, Callable]]:
-    """Forward hooks that set every head's `hook_z` to baseline + alpha * (z - baseline)."""
+    """Forward hooks that set every head's `hook_z` to baseline + alpha * (z - baseline).
+
+    Args:
+        alpha: the gates [batch, layer, head].
+        baseline: from `head_baseline` (None: zero).
+
+    Returns:
+        (hook name, hook) pairs, one per layer, for `run_with_hooks`.
+    """
 
     def make_hook(layer: int):
         def hook(z: Float[Tensor, "batch pos head d_head"], hook) -> Tensor:
@@ -162,8 +197,18 @@ def gate_hooks(alpha: Float[Tensor, "batch layer head"], baseline: Tensor | None
 def final_normed(
     model: HookedDCFormer, resid: Float[Tensor, "batch pos d_model"], position: int | Int[Tensor, " batch"] = -1
 ) -> Float[Tensor, "batch d_model"]:
-    """The residual stream entering the unembedding at each prompt's `position`, through the final norm, in float32
-    (a bfloat16 logit has 3 significant digits: IG's completeness gap would be its noise)."""
+    """The residual stream entering the unembedding at each prompt's `position`, through the final norm, in float32.
+
+    Float32 because a bfloat16 logit has 3 significant digits: IG's completeness gap would be its noise.
+
+    Args:
+        model: the model.
+        resid: the final residual stream [batch, pos, d_model].
+        position: one position, or one per prompt [batch].
+
+    Returns:
+        [batch, d_model].
+    """
     rows = torch.arange(resid.shape[0], device=resid.device)
     position = torch.as_tensor(position, device=resid.device).expand(resid.shape[0])
     return model.ln_final(at_least_float32(resid[rows, position][:, None]))[:, 0]
@@ -172,13 +217,30 @@ def final_normed(
 def answer_logits(
     model: HookedDCFormer, final: Float[Tensor, "batch d_model"], answer: Tensor
 ) -> Float[Tensor, " batch"]:
-    """The logit of each prompt's answer token from `final_normed`, without the [batch, d_vocab] logits."""
+    """The logit of each prompt's answer token from `final_normed`, without the [batch, d_vocab] logits.
+
+    Args:
+        model: the model.
+        final: from `final_normed` [batch, d_model].
+        answer: one token id, or one per prompt [batch].
+
+    Returns:
+        [batch].
+    """
     answer = torch.as_tensor(answer, device=model.W_U.device).expand(final.shape[0])
     return (final * at_least_float32(model.W_U[:, answer].T)).sum(-1) + at_least_float32(model.b_U[answer])
 
 
 def answer_log_probs(model: HookedDCFormer, final: Float[Tensor, "batch d_model"]) -> Float[Tensor, "batch d_vocab"]:
-    """Log-probabilities over the vocabulary from `final_normed` (unembedded in the model's dtype)."""
+    """Log-probabilities over the vocabulary from `final_normed` (unembedded in the model's dtype).
+
+    Args:
+        model: the model.
+        final: from `final_normed` [batch, d_model].
+
+    Returns:
+        [batch, d_vocab], float32.
+    """
     return at_least_float32(model.unembed(final.to(model.W_U.dtype))).log_softmax(-1)
 
 
@@ -190,10 +252,23 @@ def target_value(
     target_type: TargetType = "logit",
     fwd_hooks: Sequence[tuple[str, Callable]] = (),
 ) -> Float[Tensor, " batch"]:
-    """The target for each prompt: a token's logit, log-probability or probability at `position`, or
-    `target(logits, tokens)`.
+    """The target for each prompt: a token's logit, log-probability or probability at `position`, or a function's value.
 
     With a token target only the final residual at `position` is unembedded (no [batch, pos, vocab] logits).
+
+    Args:
+        model: the model.
+        tokens: prompts [batch, pos].
+        target: a token id, one per prompt [batch], or a function `target(logits, tokens) -> [batch]`.
+        position: one position, or one per prompt [batch].
+        target_type: "logit", "logprob" or "prob" of a token target.
+        fwd_hooks: hooks to run the model with.
+
+    Returns:
+        The target [batch], float32.
+
+    Raises:
+        ValueError: an unknown `target_type`.
     """
     if callable(target):
         logits = model.run_with_hooks(tokens, fwd_hooks=list(fwd_hooks))
@@ -276,8 +351,16 @@ def _integrate(forward: Callable, ones: Tensor, args: tuple, n_steps: int, metho
 def warn_incomplete(
     total_score: Tensor, total_effect: Tensor, n_steps: int, method: str, dtype, stacklevel: int = 3
 ) -> None:
-    """Warn, with the numbers, where the scores miss more than COMPLETENESS_SHARE of the total effect (pointing
-    `stacklevel` frames up: the caller of the function that calls this one)."""
+    """Warn, with the numbers, where the scores miss more than COMPLETENESS_SHARE of the total effect.
+
+    Args:
+        total_score: the summed scores, per prompt (or per prompt and layer).
+        total_effect: f(input) - f(baseline), of the same shape.
+        n_steps: the steps used, named in the warning.
+        method: the quadrature used, named in the warning.
+        dtype: the model's dtype, named in the warning.
+        stacklevel: the frame the warning points at: the caller of the function that calls this one.
+    """
     gap = (total_score - total_effect).abs()
     share = gap / total_effect.abs()
     over = (share > COMPLETENESS_SHARE) & (gap > 1e-4)
@@ -324,19 +407,32 @@ def head_attribution(
 ) -> HeadAttribution:
     """Integrated gradients of a target with respect to every head's output, one score per (layer, head).
 
-    tokens: prompts [batch, pos] (right-padded is fine: pass `position` per prompt).
-    target: a token id (int, or a tensor [batch] of one id per prompt), a word (its first token after a space;
-        needs a tokenizer) whose `target_type` ("logit", "logprob" or "prob") at `position` is explained, or a
-        function `(logits [N, pos, vocab], tokens [N, pos]) -> [N]`.
-    baseline: "zero" (head output zero), "mean" (mean head output over `reference_tokens`) or a tensor
-        ([layer, head, d_head] or [layer, pos, head, d_head]).
-    path: "joint" (every head's gate moves at once; completeness holds for the whole model) or "per-layer"
-        (one layer at a time, the others as they are; completeness holds per layer only). Costs n_layers times more.
-    tasks: one label per prompt; `by_task` then holds the mean scores of each task.
-    n_steps, internal_batch_size, method: as in captum's `IntegratedGradients.attribute`. The cost is about
-        n_steps forward+backward passes over the batch, all in one pass by default (batch * n_steps rows);
-        internal_batch_size caps the rows per pass (at least one step, i.e. the whole batch): set it on
-        large models. Many prompts: `head_attribution_sweep` takes them a batch at a time, across processes.
+    The cost is about `n_steps` forward+backward passes over the batch. For many prompts, `head_attribution_sweep`
+    takes them a batch at a time, across processes.
+
+    Args:
+        model: the model.
+        tokens: prompts [batch, pos]; right-padded is fine with `position` per prompt.
+        target: a token id, one per prompt [batch], a word (its first token after a space; needs a tokenizer), or a
+            function `(logits [N, pos, vocab], tokens [N, pos]) -> [N]`.
+        position: the position whose token target is explained: one, or one per prompt [batch].
+        target_type: what of a token target is explained: "logit", "logprob" or "prob".
+        baseline: "zero" (head output zero), "mean" (mean head output over `reference_tokens`) or a tensor
+            ([layer, head, d_head] or [layer, pos, head, d_head]).
+        reference_tokens: the reference batch [ref, pos] of a "mean" baseline.
+        tasks: one label per prompt; `by_task` then holds the mean scores of each task.
+        n_steps: as in captum's `IntegratedGradients.attribute`.
+        internal_batch_size: caps the rows per pass (at least one step, i.e. the whole batch); None: every step in
+            one pass (batch * n_steps rows). Set it on large models.
+        method: the quadrature, as in captum.
+        path: "joint" (every head's gate moves at once; completeness holds for the whole model) or "per-layer" (one
+            layer at a time, the others as they are; completeness holds per layer only; n_layers times the cost).
+
+    Returns:
+        The scores, per prompt and their mean, with the completeness check's numbers.
+
+    Raises:
+        ValueError: a bad argument, named.
     """
     _check_ig_arguments(n_steps, method, internal_batch_size, path)
     tokens, target, position = check_target_inputs(model, tokens, target, position, target_type)
@@ -429,7 +525,15 @@ def _warn_if_incomplete(result: HeadAttribution, n_steps: int, method: str, dtyp
 
 
 def mean_by_task(per_prompt: Tensor, tasks: Sequence[Hashable] | None) -> dict[Hashable, Tensor]:
-    """The mean scores of each task's prompts ([layer, head] per label), in the order the labels first appear."""
+    """The mean scores of each task's prompts, in the order the labels first appear.
+
+    Args:
+        per_prompt: scores [batch, layer, head].
+        tasks: one label per prompt (None: no task).
+
+    Returns:
+        [layer, head] per label.
+    """
     by_task = {}
     for task in dict.fromkeys(tasks or ()):
         rows = torch.tensor([t == task for t in tasks], device=per_prompt.device)
@@ -452,15 +556,36 @@ def head_attribution_sweep(
     path: Path = "joint",
     batch_size: int = 8,
 ) -> HeadAttribution:
-    """`head_attribution` over many prompts, `batch_size` prompts per call, shared between processes under
-    `torchrun`. Same arguments and result, on the CPU.
+    """`head_attribution` over many prompts, `batch_size` prompts per call, shared between processes under `torchrun`.
 
-    A prompt's scores depend on that prompt alone, so the result is `head_attribution` of all the prompts at once
-    up to float32 rounding (a batch's shapes change the order of some sums), and each prompt's row is what
-    `head_attribution` gives on its batch, bit for bit. A "mean" baseline is computed once, from
-    `reference_tokens`, for every batch. Under `torchrun` (an initialised torch.distributed group) each process
-    attributes every world_size-th batch; the rows are gathered, so every process returns what one process
-    computes, bit for bit (`dcinterp.distributed`). The completeness warning, if any, comes once, over every prompt.
+    Same arguments and result as `head_attribution`, on the CPU. A prompt's scores depend on that prompt alone, so the
+    result is `head_attribution` of all the prompts at once up to float32 rounding (a batch's shapes change the order
+    of some sums), and each prompt's row is what `head_attribution` gives on its batch, bit for bit. A "mean" baseline
+    is computed once, from `reference_tokens`, for every batch. Under `torchrun` (an initialised torch.distributed
+    group) each process attributes every world_size-th batch; the rows are gathered, so every process returns what
+    one process computes, bit for bit (`dcinterp.distributed`). The completeness warning, if any, comes once, over
+    every prompt.
+
+    Args:
+        model: as `head_attribution`.
+        tokens: as `head_attribution`.
+        target: as `head_attribution`.
+        position: as `head_attribution`.
+        target_type: as `head_attribution`.
+        baseline: as `head_attribution`.
+        reference_tokens: as `head_attribution`.
+        tasks: as `head_attribution`.
+        n_steps: as `head_attribution`.
+        internal_batch_size: as `head_attribution`.
+        method: as `head_attribution`.
+        path: as `head_attribution`.
+        batch_size: prompts per call of `head_attribution`.
+
+    Returns:
+        The scores of every prompt, on the CPU.
+
+    Raises:
+        ValueError: a bad argument, named.
     """
     from . import distributed
 
@@ -510,11 +635,17 @@ class HeadAblation:
     """The target's change (mean over prompts) when one head at a time is set to its baseline; NaN where not run.
 
     Negative: the head helps the target.
+
+    Attributes:
+        effect: the mean change of the target [layer, head].
+        clean: the target with every head as it is [batch].
+        heads: the (layer, head) pairs that were ablated.
+        target_type: "logit", "logprob" or "prob".
     """
 
     effect: Float[Tensor, "layer head"]
-    clean: Float[Tensor, " batch"]  # the target with every head as it is
-    heads: list[tuple[int, int]]  # the (layer, head) pairs that were ablated
+    clean: Float[Tensor, " batch"]
+    heads: list[tuple[int, int]]
     target_type: str = "logit"
 
     def __repr__(self) -> str:
@@ -525,7 +656,14 @@ class HeadAblation:
         )
 
     def top_heads(self, k: int = 5) -> list[tuple[int, int]]:
-        """The k ablated heads whose ablation lowers the target most."""
+        """The k ablated heads whose ablation lowers the target most.
+
+        Args:
+            k: how many heads.
+
+        Returns:
+            (layer, head) pairs, largest drop first.
+        """
         return sorted(self.heads, key=lambda lh: float(self.effect[lh]))[:k]
 
     def median(self) -> float:
@@ -552,9 +690,24 @@ def head_ablation(
 ) -> HeadAblation:
     """Change of the target (mean over prompts) when one head at a time is set to its baseline.
 
-    `heads` restricts the (layer, head) pairs computed (one forward each; on a large model pass the top heads of
-    `head_attribution` and a few others); the others are NaN. Same target and baseline conventions as
-    `head_attribution`.
+    Same target and baseline conventions as `head_attribution`.
+
+    Args:
+        model: the model.
+        tokens: prompts [batch, pos].
+        target: as `head_attribution`.
+        heads: the (layer, head) pairs to ablate, one forward each (None: every head). On a large model pass the
+            top heads of `head_attribution` and a few others; the others are NaN.
+        position: as `head_attribution`.
+        target_type: as `head_attribution`.
+        baseline: as `head_attribution`.
+        reference_tokens: as `head_attribution`.
+
+    Returns:
+        The effect of each ablated head.
+
+    Raises:
+        ValueError: a bad argument, named.
     """
     tokens, target, position = check_target_inputs(model, tokens, target, position, target_type)
     cfg = model.cfg

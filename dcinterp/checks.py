@@ -13,7 +13,20 @@ Piece = Literal["only", "first", "last"]
 
 
 def check_index(value, n: int, name: str, what: str) -> int:
-    """An integer index (Python, numpy or 0-d tensor; not a bool) in -n..n-1 as 0..n-1, or one line naming `name`."""
+    """An integer index in -n..n-1, as 0..n-1.
+
+    Args:
+        value: a Python, numpy or 0-d tensor integer (not a bool).
+        n: the number of items.
+        name: the argument named in the error.
+        what: the items, named in the error ("layers", "heads").
+
+    Returns:
+        The index in 0..n-1.
+
+    Raises:
+        ValueError: one line naming `name` and the valid range.
+    """
     if isinstance(value, bool) or isinstance(value, Tensor) and value.numel() != 1:
         raise TypeError(f"{name} must be an integer index, not {value!r}")
     try:
@@ -26,16 +39,53 @@ def check_index(value, n: int, name: str, what: str) -> int:
 
 
 def check_layer(model, layer: int, name: str = "layer") -> int:
-    """`layer` as a non-negative index, or a ValueError naming the valid range."""
+    """`layer` as a non-negative index.
+
+    Args:
+        model: the model.
+        layer: the layer; negative counts from the end.
+        name: the argument named in the error.
+
+    Returns:
+        The layer in 0..n_layers-1.
+
+    Raises:
+        ValueError: one line naming the valid range.
+    """
     return check_index(layer, model.cfg.n_layers, name, "layers")
 
 
 def check_head(model, head: int, name: str = "head") -> int:
+    """`head` as a non-negative index.
+
+    Args:
+        model: the model.
+        head: the head; negative counts from the end.
+        name: the argument named in the error.
+
+    Returns:
+        The head in 0..n_heads-1.
+
+    Raises:
+        ValueError: one line naming the valid range.
+    """
     return check_index(head, model.cfg.n_heads, name, "heads")
 
 
 def check_position(position, n_pos: int, name: str = "position") -> Tensor | int:
-    """Positions (an int or a tensor) as non-negative indices into a prompt of `n_pos` tokens."""
+    """Positions as non-negative indices into a prompt of `n_pos` tokens.
+
+    Args:
+        position: an int or a tensor of them; negative counts from the end.
+        n_pos: the prompt's length.
+        name: the argument named in the error.
+
+    Returns:
+        An int, or a tensor of positions.
+
+    Raises:
+        ValueError: not integers, or out of range.
+    """
     values = torch.as_tensor(position)
     if values.dtype.is_floating_point or values.numel() == 0:
         raise ValueError(f"{name} must be integer positions, not {position!r}")
@@ -45,25 +95,64 @@ def check_position(position, n_pos: int, name: str = "position") -> Tensor | int
 
 
 def check_key_before_query(query_pos: int, key_pos: int) -> None:
+    """Check that a key position is one the query attends to.
+
+    Args:
+        query_pos: the query's position.
+        key_pos: the key's position.
+
+    Raises:
+        ValueError: the key comes after the query.
+    """
     if key_pos > query_pos:
         raise ValueError(f"key_pos={key_pos} comes after query_pos={query_pos}: a query attends only to keys <= it")
 
 
 def check_token_ids(ids, d_vocab: int, name: str = "target") -> None:
+    """Check that `ids` are token ids of a vocabulary of `d_vocab`.
+
+    Args:
+        ids: an int or a tensor of them.
+        d_vocab: the vocabulary's size.
+        name: the argument named in the error.
+
+    Raises:
+        ValueError: not integers, or out of the vocabulary.
+    """
     values = torch.as_tensor(ids)
     if values.dtype.is_floating_point or not ((values >= 0) & (values < d_vocab)).all():
         raise ValueError(f"{name}={ids!r} is not a token id: the vocabulary has ids 0..{d_vocab - 1}")
 
 
 def word_pieces(tokenizer, word: str) -> list[int]:
-    """The token ids of `word` as it appears after a space (" burger": "Ġburger" for byte-level BPE, "burger" for
-    the word-level tokenizer), without special tokens."""
+    """The token ids of `word` as it appears after a space, without special tokens.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        word: the word (" burger": "Ġburger" for byte-level BPE, "burger" for the word-level tokenizer).
+
+    Returns:
+        Its token ids.
+    """
     return tokenizer(" " + word.strip(), add_special_tokens=False)["input_ids"]
 
 
 def word_token(model, word: str, piece: Piece = "only", name: str = "word") -> int:
-    """The one token id of `word`. A word that splits into several tokens is an error with piece="only", else
-    its first piece (what a model predicts first) or its last (the position that has read the whole word)."""
+    """The one token id of `word`.
+
+    Args:
+        model: the model, with a tokenizer.
+        word: the word, as it appears after a space.
+        piece: "only" (a word that splits into several tokens is an error), "first" (what a model predicts first)
+            or "last" (the position that has read the whole word).
+        name: the argument named in the error.
+
+    Returns:
+        The token id.
+
+    Raises:
+        ValueError: no tokenizer, a word not in the vocabulary, a split word with piece="only", or a bad `piece`.
+    """
     if model.tokenizer is None:
         raise ValueError(f"{name}={word!r} is a word, but the model has no tokenizer: pass a token id")
     ids = word_pieces(model.tokenizer, word)
@@ -79,9 +168,23 @@ def word_token(model, word: str, piece: Piece = "only", name: str = "word") -> i
 
 
 def find_word(model, tokens, word: str, occurrence: int = -1, name: str = "word") -> int:
-    """Position of the last piece of `word` (its `occurrence`-th appearance) in one prompt's tokens [pos].
+    """Position of the last piece of `word` in one prompt's tokens.
 
-    Looks for the word's pieces after a space, then without one (a word at the start of a line)."""
+    Looks for the word's pieces after a space, then without one (a word at the start of a line).
+
+    Args:
+        model: the model, with a tokenizer.
+        tokens: one prompt's token ids [pos].
+        word: the word.
+        occurrence: which appearance, as a list index (-1: the last).
+        name: the argument named in the error.
+
+    Returns:
+        The position.
+
+    Raises:
+        ValueError: no tokenizer, a word that does not occur, or no such occurrence.
+    """
     if model.tokenizer is None:
         raise ValueError(f"{name}={word!r} is a word, but the model has no tokenizer: pass a position")
     ids = torch.as_tensor(tokens).flatten().tolist()
@@ -105,9 +208,18 @@ class NonFiniteError(FloatingPointError):
 
 
 def first_nonfinite(model, run) -> str | None:
-    """Runs `run()` (a forward, and a backward if it takes one) with every hook point watched, and says where a
-    non-finite number first appeared: the first activation in forward order, else the first gradient in backward
-    order (the backward runs from the last layer down, so that is where it started). None if nowhere."""
+    """Where a non-finite number first appears when `run()` runs with every hook point watched.
+
+    The first activation in forward order, else the first gradient in backward order (the backward runs from the last
+    layer down, so that is where it started).
+
+    Args:
+        model: the model.
+        run: a forward, and a backward if it takes one.
+
+    Returns:
+        The hook (and layer), or None if nowhere.
+    """
     found: list[str] = []
 
     def watch(x, hook):
@@ -130,8 +242,17 @@ def first_nonfinite(model, run) -> str | None:
 
 
 def check_finite(model, values: dict[str, Tensor], what: str, run) -> None:
-    """A `NonFiniteError` if any of `values` ({argument name: tensor}) is NaN or infinite, naming where the first
-    non-finite number appeared (found by running `run()` again with every hook watched, see `first_nonfinite`)."""
+    """Refuse NaN or infinite values, naming where the first non-finite number appeared.
+
+    Args:
+        model: the model.
+        values: {argument name: tensor}.
+        what: the analysis, named in the error.
+        run: runs again what computed `values`, to find the place with every hook watched (see `first_nonfinite`).
+
+    Raises:
+        NonFiniteError: one of `values` is not finite.
+    """
     bad = [name for name, value in values.items() if not torch.isfinite(torch.as_tensor(value)).all()]
     if not bad:
         return
@@ -149,9 +270,20 @@ def check_finite(model, values: dict[str, Tensor], what: str, run) -> None:
 # --------------------------------------------------------------------------------------------------
 # Batches of prompts
 def check_tokens(model, tokens, name: str = "tokens") -> Tensor:
-    """Token ids as a [batch, pos] tensor on the model's input device ([pos] becomes one prompt), or a one-line
-    ValueError/TypeError naming `name`: not integers, not 1-d or 2-d, no prompts or no positions, ids out of the
-    vocabulary."""
+    """Token ids as a [batch, pos] tensor on the model's input device.
+
+    Args:
+        model: the model.
+        tokens: ids [batch, pos], or [pos] for one prompt.
+        name: the argument named in the error.
+
+    Returns:
+        [batch, pos].
+
+    Raises:
+        ValueError: no prompts or no positions, not 1-d or 2-d, or ids out of the vocabulary.
+        TypeError: not integers.
+    """
     try:
         values = torch.as_tensor(tokens)
     except (TypeError, ValueError, RuntimeError) as error:
@@ -175,9 +307,22 @@ def check_tokens(model, tokens, name: str = "tokens") -> Tensor:
 
 
 def real_lengths(model, tokens: Tensor, lengths=None, name: str = "lengths") -> Tensor:
-    """How many real tokens each prompt of a right-padded batch has [batch]: `lengths` as given (checked), else
-    every position up to the prompt's trailing run of the tokenizer's pad token (a model without a tokenizer or
-    a tokenizer without a pad token: every position is real; pass `lengths`, e.g. `pairs.position + 1`)."""
+    """How many real tokens each prompt of a right-padded batch has.
+
+    Args:
+        model: the model.
+        tokens: [batch, pos].
+        lengths: the lengths as given (checked); None: every position up to the prompt's trailing run of the
+            tokenizer's pad token. A model without a tokenizer or a tokenizer without a pad token: every position is
+            real; pass `lengths`, e.g. `pairs.position + 1`.
+        name: the argument named in the error.
+
+    Returns:
+        [batch].
+
+    Raises:
+        ValueError: bad `lengths`.
+    """
     batch, n_pos = tokens.shape
     if lengths is not None:
         values = torch.as_tensor(lengths)

@@ -53,7 +53,19 @@ from .processing import require_raw_weights
 # --------------------------------------------------------------------------------------------------
 # Circuits as FactoredMatrix
 def qk_circuit(model: HookedDCFormer, layer: int, head: int | None = None) -> FactoredMatrix:
-    """W_Q W_K^T of one head [d_model, d_model], or of every head of the layer [head, d_model, d_model]."""
+    """The QK circuit W_Q W_K^T of one head, or of every head of a layer.
+
+    Args:
+        model: the model whose weights are read.
+        layer: the layer.
+        head: one head, or None for every head of the layer.
+
+    Returns:
+        A FactoredMatrix [d_model, d_model], or [head, d_model, d_model] for every head.
+
+    Raises:
+        ValueError: `layer` or `head` is not in the model.
+    """
     attn = model.blocks[check_layer(model, layer)].attn
     head = None if head is None else check_head(model, head)
     W_Q, W_K = (attn.W_Q, attn.W_K) if head is None else (attn.W_Q[head], attn.W_K[head])
@@ -61,7 +73,19 @@ def qk_circuit(model: HookedDCFormer, layer: int, head: int | None = None) -> Fa
 
 
 def ov_circuit(model: HookedDCFormer, layer: int, head: int | None = None) -> FactoredMatrix:
-    """W_V W_O of one head [d_model, d_model], or of every head of the layer [head, d_model, d_model]."""
+    """The OV circuit W_V W_O of one head, or of every head of a layer.
+
+    Args:
+        model: the model whose weights are read.
+        layer: the layer.
+        head: one head, or None for all of them.
+
+    Returns:
+        A FactoredMatrix: [d_model, d_model] for one head, [head, d_model, d_model] for all.
+
+    Raises:
+        ValueError: a layer or head the model does not have.
+    """
     attn = model.blocks[check_layer(model, layer)].attn
     head = None if head is None else check_head(model, head)
     W_V, W_O = (attn.W_V, attn.W_O) if head is None else (attn.W_V[head], attn.W_O[head])
@@ -71,7 +95,20 @@ def ov_circuit(model: HookedDCFormer, layer: int, head: int | None = None) -> Fa
 # --------------------------------------------------------------------------------------------------
 # OV token projection (Eq. 12)
 def input_ids(model: HookedDCFormer, tokens) -> Tensor:
-    """Token ids from ids or words (each must be one token: a word that splits is a ValueError naming it)."""
+    """Token ids from ids or words.
+
+    Args:
+        model: the model; its tokenizer turns words into ids.
+        tokens: token ids (an int, a list or a tensor), a word, or a list mixing ids and words. Each word must be
+            one token.
+
+    Returns:
+        The ids [n].
+
+    Raises:
+        ValueError: a word splits into several tokens (named), or `tokens` holds no integer id.
+        TypeError: `tokens` is neither ids nor words.
+    """
     if isinstance(tokens, str):
         tokens = [tokens]
     if isinstance(tokens, (list, tuple)) and any(isinstance(t, str) for t in tokens):
@@ -94,10 +131,23 @@ def ov_logits(
     use_mlp: bool = True,
     final_norm: bool = False,
 ) -> Float[Tensor, "n d_vocab"]:
-    """The logits that head (layer, head)'s OV circuit writes for each input token on its own (Eq. 12).
+    """The logits that a head's OV circuit writes for each input token on its own (Eq. 12).
 
-    use_mlp: add the first MLP's output to the embedding (the paper's choice); final_norm: apply the final
-    norm before unembedding. The OV product runs in float32; the unembedding in the model's dtype.
+    The OV product runs in float32; the unembedding in the model's dtype.
+
+    Args:
+        model: the model, with its raw weights (not TransformerLens-processed).
+        layer: the head's layer.
+        head: the head.
+        tokens: input token ids [n], or words where the model has a tokenizer (each one token).
+        use_mlp: add the first MLP's output to the embedding (the paper's choice).
+        final_norm: apply the final norm before unembedding.
+
+    Returns:
+        The logits [n, d_vocab], float32.
+
+    Raises:
+        ValueError: a layer, head or token id out of range, or processed weights.
     """
     require_raw_weights(model, "ov_logits (Eq. 12)")
     layer, head = check_layer(model, layer), check_head(model, head)
@@ -126,11 +176,25 @@ def ov_top_tokens(
     use_mlp: bool = True,
     final_norm: bool = False,
 ) -> pd.DataFrame:
-    """The top-k output tokens of head (layer, head)'s OV circuit for each input token (Eq. 12). `tokens`: ids,
-    or words where the model has a tokenizer (each must be a single token).
+    """The top-k output tokens of a head's OV circuit for each input token (Eq. 12).
 
-    One row per (input, rank): input, rank, token, logit, and input_str / token_str when the model has a
-    tokenizer. `frame.pivot(index="input_str", columns="rank", values="token_str")` gives the paper's table.
+    `frame.pivot(index="input_str", columns="rank", values="token_str")` gives the paper's table.
+
+    Args:
+        model: the model, with its raw weights.
+        layer: the head's layer.
+        head: the head.
+        tokens: input token ids [n], or words where the model has a tokenizer (each one token).
+        k: how many output tokens per input.
+        use_mlp: add the first MLP's output to the embedding (the paper's choice).
+        final_norm: apply the final norm before unembedding.
+
+    Returns:
+        One row per (input, rank): input, rank, token, logit, and input_str / token_str when the model has a
+        tokenizer.
+
+    Raises:
+        ValueError: `k` is not in 1..d_vocab, or as `ov_logits`.
     """
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= model.cfg.d_vocab:
         raise ValueError(f"k={k!r} must be an integer in 1..{model.cfg.d_vocab} (the vocabulary's size)")
@@ -156,10 +220,16 @@ def ov_top_tokens(
 def concat_spectrum(
     left: Float[Tensor, "head d_model d_head"], right: Float[Tensor, "head d_head d_out"]
 ) -> Float[Tensor, " k"]:
-    """Squared singular values (descending) of M = concat_h(left[h] @ right[h]) along columns, without M.
+    """Squared singular values of M = concat_h(left[h] @ right[h]) along columns, without forming M.
 
-    k = min(d_model, head * d_head): M has no more nonzero singular values. Computed in the inputs' dtype
-    (pass float32 or float64).
+    Computed in the inputs' dtype (pass float32 or float64).
+
+    Args:
+        left: the heads' left factors [head, d_model, d_head].
+        right: the heads' right factors [head, d_head, d_out].
+
+    Returns:
+        The squared singular values [k], descending, k = min(d_model, head * d_head): M has no more nonzero ones.
     """
     Z = concat_factor(left, right)  # [d_model, head * d_head], Z Z^T = M M^T
     return torch.linalg.eigvalsh(gram_lower(Z)).flip(0).clamp_min(0)
@@ -168,9 +238,18 @@ def concat_spectrum(
 def concat_factor(
     left: Float[Tensor, "head d_model d_head"], right: Float[Tensor, "head d_head d_out"]
 ) -> Float[Tensor, "d_model n"]:
-    """Z = concat_h(left[h] S_h) with S_h S_h^T = right[h] right[h]^T:
-    Z Z^T = M M^T for M = concat_h(left[h] right[h]). S_h is the Cholesky factor (or, where a head's Gram
-    matrix is singular, from its eigendecomposition)."""
+    """A factor Z with Z Z^T = M M^T for M = concat_h(left[h] right[h]): Z = concat_h(left[h] S_h).
+
+    S_h S_h^T = right[h] right[h]^T: S_h is the Cholesky factor, or, where a head's Gram matrix is singular, comes
+    from its eigendecomposition.
+
+    Args:
+        left: the heads' left factors [head, d_model, d_head].
+        right: the heads' right factors [head, d_head, d_out].
+
+    Returns:
+        Z [d_model, head * d_head].
+    """
     gram = right @ right.transpose(-2, -1)
     factor, info = torch.linalg.cholesky_ex(gram)
     if bool(info.any()):
@@ -180,9 +259,18 @@ def concat_factor(
 
 
 def gram_lower(Z: Float[Tensor, "m n"], block: int = 512) -> Float[Tensor, "r r"]:
-    """The smaller Gram matrix of Z (Z^T Z or Z Z^T, r = min(m, n)), filled on and below the diagonal only
-    (above it: zeros, the blocks next to the diagonal aside), which is all `torch.linalg.eigvalsh` reads: a
-    block row at a time, about 0.6x the time of the full product at r = 4096."""
+    """The smaller Gram matrix of Z, on and below the diagonal only, which is all `torch.linalg.eigvalsh` reads.
+
+    Computed a block row at a time, so that the blocks above the diagonal are never computed (docs/head-diversity.md);
+    above the diagonal it holds zeros, the blocks next to the diagonal aside.
+
+    Args:
+        Z: the matrix [m, n].
+        block: rows per block.
+
+    Returns:
+        Z^T Z or Z Z^T, whichever is smaller: [r, r], r = min(m, n).
+    """
     Zt = Z.T if Z.shape[1] <= Z.shape[0] else Z  # [r, *]: the Gram matrix is Zt @ Zt^T
     r = Zt.shape[0]
     gram = Zt.new_zeros(r, r)
@@ -194,13 +282,20 @@ def gram_lower(Z: Float[Tensor, "m n"], block: int = 512) -> Float[Tensor, "r r"
 
 @dataclass
 class TopSpectrum:
-    """The k largest squared singular values of a matrix, its total sum(sigma^2), and a bound on the error of
-    their cumulative sums relative to the total (0 when computed by a full eigendecomposition)."""
+    """The k largest squared singular values of a matrix, its total sum(sigma^2), and a bound on the error of their
+    cumulative sums relative to the total.
+
+    Attributes:
+        sigma2: the k largest squared singular values [k], descending.
+        total: sum(sigma^2) over every singular value, ||Z||_F^2.
+        bound: the error bound on each cumulative sum relative to `total` (0 from a full eigendecomposition).
+        krylov_dim: the size of the Krylov space that reached the bound (0: full eigendecomposition).
+    """
 
     sigma2: Float[Tensor, " k"]
     total: float
     bound: float
-    krylov_dim: int  # the size of the Krylov space that reached the bound (0: full eigendecomposition)
+    krylov_dim: int
 
 
 def top_spectrum(
@@ -210,22 +305,31 @@ def top_spectrum(
     block: int | None = None,
     generator: torch.Generator | None = None,
 ) -> TopSpectrum:
-    """The k largest eigenvalues of Z^T Z (squared singular values of Z) by block Lanczos with full
-    reorthogonalisation, never forming Z^T Z; the total from the trace, ||Z||_F^2.
+    """The k largest eigenvalues of Z^T Z (squared singular values of Z) by block Lanczos, never forming Z^T Z.
 
-    The Krylov space grows until the error bound on every cumulative sum, relative to the total, is below `tol`.
-    Ritz values never exceed the eigenvalues they approximate (Cauchy interlacing), so each cumulative error is
-    at most that of the first k' >= k, and with residuals r_i that falls short by at most sum_{i<=k} ||r_i|| or,
-    for any k' >= k, sum_{i<=k'} ||r_i||^2 / gap_k' with gap_k' = theta_k' - (theta_{k'+1} + ||r_{k'+1}||) (the
-    quadratic residual bound, taken at the k' with the best ratio). The residuals come from the Lanczos relation
-    A V = V T + Q R E^T, kept exact by adding the reorthogonalisation's coefficients to T: ||r_i|| = ||R y_i||
-    over the last block of the Ritz vector y_i.
+    Block Lanczos with full reorthogonalisation; the total comes from the trace, ||Z||_F^2. The Krylov space grows
+    until the error bound on every cumulative sum, relative to the total, is below `tol`. Ritz values never exceed
+    the eigenvalues they approximate (Cauchy interlacing), so each cumulative error is at most that of the first
+    k' >= k, and with residuals r_i that falls short by at most sum_{i<=k} ||r_i|| or, for any k' >= k,
+    sum_{i<=k'} ||r_i||^2 / gap_k' with gap_k' = theta_k' - (theta_{k'+1} + ||r_{k'+1}||) (the quadratic residual
+    bound, taken at the k' with the best ratio). The residuals come from the Lanczos relation A V = V T + Q R E^T,
+    kept exact by adding the reorthogonalisation's coefficients to T: ||r_i|| = ||R y_i|| over the last block of the
+    Ritz vector y_i.
 
-    The bound is checked at 2k Krylov vectors, then a third of the way to where the log-linear decrease between
-    the last two checks says it reaches `tol`, at most half as many vectors again: convergence speeds up, most on
-    flat spectra (i.i.d. weights), whose first checks predict several times the vectors they need. Past half of
-    n vectors the dense eigendecomposition of the Gram matrix costs less, and is computed instead (bound 0). The
-    start block is random from `generator` (default: seeded 0, so that the same Z gives the same numbers).
+    The bound is checked at 2k Krylov vectors, then a third of the way to where the log-linear decrease between the
+    last two checks says it reaches `tol`, at most half as many vectors again: convergence speeds up, most on flat
+    spectra (i.i.d. weights), whose first checks predict several times the vectors they need. Past half of n vectors
+    the dense eigendecomposition of the Gram matrix costs less, and is computed instead (bound 0).
+
+    Args:
+        Z: the matrix [m, n].
+        k: how many eigenvalues.
+        tol: the error bound to reach on every cumulative sum, relative to the total.
+        block: the Lanczos block size (None: between 8 and 32, from k).
+        generator: draws the random start block (None: seeded 0, so that the same Z gives the same numbers).
+
+    Returns:
+        The spectrum, its total, the bound reached and the Krylov space's size.
     """
     small_side = Z.shape[1] <= Z.shape[0]
     n = min(Z.shape)
@@ -236,8 +340,8 @@ def top_spectrum(
         return _full_top_spectrum(Z, k, total)
     generator = generator or torch.Generator().manual_seed(0)
 
-    # Z and Z^T both row-major: then neither product reads a transposed matrix (1.15x faster with MKL, which pays
-    # for the copy after two dozen products)
+    # Z and Z^T both row-major: then neither product reads a transposed matrix, which costs more over a run than
+    # the copy (docs/head-diversity.md)
     Z, Zt = Z.contiguous(), Z.T.contiguous()
 
     def apply(X: Tensor) -> Tensor:
@@ -282,13 +386,20 @@ def top_spectrum(
 
 
 def squared_norm(Z: Tensor) -> float:
-    """||Z||_F^2, accumulated in float64 a slice of rows at a time (6x faster than a float64 copy of Z)."""
+    """||Z||_F^2, accumulated in float64 a slice of rows at a time (no float64 copy of Z).
+
+    Args:
+        Z: the matrix [m, n].
+
+    Returns:
+        The squared Frobenius norm.
+    """
     return float(sum(torch.sum(rows * rows, dtype=torch.float64) for rows in Z.split(256)))
 
 
 def _ritz_pairs(T: Tensor, count: int) -> tuple[Float[Tensor, " count"], Float[Tensor, "m count"]]:
     """The `count` largest eigenpairs of the projected matrix T, descending, values in float64."""
-    theta, Y = torch.linalg.eigh((T + T.T) / 2)  # in T's dtype (float32: 2x faster, its rounding far below tol)
+    theta, Y = torch.linalg.eigh((T + T.T) / 2)  # in T's dtype: float32's rounding is far below tol
     count = min(count, T.shape[0])
     return theta.double().flip(0)[:count], Y.flip(1)[:, :count]
 
@@ -307,7 +418,15 @@ def _full_top_spectrum(Z: Tensor, k: int, total: float) -> TopSpectrum:
 
 
 def cumulative_variance(sigma2: Float[Tensor, "... k"], total: float | Tensor | None = None) -> Float[Tensor, "... k"]:
-    """Share of the total variance (default: sigma2's sum) captured by the first 1..k principal components."""
+    """Share of the total variance captured by the first 1..k principal components.
+
+    Args:
+        sigma2: squared singular values [..., k], descending.
+        total: the total variance (None: sigma2's sum).
+
+    Returns:
+        The cumulative shares [..., k].
+    """
     return sigma2.cumsum(-1) / (sigma2.sum(-1, keepdim=True) if total is None else total)
 
 
@@ -332,9 +451,20 @@ def circuits_spectrum(
     components: int | None = None,
     tol: float = 1e-6,
 ) -> TopSpectrum:
-    """Squared singular values of the heads' circuits left[h] @ right[h] concatenated along `axis`, each scaled to
-    unit Frobenius norm first if normalize="head": all of them (components=None), or the first `components` with
-    the total from the trace (`top_spectrum`, error bound `tol` on the cumulative shares)."""
+    """Squared singular values of the heads' circuits left[h] @ right[h] concatenated along `axis`.
+
+    Args:
+        left: the heads' left factors [head, d_model, d_head].
+        right: the heads' right factors [head, d_head, d_out].
+        normalize: "head" scales each head's circuit to unit Frobenius norm first; "none" leaves them.
+        axis: "columns" (side by side) or "rows" (stacked).
+        components: None for all of them; else the first `components`, with the total from the trace
+            (`top_spectrum`).
+        tol: the error bound on the cumulative shares when `components` is set.
+
+    Returns:
+        The spectrum with its total and error bound.
+    """
     if normalize == "head":  # ||L R||_F^2 = trace(L^T L R R^T)
         norms = torch.einsum("hde,hdf,hfo,hgo->h", left, left, right, right).clamp_min(1e-30).sqrt()
         left = left / norms[:, None, None]
@@ -347,7 +477,19 @@ def circuits_spectrum(
 
 
 def resolve_components(components: Components, size: int, spectrum: str) -> int | None:
-    """The number of components to compute (None: all) for a Gram matrix of `size`."""
+    """The number of components to compute for a Gram matrix of `size`.
+
+    Args:
+        components: "all", "auto" (all up to AUTO_FULL_SIZE, else AUTO_COMPONENTS) or a positive int.
+        size: the Gram matrix's size.
+        spectrum: "sigma" needs every singular value, so always gives all.
+
+    Returns:
+        The number of components, or None for all.
+
+    Raises:
+        ValueError: `components` is none of the above.
+    """
     if components == "all" or spectrum == "sigma":  # sum(sigma) needs every singular value
         return None
     if components == "auto":
@@ -370,8 +512,27 @@ def layer_diversity(
     tol: float = 1e-6,
     return_bounds: bool = False,
 ):
-    """Cumulative captured variance of one layer's concatenated QK circuits and OV circuits (and, with
-    return_bounds, the error bound of each: 0 for a full decomposition)."""
+    """Cumulative captured variance of one layer's concatenated QK circuits and OV circuits.
+
+    Args:
+        W_Q: [head, d_model, d_head].
+        W_K: [head, d_model, d_head].
+        W_V: [head, d_model, d_head].
+        W_O: [head, d_head, d_model].
+        dtype: what the spectra are computed in, float32 or float64.
+        normalize: as `head_diversity`.
+        axis: as `head_diversity`.
+        spectrum: as `head_diversity`.
+        components: as `head_diversity`.
+        tol: as `head_diversity`.
+        return_bounds: also return the error bound of each curve (0 for a full decomposition).
+
+    Returns:
+        (qk, ov) curves [k], and with `return_bounds` a third item (qk_bound, ov_bound).
+
+    Raises:
+        ValueError: an option not among its choices, or a `dtype` other than float32 and float64.
+    """
     _check_choice("normalize", normalize, ("none", "head"))
     _check_choice("axis", axis, ("columns", "rows"))
     _check_choice("spectrum", spectrum, ("sigma2", "sigma"))
@@ -394,13 +555,21 @@ def layer_diversity(
 
 @dataclass
 class HeadDiversity:
-    """Cumulative captured variance per layer: entry [i, k-1] is the share of the first k components."""
+    """Cumulative captured variance per layer: entry [i, k-1] is the share of the first k components.
+
+    Attributes:
+        layers: the layers, one row each.
+        qk: the QK circuits' curves [layer, k].
+        ov: the OV circuits' curves [layer, k].
+        options: qk_norm, normalize, axis, spectrum and components, as computed.
+        bound: the largest error bound on any entry (0: every spectrum from a full decomposition).
+    """
 
     layers: list[int]
     qk: Float[Tensor, "layer k"]
     ov: Float[Tensor, "layer k"]
-    options: dict = None  # qk_norm, normalize, axis, spectrum, components as computed
-    bound: float = 0.0  # the largest error bound on any entry (0: every spectrum from a full decomposition)
+    options: dict = None
+    bound: float = 0.0
 
     def __repr__(self) -> str:
         k = min(4, self.qk.shape[1])
@@ -428,7 +597,15 @@ class HeadDiversity:
 
 
 def folded_qk(model: HookedDCFormer, layer: int) -> tuple[Tensor, Tensor]:
-    """W_Q, W_K of a layer with the QK-norm scales multiplied in (unchanged without QK-norm)."""
+    """W_Q, W_K of a layer with the QK-norm scales multiplied in (unchanged without QK-norm).
+
+    Args:
+        model: the model.
+        layer: the layer.
+
+    Returns:
+        (W_Q, W_K), each [head, d_model, d_head].
+    """
     attn = model.blocks[layer].attn
     if not model.cfg.use_qk_norm:
         return attn.W_Q, attn.W_K
@@ -448,17 +625,31 @@ def head_diversity(
     tol: float = 1e-6,
     progress: bool | None = None,
 ) -> HeadDiversity:
-    """Fig. 5: the cumulative variance captured by the principal components of each layer's concatenated
-    QK and OV circuits (lower: more diverse heads). One layer's weights at a time, in `dtype`, on their device.
-    The options are the conventions of the module docstring (defaults: the paper's reading, QK-norm folded in).
+    """Fig. 5: the variance captured by the principal components of each layer's concatenated QK and OV circuits.
 
-    components: how many components each curve has. "all": every one (a full eigendecomposition of the
-    min(d_model, n_heads * d_head)-sized Gram matrix per circuit: 4096 for a 6.9B model, seconds per layer on a
-    CPU). An int k: the first k, by block Lanczos, each share exact to `tol` (a checked bound: `result.bound`)
-    since the total variance is the trace. "auto" (default): all up to a Gram size of 1024, else the first 128.
-    spectrum="sigma" needs every singular value and always computes all.
+    Lower curves mean more diverse heads. One layer's weights at a time, in `dtype`, on their device. The options are
+    the conventions of the module docstring; the defaults are the paper's reading, QK-norm folded in.
 
-    progress: a bar over the layers (default: on a model past "auto"'s 1024, whose layers take a second or so).
+    Args:
+        model: the model, with its raw weights.
+        layers: the layers (None: all).
+        dtype: what the spectra are computed in, float32 or float64.
+        qk_norm: "fold" multiplies the QK-norm scales into W_Q and W_K; "ignore" reads them raw.
+        normalize: "none" (the paper's reading) or "head" (each head's circuit at unit Frobenius norm).
+        axis: "columns" (heads side by side) or "rows" (stacked).
+        spectrum: "sigma2" (variance, as PCA) or "sigma" (singular values; always computes every one).
+        components: how many components each curve has. "all": every one, a full eigendecomposition of the
+            min(d_model, n_heads * d_head)-sized Gram matrix per circuit. An int k: the first k, by block Lanczos,
+            each share exact to `tol` (a checked bound: `result.bound`) since the total variance is the trace.
+            "auto": all up to a Gram size of AUTO_FULL_SIZE, else the first AUTO_COMPONENTS.
+        tol: the error bound on each share when computed by block Lanczos.
+        progress: a bar over the layers (None: on a model past AUTO_FULL_SIZE, whose layers take longest).
+
+    Returns:
+        One curve per layer and circuit, the options and the largest error bound.
+
+    Raises:
+        ValueError: an option not among its choices, a layer out of range, or processed weights.
     """
     require_raw_weights(model, "head_diversity (Fig. 5)")
     _check_choice("qk_norm", qk_norm, ("fold", "ignore"))
@@ -487,5 +678,13 @@ def head_diversity(
 
 
 def compare_head_diversity(models: dict[str, HookedDCFormer], **kwargs) -> dict[str, HeadDiversity]:
-    """`head_diversity` of several models (e.g. {"DCPythia": dc, "Pythia": mha}), for `plot_head_diversity`."""
+    """`head_diversity` of several models, for `plot_head_diversity`.
+
+    Args:
+        models: the models by name, e.g. {"DCPythia": dc, "Pythia": mha}.
+        **kwargs: `head_diversity`'s options, the same for every model.
+
+    Returns:
+        Each model's result, by name.
+    """
     return {name: head_diversity(model, **kwargs) for name, model in models.items()}

@@ -46,18 +46,36 @@ class ComposeBreakdown:
     """One attention vector through one `Compose` stage: composed = before + o_qp + o_qg + o_kp + o_kg.
 
     Branches (and their weights) that the model does not run are zeros.
+
+    Attributes:
+        layer: the layer.
+        query_pos: the query position t.
+        key_pos: the key position s.
+        stage: "pre" (scores) or "post" (probabilities).
+        before: A[:, t, s], the scores or probabilities before composition [head].
+        o_qp: the query-wise low-rank projection A @ w_q1 @ w_q2.T [head].
+        o_qg: the query-wise gate A * w_qg [head].
+        o_kp: the key-wise low-rank projection A @ w_k1 @ w_k2.T [head].
+        o_kg: the key-wise gate A * w_kg [head].
+        composed: A'[:, t, s], the exact sum of the five parts [head].
+        w_q1: [head, rank].
+        w_q2: [head, rank].
+        w_k1: [head, rank].
+        w_k2: [head, rank].
+        w_qg: [head].
+        w_kg: [head].
     """
 
     layer: int
     query_pos: int
     key_pos: int
     stage: Stage
-    before: Float[Tensor, " head"]  # A[:, t, s]: scores (pre) or probabilities (post) before composition
-    o_qp: Float[Tensor, " head"]  # query-wise low-rank projection: A @ w_q1 @ w_q2.T
-    o_qg: Float[Tensor, " head"]  # query-wise gate: A * w_qg
-    o_kp: Float[Tensor, " head"]  # key-wise low-rank projection: A @ w_k1 @ w_k2.T
-    o_kg: Float[Tensor, " head"]  # key-wise gate: A * w_kg
-    composed: Float[Tensor, " head"]  # A'[:, t, s], the exact sum of the five parts
+    before: Float[Tensor, " head"]
+    o_qp: Float[Tensor, " head"]
+    o_qg: Float[Tensor, " head"]
+    o_kp: Float[Tensor, " head"]
+    o_kg: Float[Tensor, " head"]
+    composed: Float[Tensor, " head"]
     w_q1: Float[Tensor, "head rank"]
     w_q2: Float[Tensor, "head rank"]
     w_k1: Float[Tensor, "head rank"]
@@ -85,7 +103,14 @@ class ComposeBreakdown:
         return frame.rename_axis("head").reset_index()
 
     def composition_map(self, include_identity: bool = True) -> Float[Tensor, "head head"]:
-        """W with composed = before @ W (the skip connection I is left out with include_identity=False)."""
+        """W with composed = before @ W.
+
+        Args:
+            include_identity: include the skip connection I.
+
+        Returns:
+            W [head, head].
+        """
         W = torch.diag(self.w_qg + self.w_kg) + self.w_q1 @ self.w_q2.T + self.w_k1 @ self.w_k2.T
         return W + torch.eye(len(W)) if include_identity else W
 
@@ -131,8 +156,15 @@ def stage_activations(
 ) -> dict[str, Tensor]:
     """One prompt's attention before/after the stage and the stage's dynamic weights, for one layer only.
 
-    Keys: "before", "after" [head, query, key] and those of qw1, qw2, kw1, kw2 [pos, rank, head], qg, kg
-    [pos, head] that the model runs.
+    Args:
+        model: the model.
+        tokens: one prompt [1, pos].
+        layer: the layer.
+        stage: "pre" or "post".
+
+    Returns:
+        "before", "after" [head, query, key] and those of qw1, qw2, kw1, kw2 [pos, rank, head], qg, kg [pos, head]
+        that the model runs.
     """
     attn = f"blocks.{layer}.attn"
     before, after = STAGE_HOOKS[stage]
@@ -155,9 +187,23 @@ def compose_breakdown(
 ) -> ComposeBreakdown:
     """Break the composed attention of (query_pos, key_pos) in `layer` into its five parts (Fig. 7).
 
-    Everything is returned in float32 on the CPU. `tokens` is one prompt [pos] or a batch (then
-    `batch_index` picks the prompt; only that prompt is run). Positions may be words (the last piece of the
-    word's last occurrence) where the model has a tokenizer.
+    Everything is returned in float32 on the CPU; only the chosen prompt is run.
+
+    Args:
+        model: a DCMHA model.
+        tokens: one prompt [pos] or a batch [batch, pos].
+        layer: the layer.
+        query_pos: a position (negative counts from the end) or a word (the last piece of its last occurrence;
+            needs a tokenizer).
+        key_pos: as `query_pos`, at or before it.
+        stage: "pre" or "post".
+        batch_index: the prompt of a batch.
+
+    Returns:
+        The five parts, their sum and the dynamic weights.
+
+    Raises:
+        ValueError: a plain-MHA model, a stage the model lacks, or a position, layer or index out of range.
     """
     layer = check_layer(model, layer)
     prompt = _single_prompt(model, tokens, batch_index)
@@ -199,7 +245,21 @@ def composition_map(
     batch_index: int = 0,
     include_identity: bool = True,
 ) -> Float[Tensor, "head head"]:
-    """The H x H map W of one (query, key) pair: A'[:, t, s] = A[:, t, s] @ W (Sec. 3.1; Fig. 1 shows W.T)."""
+    """The H x H map W of one (query, key) pair: A'[:, t, s] = A[:, t, s] @ W (Sec. 3.1; Fig. 1 shows W.T).
+
+    Args:
+        model: a DCMHA model.
+        tokens: as `compose_breakdown`.
+        layer: as `compose_breakdown`.
+        query_pos: as `compose_breakdown`.
+        key_pos: as `compose_breakdown`.
+        stage: as `compose_breakdown`.
+        batch_index: as `compose_breakdown`.
+        include_identity: include the skip connection I.
+
+    Returns:
+        W [head, head].
+    """
     breakdown = compose_breakdown(model, tokens, layer, query_pos, key_pos, stage, batch_index)
     return breakdown.composition_map(include_identity)
 
@@ -213,7 +273,20 @@ def composition_maps_along_keys(
     batch_index: int = 0,
     include_identity: bool = True,
 ) -> Float[Tensor, "key head head"]:
-    """W for (query_pos, s) at every key s <= query_pos, from one run: how the composition varies along the sequence."""
+    """W for (query_pos, s) at every key s <= query_pos, from one run: how the composition varies along the sequence.
+
+    Args:
+        model: a DCMHA model.
+        tokens: as `compose_breakdown`.
+        layer: as `compose_breakdown`.
+        query_pos: as `compose_breakdown`.
+        stage: as `compose_breakdown`.
+        batch_index: as `compose_breakdown`.
+        include_identity: include the skip connection I.
+
+    Returns:
+        W [key, head, head], keys 0..query_pos.
+    """
     prompt = _single_prompt(model, tokens, batch_index)
     t = prompt_position(model, prompt, query_pos, "query_pos")
     prompt, acts = _prompt_stage_activations(model, prompt, layer, stage, 0)
@@ -230,15 +303,25 @@ def composition_maps_along_keys(
 
 @dataclass
 class AttentionDistributions:
-    """Attention of chosen heads from one query over keys 0..query_pos, before and after composition (Fig. 8)."""
+    """Attention of chosen heads from one query over keys 0..query_pos, before and after composition (Fig. 8).
+
+    Attributes:
+        layer: the layer.
+        query_pos: the query position.
+        stage: "pre" or "post".
+        heads: the heads, one row each.
+        before: the pattern (post) or scores (pre) before the stage [n_heads, key].
+        after: after the stage [n_heads, key]; `before` for plain MHA.
+        w_k1: the stage's key-wise w_k1 at each key [key, head, rank] (None if not run).
+    """
 
     layer: int
     query_pos: int
     stage: Stage
     heads: list[int]
-    before: Float[Tensor, "n_heads key"]  # pattern (post) or scores (pre) before the stage
-    after: Float[Tensor, "n_heads key"]  # after the stage (= before for plain MHA)
-    w_k1: Float[Tensor, "key head rank"] | None  # the stage's key-wise w_k1 at each key (None if not run)
+    before: Float[Tensor, "n_heads key"]
+    after: Float[Tensor, "n_heads key"]
+    w_k1: Float[Tensor, "key head rank"] | None
 
     def __repr__(self) -> str:
         tops = ", ".join(
@@ -275,6 +358,21 @@ def attention_distributions(
     """The attention of `heads` from `query_pos` to every key up to it, before and after `stage`, and w_k1.
 
     Works on plain MHA too (then `after` equals `before` and `w_k1` is None). float32, on the CPU.
+
+    Args:
+        model: the model.
+        tokens: one prompt [pos] or a batch [batch, pos].
+        layer: the layer.
+        query_pos: a position or a word, as `compose_breakdown`.
+        heads: the heads (None: all).
+        stage: "pre" or "post".
+        batch_index: the prompt of a batch.
+
+    Returns:
+        The distributions of each head.
+
+    Raises:
+        ValueError: a layer, head, position or index out of range, or a stage the model lacks.
     """
     layer = check_layer(model, layer)
     prompt = _single_prompt(model, tokens, batch_index)
@@ -303,17 +401,24 @@ DONOR_RULES = ("contribution", "w_k1")
 class Donors:
     """Which heads hand attention to `head` at one (query, key) pair, and by how much.
 
-    `contribution[n]` = A[n] * W[n, head] (W without the identity): head n's share of the change of head's
-    attention; `delivered[r]` = (A @ w_k1[:, r]) * w_k2[head, r]: what rank component r of the key-wise projection
-    delivers to head. `donors` are ranked by `rule`.
+    Attributes:
+        head: the receiving head.
+        rule: the rule that ranked `donors`.
+        donors: the donor heads, ranked.
+        attention: A[:, t, s] before the stage [head].
+        contribution: A[n] * W[n, head] (W without the identity): head n's share of the change of head's attention
+            [head].
+        w_k1_rank: the rank component with the largest |A @ w_k1| (the "w_k1" rule reads its column).
+        delivered: (A @ w_k1[:, r]) * w_k2[head, r], what rank component r of the key-wise projection delivers to
+            head [rank].
     """
 
     head: int
     rule: str
     donors: list[int]
-    attention: Float[Tensor, " head"]  # A[:, t, s] before the stage
+    attention: Float[Tensor, " head"]
     contribution: Float[Tensor, " head"]
-    w_k1_rank: int  # the rank component with the largest |A @ w_k1| (the "w_k1" rule reads its column)
+    w_k1_rank: int
     delivered: Float[Tensor, " rank"]
 
     def __repr__(self) -> str:
@@ -336,10 +441,20 @@ class Donors:
 def donor_heads(breakdown: ComposeBreakdown, head: int, k: int = 2, rule: str = "contribution") -> Donors:
     """The k heads whose attention the composition hands most to `head` at the breakdown's (query, key) pair.
 
-    rule="contribution" (default): the largest positive A[n] * W[n, head], n != head, i.e. the heads that raise
-    `head`'s attention most (fewer than k if fewer raise it). rule="w_k1": the largest |w_k1[n, r]| in the rank
-    component r with the largest |A @ w_k1[:, r]|, which ignores how much attention head n has on the key and what
-    w_k2 delivers to `head`.
+    Args:
+        breakdown: from `compose_breakdown`.
+        head: the receiving head.
+        k: how many donors.
+        rule: "contribution": the largest positive A[n] * W[n, head], n != head, i.e. the heads that raise `head`'s
+            attention most (fewer than k if fewer raise it). "w_k1": the largest |w_k1[n, r]| in the rank component r
+            with the largest |A @ w_k1[:, r]|, which ignores how much attention head n has on the key and what w_k2
+            delivers to `head` (the paper's reading of Fig. 8).
+
+    Returns:
+        The donors with each head's contribution.
+
+    Raises:
+        ValueError: `head` out of range or an unknown `rule`.
     """
     n_heads = len(breakdown.before)
     if not -n_heads <= head < n_heads:

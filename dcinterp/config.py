@@ -27,7 +27,17 @@ WINDOW_PATTERNS = {
 
 
 def parse_dtype(value: str | torch.dtype) -> torch.dtype:
-    """A torch.dtype from itself or its name ("bfloat16", "torch.bfloat16")."""
+    """A torch.dtype from itself or its name ("bfloat16", "torch.bfloat16").
+
+    Args:
+        value: a torch.dtype or its name.
+
+    Returns:
+        The dtype.
+
+    Raises:
+        ValueError: not a floating-point torch dtype.
+    """
     if isinstance(value, torch.dtype):
         return value
     dtype = getattr(torch, str(value).removeprefix("torch."), None)
@@ -38,6 +48,53 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
 
 @dataclass
 class DCFormerConfig:
+    """The shape and conventions of a DCFormer, DCPythia or plain-MHA model.
+
+    Attributes:
+        n_layers: blocks.
+        d_model: the residual stream's width.
+        n_heads: heads per layer.
+        d_head: each head's width.
+        d_mlp: the MLP's hidden width.
+        d_vocab: the vocabulary's size.
+        n_ctx: the longest context.
+        model_name: a name, shown in reprs.
+        normalization_type: "LN" (LayerNorm with bias) or "RMS".
+        norm_eps: the norms' epsilon.
+        parallel_residual: attention and MLP read the same stream (DCPythia); False: sequential (DCFormer++).
+        act_fn: "gelu" (exact erf) or "swiglu".
+        use_bias: biases on the attention and MLP projections.
+        mgate_dim: DCFormer++ "mgate": SwiGLU activations in groups of this size scaled by softmax(mg x) (None: off).
+        rotary_pct: share of each head's dims that rotary rotates ("half" pairing: j with j + r/2).
+        rotary_base: rotary's base.
+        use_qk_norm: RMSNorm with scale over the head dim on q and k, before rotary.
+        window_size: the sliding window of local layers.
+        window_type: "LG", "LGLL", "LGL6", another L/G pattern ("LGG"), or None: all layers global.
+        window: "training": a local layer admits window_size keys (t - window_size < s <= t), as the authors' JAX
+            training; "official-inference": window_size + 1 keys and rotary tables rounded to float16, as their
+            PyTorch inference code for DCPythia (modeling_dcpythia.py), to match its outputs exactly. DCFormer++'s
+            inference code admits window_size keys, so keep "training" for those (docs/conventions.md).
+        use_dcmha: DCMHA; False gives plain MHA (Pythia / Transformer++ baselines).
+        query_wise: only the two query-side branches (qp, qg).
+        compose_stages: the compose stages run; switch "pre" or "post" off (paper Table 9).
+        compose_branches: the branches run; switch any of qp, kp, qg, kg off (paper Table 9).
+        dcmha_rank: R, the rank of the dynamic projections.
+        dyn_hidden_dim: K, the hidden size of the dynamic-weight FFN (None: 4 * n_heads, the official value).
+        use_attn_result: compute blocks.{l}.attn.hook_result (per-head output in the residual basis).
+        default_prepend_bos: to_tokens prepends BOS; False: it adds only what the tokenizer adds itself.
+        dtype: a torch.dtype, as TransformerLens reads it; "float32" etc. accepted.
+        attn_only: read by TransformerLens; set by loading, never saved.
+        device: where the forward starts (the embedding); set by loading, never saved.
+        n_key_value_heads: read by TransformerLens; None: no grouped-query attention.
+        use_split_qkv_input: per-head q/k/v input forks.
+        use_attn_in: blocks.{l}.hook_attn_in fires.
+        use_hook_mlp_in: blocks.{l}.hook_mlp_in fires.
+        positional_embedding_type: read by TransformerLens.
+
+    Raises:
+        ValueError: a field out of its choices, or inconsistent fields.
+    """
+
     n_layers: int
     d_model: int
     n_heads: int
@@ -48,45 +105,41 @@ class DCFormerConfig:
     model_name: str = "dcformer"
 
     # Block layout. DCPythia: LN, parallel residual, GELU MLP with biases. DCFormer++: RMS, sequential, SwiGLU.
-    normalization_type: str = "LN"  # "LN" (LayerNorm with bias) or "RMS"
+    normalization_type: str = "LN"
     norm_eps: float = 1e-5
     parallel_residual: bool = True
-    act_fn: str = "gelu"  # "gelu" (exact erf) or "swiglu"
-    use_bias: bool = True  # biases on the attention and MLP projections
-    mgate_dim: int | None = None  # DCFormer++ "mgate": SwiGLU activations in groups scaled by softmax(mg x)
+    act_fn: str = "gelu"
+    use_bias: bool = True
+    mgate_dim: int | None = None
 
     # Attention.
-    rotary_pct: float = 1.0  # share of each head's dims that rotary rotates ("half" pairing: j with j + r/2)
+    rotary_pct: float = 1.0
     rotary_base: float = 10000.0
-    use_qk_norm: bool = True  # RMSNorm with scale over the head dim on q and k, before rotary
+    use_qk_norm: bool = True
     window_size: int | None = None
-    window_type: str | None = None  # "LG", "LGLL", "LGL6", another L/G pattern ("LGG"), or None: all global
-    # "training": a local layer admits window_size keys (t - window_size < s <= t), as the authors' JAX training;
-    # "official-inference": window_size + 1 keys and rotary tables rounded to float16, as their PyTorch inference
-    # code for DCPythia (modeling_dcpythia.py), to match its outputs exactly; DCFormer++'s inference code admits
-    # window_size keys, so keep "training" for those. docs/conventions.md.
+    window_type: str | None = None
     window: str = "training"
 
     # DCMHA. use_dcmha=False gives plain MHA (Pythia / Transformer++ baselines).
     use_dcmha: bool = True
-    query_wise: bool = False  # only the two query-side branches (qp, qg)
-    compose_stages: tuple[str, ...] = COMPOSE_STAGES  # switch pre- or post-compose off (paper Table 9)
-    compose_branches: tuple[str, ...] = COMPOSE_BRANCHES  # switch any branch off (paper Table 9)
-    dcmha_rank: int = 2  # R: rank of the dynamic projections
-    dyn_hidden_dim: int | None = None  # K: hidden size of the dynamic-weight FFN; official: 4 * n_heads
+    query_wise: bool = False
+    compose_stages: tuple[str, ...] = COMPOSE_STAGES
+    compose_branches: tuple[str, ...] = COMPOSE_BRANCHES
+    dcmha_rank: int = 2
+    dyn_hidden_dim: int | None = None
 
     # TransformerLens behaviour switches.
-    use_attn_result: bool = False  # compute blocks.{l}.attn.hook_result (per-head output in the residual basis)
-    default_prepend_bos: bool = False  # to_tokens adds only what the tokenizer adds itself
-    dtype: torch.dtype = torch.float32  # a torch.dtype, as TransformerLens reads it; "float32" etc. accepted
+    use_attn_result: bool = False
+    default_prepend_bos: bool = False
+    dtype: torch.dtype = torch.float32
 
     # Read by TransformerLens' ActivationCache and utilities; set by loading, never saved.
     attn_only: bool = field(default=False, init=False, repr=False)
-    device: str | None = field(default=None, init=False, repr=False)  # where the forward starts (the embedding)
-    n_key_value_heads: int | None = field(default=None, init=False, repr=False)  # None: no grouped-query attention
-    use_split_qkv_input: bool = field(default=False, init=False, repr=False)  # per-head q/k/v input forks
-    use_attn_in: bool = field(default=False, init=False, repr=False)  # blocks.{l}.hook_attn_in fires
-    use_hook_mlp_in: bool = field(default=False, init=False, repr=False)  # blocks.{l}.hook_mlp_in fires
+    device: str | None = field(default=None, init=False, repr=False)
+    n_key_value_heads: int | None = field(default=None, init=False, repr=False)
+    use_split_qkv_input: bool = field(default=False, init=False, repr=False)
+    use_attn_in: bool = field(default=False, init=False, repr=False)
+    use_hook_mlp_in: bool = field(default=False, init=False, repr=False)
     positional_embedding_type: str = field(default="rotary", init=False, repr=False)
 
     def __setattr__(self, name, value) -> None:
@@ -172,17 +225,37 @@ class DCFormerConfig:
         return WINDOW_PATTERNS.get(self.window_type, self.window_type or "G")
 
     def layer_window(self, layer: int) -> int | None:
-        """The sliding-window size of a layer, or None for a global layer."""
+        """The sliding-window size of a layer, or None for a global layer.
+
+        Args:
+            layer: the layer.
+
+        Returns:
+            The window, or None.
+        """
         pattern = self.window_pattern
         return self.window_size if pattern[layer % len(pattern)] == "L" else None
 
     def to_dict(self) -> dict:
+        """The config's constructor fields as JSON-ready values (the dtype by name)."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         values["dtype"] = str(self.dtype).removeprefix("torch.")
         return values
 
     @classmethod
     def from_dict(cls, values: dict, source: str = "config") -> "DCFormerConfig":
+        """A config from a dict of its constructor fields.
+
+        Args:
+            values: the fields.
+            source: the file, named in the error.
+
+        Returns:
+            The config.
+
+        Raises:
+            ValueError: unknown keys, named, or as the constructor.
+        """
         known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -190,4 +263,9 @@ class DCFormerConfig:
         return cls(**values)
 
     def save(self, path: str | Path) -> None:
+        """Write the config as JSON, with `"model_type": "dcinterp"`.
+
+        Args:
+            path: the file.
+        """
         Path(path).write_text(json.dumps({"model_type": "dcinterp", **self.to_dict()}, indent=2) + "\n")

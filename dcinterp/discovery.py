@@ -69,10 +69,23 @@ EDGE_COLUMNS = ["source", "target", "kind", "layer", "stage", "branch", "source_
 # The graph
 @dataclass(frozen=True)
 class Edge:
-    source: str  # a node: embed, L1H2, MLP0; for a compose edge L1H2.scores or L1H2.pattern
-    target: str  # a node: L2H0.q, L2.compose, MLP1, logits; for a compose edge L1H3.composed_scores/_pattern
-    kind: str  # "residual" or "compose"
-    layer: int  # the receiver's layer (n_layers for the logits)
+    """One edge of the graph: a sender's output read by a receiver.
+
+    Attributes:
+        source: a node: embed, L1H2, MLP0; for a compose edge L1H2.scores or L1H2.pattern.
+        target: a node: L2H0.q, L2.compose, MLP1, logits; for a compose edge L1H3.composed_scores (or _pattern).
+        kind: "residual" or "compose".
+        layer: the receiver's layer (n_layers for the logits).
+        stage: a compose edge's stage, "pre" or "post".
+        branch: a compose edge's branch.
+        source_head: the sending head, if a head sends.
+        target_head: the receiving head, if a head receives.
+    """
+
+    source: str
+    target: str
+    kind: str
+    layer: int
     stage: str | None = None
     branch: str | None = None
     source_head: int | None = None
@@ -83,8 +96,12 @@ class Edge:
 class EdgeGroup:
     """Edges stored as one tensor of `shape`, from `offset` in the flat edge order.
 
-    key: ("q" | "k" | "v", layer) [sender, head]; ("compose", layer) [sender]; ("mlp", layer) [sender];
-    ("logits",) [sender]; (stage, layer, branch) [source head, target head] for qp/kp, [head] for qg/kg/skip.
+    Attributes:
+        key: ("q" | "k" | "v", layer) [sender, head]; ("compose", layer) [sender]; ("mlp", layer) [sender];
+            ("logits",) [sender]; (stage, layer, branch) [source head, target head] for qp/kp, [head] for
+            qg/kg/skip.
+        shape: the group's tensor shape.
+        offset: where the group starts in the flat edge order.
     """
 
     key: tuple
@@ -97,7 +114,11 @@ class EdgeGroup:
 
 
 class Graph:
-    """The edges of a model's computational graph, in one flat order (`edges`, `frame()`, masks, scores)."""
+    """The edges of a model's computational graph, in one flat order (`edges`, `frame()`, masks, scores).
+
+    Args:
+        cfg: the model's config.
+    """
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -180,11 +201,25 @@ class Graph:
         return None if index == self.cfg.n_heads else index
 
     def senders_before(self, layer: int) -> int:
-        """How many senders write into the stream entering block `layer` (embed, then heads and MLP per layer)."""
+        """How many senders write into the stream entering block `layer` (embed, then heads and MLP per layer).
+
+        Args:
+            layer: the block.
+
+        Returns:
+            The number of senders.
+        """
         return 1 + layer * (self.cfg.n_heads + 1)
 
     def mlp_senders(self, layer: int) -> int:
-        """Senders an MLP reads: those before its block, and in a sequential block its own layer's heads too."""
+        """Senders an MLP reads: those before its block, and in a sequential block its own layer's heads too.
+
+        Args:
+            layer: the MLP's block.
+
+        Returns:
+            The number of senders.
+        """
         return self.senders_before(layer) + (0 if self.cfg.parallel_residual else self.cfg.n_heads)
 
     def __len__(self) -> int:
@@ -198,10 +233,25 @@ class Graph:
         )
 
     def split(self, flat: Tensor) -> dict[tuple, Tensor]:
-        """A flat [edge] tensor as one tensor per edge group (views)."""
+        """A flat [edge] tensor as one tensor per edge group (views).
+
+        Args:
+            flat: one value per edge [edge].
+
+        Returns:
+            The group's tensor by group key.
+        """
         return {g.key: flat[g.offset : g.offset + g.size].view(g.shape) for g in self.groups}
 
     def flatten(self, parts: dict[tuple, Tensor]) -> Tensor:
+        """The inverse of `split`: one tensor per edge group as one flat [edge] tensor.
+
+        Args:
+            parts: the group's tensor by group key.
+
+        Returns:
+            [edge].
+        """
         return torch.cat([parts[g.key].reshape(-1) for g in self.groups])
 
     def frame(self) -> pd.DataFrame:
@@ -215,6 +265,7 @@ class Graph:
         return frame
 
     def counts(self) -> dict:
+        """How many edges (residual, compose), senders and nodes the graph has."""
         kinds = pd.Series([e.kind for e in self.edges]).value_counts().to_dict()
         nodes = {e.source for e in self.edges} | {e.target for e in self.edges}
         return {
@@ -226,9 +277,18 @@ class Graph:
         }
 
     def to_networkx(self, circuit: Tensor | None = None, scores: Tensor | None = None):
-        """The graph (or the edges of `circuit`) as a networkx MultiDiGraph, each edge with its attributes and
-        `score`; the links inside a head or layer (q/k/v and the compose weights to the head's output) are edges
-        of kind "internal". Needs networkx (`pip install networkx`)."""
+        """The graph (or the edges of `circuit`) as a networkx MultiDiGraph, each edge with its attributes and `score`.
+
+        The links inside a head or layer (q/k/v and the compose weights to the head's output) are edges of kind
+        "internal". Needs networkx (`pip install networkx`).
+
+        Args:
+            circuit: a bool [edge] mask (None: every edge).
+            scores: one score per edge [edge], set as each edge's `score`.
+
+        Returns:
+            A networkx MultiDiGraph.
+        """
         import networkx as nx
 
         graph = nx.MultiDiGraph()
@@ -256,7 +316,14 @@ class Graph:
 
     # ---- connectivity: which nodes feed which inside a layer (not edges: they are never cut)
     def implicit_successors(self, node: str) -> list[str]:
-        """The node(s) a node feeds inside its head or layer, without an edge in between."""
+        """The node(s) a node feeds inside its head or layer, without an edge in between.
+
+        Args:
+            node: a node's name.
+
+        Returns:
+            The names of the nodes it feeds.
+        """
         if node.startswith("MLP") or node in ("logits", "embed"):
             return []
         if node.endswith(".compose"):
@@ -276,6 +343,14 @@ class Graph:
 
 
 def build_graph(model: HookedDCFormer) -> Graph:
+    """The graph of a model's edges.
+
+    Args:
+        model: the model.
+
+    Returns:
+        Its `Graph`.
+    """
     return Graph(model.cfg)
 
 
@@ -283,8 +358,16 @@ def build_graph(model: HookedDCFormer) -> Graph:
 # The metric
 @dataclass(frozen=True)
 class Metric:
-    """Per prompt: logit(clean answer) - logit(corrupted answer) ("logit_diff") or log p(clean answer) ("logprob")
-    at the answer's position, from the residual stream entering the unembedding."""
+    """Per prompt: logit(clean answer) - logit(corrupted answer) or log p(clean answer), at the answer's position.
+
+    Read from the residual stream entering the unembedding.
+
+    Attributes:
+        clean_answer: [batch].
+        corrupt_answer: [batch].
+        position: the answer's position [batch].
+        kind: "logit_diff" or "logprob".
+    """
 
     clean_answer: Int[Tensor, " batch"]
     corrupt_answer: Int[Tensor, " batch"]
@@ -299,9 +382,25 @@ class Metric:
         return logprobs.gather(-1, self.clean_answer.to(logprobs.device)[:, None])[:, 0]
 
     def rows(self, index) -> "Metric":
+        """The metric of some prompts only.
+
+        Args:
+            index: selects prompts, as a tensor index.
+
+        Returns:
+            A Metric of those rows.
+        """
         return Metric(self.clean_answer[index], self.corrupt_answer[index], self.position[index], self.kind)
 
     def repeat(self, k: int) -> "Metric":
+        """The metric of the prompts repeated `k` times, as `Tensor.repeat` repeats a batch.
+
+        Args:
+            k: how many times.
+
+        Returns:
+            A Metric of k * batch rows.
+        """
         return Metric(self.clean_answer.repeat(k), self.corrupt_answer.repeat(k), self.position.repeat(k), self.kind)
 
 
@@ -309,14 +408,23 @@ class Metric:
 # One run through the graph
 @dataclass
 class Run:
-    """What one pass through the graph computed (all detached), and the receivers' gradient offsets."""
+    """What one pass through the graph computed (all detached), and the receivers' gradient offsets.
 
-    final: Tensor  # [batch, pos, d_model]: the logits receiver's input
-    outputs: Tensor  # [sender, batch, pos, d_model]
-    stage_inputs: dict = field(default_factory=dict)  # (layer, stage) -> A [batch, head, query, key]
-    weights: dict = field(default_factory=dict)  # (layer, stage) -> {qw1, qw2, kw1, kw2, qg, kg}
-    offsets: dict = field(default_factory=dict)  # edge-group key or (stage, layer) -> zero offset with grad
-    resid_in: dict = field(default_factory=dict)  # gradient runs: layer -> the stream entering the block
+    Attributes:
+        final: the logits receiver's input [batch, pos, d_model].
+        outputs: each sender's output [sender, batch, pos, d_model].
+        stage_inputs: (layer, stage) -> A [batch, head, query, key].
+        weights: (layer, stage) -> {qw1, qw2, kw1, kw2, qg, kg}.
+        offsets: edge-group key or (stage, layer) -> a zero offset with a gradient.
+        resid_in: gradient runs: layer -> the stream entering the block.
+    """
+
+    final: Tensor
+    outputs: Tensor
+    stage_inputs: dict = field(default_factory=dict)
+    weights: dict = field(default_factory=dict)
+    offsets: dict = field(default_factory=dict)
+    resid_in: dict = field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -330,8 +438,19 @@ def _attn_result(model: HookedDCFormer):
 
 
 def compose_correction(D: Float[Tensor, "b n t s"], weights: dict, cut: dict[str, Tensor]) -> Tensor:
-    """What the cut compose edges of one stage take off A': sum over cut (n, m, branch) of D_n * W_branch[n, m],
-    D = A(circuit run) - A(corrupted run), the dynamic weights those of the circuit run."""
+    """What the cut compose edges of one stage take off A'.
+
+    The sum over cut (n, m, branch) of D_n * W_branch[n, m], with D = A(circuit run) - A(corrupted run) and the
+    dynamic weights those of the circuit run.
+
+    Args:
+        D: A(circuit run) - A(corrupted run) [b, n, t, s].
+        weights: the circuit run's dynamic weights of the stage.
+        cut: the cut edges' mask of each branch.
+
+    Returns:
+        The correction [b, n, t, s].
+    """
     out = torch.zeros_like(D)
     if "qp" in cut and cut["qp"].any():
         W = torch.einsum("btrn,btrm->btnm", weights["qw1"], weights["qw2"]) * cut["qp"]
@@ -357,9 +476,20 @@ def graph_forward(
     embed: Float[Tensor, "batch pos d"] | None = None,
     track_grad: bool = False,
 ) -> Run:
-    """One forward through the graph: the clean run (circuit None), or the circuit run (edges outside `circuit`
-    carry their value in `corrupted`). `embed` replaces the input embeddings (EAP-IG's interpolation);
-    `track_grad` adds a zero offset with a gradient at every receiver and composed stage output."""
+    """One forward through the graph: the clean run, or the circuit run with the edges outside it corrupted.
+
+    Args:
+        model: the model.
+        graph: its graph.
+        tokens: the prompts [batch, pos].
+        circuit: a bool [edge] mask (None: the clean run).
+        corrupted: the corrupted run, whose values the edges outside `circuit` carry.
+        embed: replaces the input embeddings [batch, pos, d] (EAP-IG's interpolation).
+        track_grad: add a zero offset with a gradient at every receiver and composed stage output.
+
+    Returns:
+        What the pass computed.
+    """
     cfg = model.cfg
     H = cfg.n_heads
     cuts = None
@@ -551,9 +681,16 @@ class CircuitEvaluator:
     `faithfulness(circuit)` is (m(circuit) - m(corrupted)) / (m(clean) - m(corrupted)).
 
     Under `torchrun` (an initialised torch.distributed group) each process keeps the corrupted runs of every
-    world_size-th batch of pairs and computes only those; every call gathers each pair's metric and averages them
-    as one process does, so every process returns what one process returns, bit for bit (`dcinterp.distributed`).
-    Every process must then make the same calls, on the same pairs.
+    world_size-th batch of pairs and computes only those; every call gathers each pair's metric and averages them as
+    one process does, so every process returns what one process returns, bit for bit (`dcinterp.distributed`). Every
+    process must then make the same calls, on the same pairs.
+
+    Attributes:
+        model: the model.
+        graph: its graph.
+        pairs: the tokenized contrast pairs.
+        metric: "logit_diff" or "logprob".
+        batch_size: pairs per pass (None: all at once).
     """
 
     model: HookedDCFormer
@@ -599,10 +736,25 @@ class CircuitEvaluator:
         return self._mean(values)
 
     def faithfulness(self, circuit: Bool[Tensor, " edge"]) -> float:
+        """(m(circuit) - m(corrupted)) / (m(clean) - m(corrupted)).
+
+        Args:
+            circuit: a bool [edge] mask.
+
+        Returns:
+            The faithfulness.
+        """
         return (self(circuit) - self.m_corrupt) / (self.m_clean - self.m_corrupt)
 
     def single_edge_effects(self, edges: Sequence[int]) -> list[float]:
-        """Exact effect of cutting each edge alone: m(every edge but it) - m(clean)."""
+        """Exact effect of cutting each edge alone: m(every edge but it) - m(clean).
+
+        Args:
+            edges: the edges' indices.
+
+        Returns:
+            One effect per edge.
+        """
         effects = []
         for edge in edges:
             circuit = torch.ones(len(self.graph), dtype=torch.bool)
@@ -618,7 +770,18 @@ def circuit_metric(
     metric: MetricKind = "logit_diff",
     graph: Graph | None = None,
 ) -> float:
-    """The mean metric over the pairs' clean prompts with every edge outside `circuit` carrying its corrupted value."""
+    """The mean metric over the pairs' clean prompts with every edge outside `circuit` carrying its corrupted value.
+
+    Args:
+        model: the model.
+        pairs: the tokenized contrast pairs.
+        circuit: a bool [edge] mask.
+        metric: "logit_diff" or "logprob".
+        graph: the model's graph (None: built).
+
+    Returns:
+        The mean metric.
+    """
     graph = graph or build_graph(model)
     return CircuitEvaluator(model, graph, pairs, metric)(circuit)
 
@@ -685,10 +848,23 @@ def edge_scores(
 ) -> Float[Tensor, " edge"]:
     """Each edge's estimated change of the mean metric when it alone is cut (corrupted), in `graph.edges` order.
 
-    method: "eap" (gradient on the clean run) or "eap-ig" (gradient averaged over `n_steps` runs whose input
-        embeddings go from the corrupted prompt's to the clean one's; Hanna et al. 2024 use 5).
-    batch_size: pairs per pass; ig_batch_size: IG steps per pass (rows = batch_size * ig_batch_size; default all
-        `n_steps` at once), which bounds the memory as `attribution.head_attribution` does.
+    Args:
+        model: the model.
+        pairs: the tokenized contrast pairs.
+        method: "eap" (gradient on the clean run) or "eap-ig" (gradient averaged over `n_steps` runs whose input
+            embeddings go from the corrupted prompt's to the clean one's).
+        n_steps: EAP-IG's steps (Hanna et al. 2024 use 5).
+        metric: "logit_diff" or "logprob".
+        batch_size: pairs per pass (None: all).
+        ig_batch_size: IG steps per pass (rows = batch_size * ig_batch_size; None: all `n_steps` at once), which
+            bounds the memory as `attribution.head_attribution` does.
+        graph: the model's graph (None: built).
+
+    Returns:
+        One score per edge [edge].
+
+    Raises:
+        ValueError: a bad argument, named.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, not {method!r}")
@@ -745,16 +921,35 @@ def edge_scores(
 # --------------------------------------------------------------------------------------------------
 # Circuits from scores
 def top_n_circuit(scores: Float[Tensor, " edge"], n: int) -> Bool[Tensor, " edge"]:
-    """The n edges of largest |score|."""
+    """The n edges of largest |score|.
+
+    Args:
+        scores: [edge].
+        n: how many edges.
+
+    Returns:
+        A bool [edge] mask.
+    """
     circuit = torch.zeros(len(scores), dtype=torch.bool)
     circuit[scores.abs().argsort(descending=True, stable=True)[:n]] = True
     return circuit
 
 
 def greedy_circuit(graph: Graph, scores: Float[Tensor, " edge"], n: int) -> Bool[Tensor, " edge"]:
-    """n edges grown from the logits: at each step the edge of largest |score| among those whose target already
-    reaches the logits through the circuit (through chosen edges, and inside a head or layer from q/k/v and the
-    compose weights to the head's output). Every edge of the result is connected to the logits."""
+    """n edges grown from the logits, each connected to the logits.
+
+    At each step the edge of largest |score| among those whose target already reaches the logits through the
+    circuit (through chosen edges, and inside a head or layer from q/k/v and the compose weights to the head's
+    output).
+
+    Args:
+        graph: the graph.
+        scores: [edge].
+        n: how many edges.
+
+    Returns:
+        A bool [edge] mask.
+    """
     preds: dict[str, list[str]] = {}
     nodes = {e.source for e in graph.edges} | {e.target for e in graph.edges}
     for node in nodes:
@@ -791,6 +986,16 @@ def greedy_circuit(graph: Graph, scores: Float[Tensor, " edge"], n: int) -> Bool
 
 
 def random_circuit(n_edges: int, n: int, generator: torch.Generator) -> Bool[Tensor, " edge"]:
+    """n edges drawn at random.
+
+    Args:
+        n_edges: the graph's edges.
+        n: how many edges.
+        generator: draws them.
+
+    Returns:
+        A bool [edge] mask.
+    """
     circuit = torch.zeros(n_edges, dtype=torch.bool)
     circuit[torch.randperm(n_edges, generator=generator)[:n]] = True
     return circuit
@@ -800,7 +1005,14 @@ SELECTIONS = {"top-n": lambda graph, scores, n: top_n_circuit(scores, n), "greed
 
 
 def default_counts(n_edges: int) -> list[int]:
-    """0, 1, 2, 3, 5, 7, 10, 15, 20, 30, 50, 70, 100, ... up to the full graph."""
+    """0, 1, 2, 3, 5, 7, 10, 15, 20, 30, 50, 70, 100, ... up to the full graph.
+
+    Args:
+        n_edges: the graph's edges.
+
+    Returns:
+        The circuit sizes.
+    """
     counts, scale = [0], 1
     while scale < n_edges:
         counts += [int(c * scale) for c in (1, 1.5, 2, 3, 5, 7) if c * scale < n_edges and c * scale == int(c * scale)]
@@ -816,8 +1028,19 @@ def faithfulness_curve(
     random_repeats: int = 3,
     seed: int = 0,
 ) -> pd.DataFrame:
-    """Exact faithfulness of circuits of `counts` edges chosen from each method's scores by each selection, and of
-    random edges (mean of `random_repeats` draws). Columns: method, selection, edges, faithfulness."""
+    """Exact faithfulness of circuits of `counts` edges chosen from each method's scores by each selection.
+
+    Args:
+        evaluator: computes the faithfulness.
+        scores: one score per edge [edge], by method.
+        counts: the circuit sizes (None: `default_counts`).
+        selections: "top-n" and/or "greedy".
+        random_repeats: random circuits per size, whose mean is the "random" row.
+        seed: seeds the random circuits.
+
+    Returns:
+        Columns method, selection, edges, faithfulness.
+    """
     graph = evaluator.graph
     counts = default_counts(len(graph)) if counts is None else sorted(set(counts))
     rows = []
@@ -837,8 +1060,19 @@ def faithfulness_curve(
 def smallest_faithful_circuit(
     evaluator: CircuitEvaluator, scores: Tensor, selection: str = "top-n", threshold: float = 0.8
 ) -> tuple[int, float]:
-    """The smallest n whose circuit reaches `threshold` faithfulness, by bisection over n (faithfulness is
-    assumed to grow with n, as it nearly does for score-ranked circuits), with its faithfulness."""
+    """The smallest n whose circuit reaches `threshold` faithfulness, by bisection over n, with its faithfulness.
+
+    Faithfulness is assumed to grow with n, as it nearly does for score-ranked circuits.
+
+    Args:
+        evaluator: computes the faithfulness.
+        scores: one score per edge [edge].
+        selection: "top-n" or "greedy".
+        threshold: the faithfulness to reach.
+
+    Returns:
+        (n, its faithfulness).
+    """
     graph = evaluator.graph
     low, high = 0, len(graph)  # f(low) < threshold <= f(high)
 
@@ -857,7 +1091,15 @@ def smallest_faithful_circuit(
 
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:
-    """Spearman's rank correlation (average ranks for ties)."""
+    """Spearman's rank correlation (average ranks for ties).
+
+    Args:
+        a: one sequence.
+        b: another, as long.
+
+    Returns:
+        The correlation.
+    """
     a, b = pd.Series(list(a), dtype=float), pd.Series(list(b), dtype=float)
     if len(a) < 2:
         return float("nan")

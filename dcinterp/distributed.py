@@ -62,8 +62,11 @@ def start() -> tuple[int, int, str | None]:
 
 
 def finish(world_size: int) -> None:
-    """Leave the process group if `start` created it (a group someone else set up stays theirs); nothing for one
-    process."""
+    """Leave the process group if `start` created it; a group someone else set up stays theirs.
+
+    Args:
+        world_size: the world size `start` returned (1: nothing to leave).
+    """
     global _started_here
     import torch.distributed as dist
 
@@ -73,23 +76,45 @@ def finish(world_size: int) -> None:
 
 
 def process_device(device: str, rank_device: str | None) -> str:
-    """The device this process computes on: its own GPU (`cuda:LOCAL_RANK`) where `device` is a GPU and the
-    process was started by torchrun, else `device` as given."""
+    """The device this process computes on.
+
+    Args:
+        device: the device asked for.
+        rank_device: what `start` returned for this process (None: not launched by torchrun).
+
+    Returns:
+        The process's own GPU (`cuda:LOCAL_RANK`) where `device` is a GPU and the process was started by torchrun,
+        else `device` as given.
+    """
     if rank_device is not None and device.split(":")[0] == rank_device.split(":")[0]:
         return rank_device
     return device
 
 
 def my_batches(n_batches: int) -> list[int]:
-    """The indices of the batches this process runs: every world_size-th from its rank (all of them alone)."""
+    """The indices of the batches this process runs: every world_size-th from its rank (all of them alone).
+
+    Args:
+        n_batches: the batches in all.
+
+    Returns:
+        This process's batch indices.
+    """
     rank, world_size = rank_and_size()
     return list(range(rank, n_batches, world_size))
 
 
 def gather(local: dict[Any, T]) -> dict[Any, T]:
-    """Every process's `local` results merged into one dict, on every process (the keys must not overlap).
+    """Every process's `local` results merged into one dict, on every process.
 
-    Values travel pickled: pass CPU tensors or plain Python objects (`to_cpu`)."""
+    Values travel pickled: pass CPU tensors or plain Python objects (`to_cpu`).
+
+    Args:
+        local: this process's results; the keys must not overlap those of other processes.
+
+    Returns:
+        Every process's results.
+    """
     import torch.distributed as dist
 
     _, world_size = rank_and_size()
@@ -104,7 +129,19 @@ def gather(local: dict[Any, T]) -> dict[Any, T]:
 
 
 def in_order(results: dict[int, T], n: int, what: str = "batch") -> list[T]:
-    """`results[0], ..., results[n - 1]`; a clear error if one is missing (a process that skipped a batch)."""
+    """`results[0], ..., results[n - 1]`.
+
+    Args:
+        results: results by index.
+        n: how many there must be.
+        what: the items, named in the error.
+
+    Returns:
+        The results in order.
+
+    Raises:
+        RuntimeError: one is missing (a process that skipped a batch).
+    """
     missing = [i for i in range(n) if i not in results]
     if missing:
         raise RuntimeError(f"no result for {what} {missing[0]} of {n}: every process must run the same sweep")
@@ -112,15 +149,30 @@ def in_order(results: dict[int, T], n: int, what: str = "batch") -> list[T]:
 
 
 def sum_in_order(partials: dict[int, Tensor], n: int, total: Tensor) -> Tensor:
-    """`total` (zeros) plus every batch's partial sum (gathered from every process), added in batch order, as one
-    process adds them."""
+    """`total` plus every batch's partial sum (from every process), added in batch order, as one process adds them.
+
+    Args:
+        partials: this process's partial sums, by batch index.
+        n: the batches in all.
+        total: zeros of the sum's shape, added to in place.
+
+    Returns:
+        `total`.
+    """
     for part in in_order(gather(partials), n):
         total += part
     return total
 
 
 def to_cpu(value: Any) -> Any:
-    """Tensors (also inside dicts, lists and tuples) moved to the CPU, so that any process can unpickle them."""
+    """Tensors (also inside dicts, lists and tuples) moved to the CPU, so that any process can unpickle them.
+
+    Args:
+        value: a tensor, or a dict, list or tuple holding them.
+
+    Returns:
+        The same structure, its tensors on the CPU.
+    """
     import torch
 
     if isinstance(value, torch.Tensor):
@@ -133,10 +185,17 @@ def to_cpu(value: Any) -> Any:
 
 
 def first_error(message: str | None) -> str | None:
-    """The first error among the processes (by rank), on every process; None where every process had none.
+    """The first error among the processes (by rank), on every process.
 
     Call it where each process has checked its input, so that all of them stop together when any one refuses (a
-    process that stopped alone would leave the others waiting in the next collective)."""
+    process that stopped alone would leave the others waiting in the next collective).
+
+    Args:
+        message: this process's error, or None.
+
+    Returns:
+        The first error, or None where every process had none.
+    """
     _, world_size = rank_and_size()
     if world_size == 1:
         return message

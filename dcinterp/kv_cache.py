@@ -36,7 +36,11 @@ from .config import DCFormerConfig
 
 
 class GrowingTensor:
-    """A tensor that grows along one dimension with amortised O(1) appends (its capacity doubles when full)."""
+    """A tensor that grows along one dimension with amortised O(1) appends (its capacity doubles when full).
+
+    Args:
+        dim: the dimension it grows along.
+    """
 
     def __init__(self, dim: int):
         self.dim = dim
@@ -51,7 +55,15 @@ class GrowingTensor:
         return None if self.buffer is None else self._take(self.buffer, self.length)
 
     def append(self, new: Tensor, frozen: bool = False) -> Tensor:
-        """The tensor with `new` appended; stored unless frozen."""
+        """The tensor with `new` appended.
+
+        Args:
+            new: the new part, of the stored tensor's shape but along `dim`.
+            frozen: return the longer tensor without storing it.
+
+        Returns:
+            Everything so far, `new` last.
+        """
         if self.buffer is None:
             if frozen:
                 return new
@@ -83,12 +95,19 @@ class DCFormerKeyValueCacheEntry:
 
     Keys and values are stored head-major, [batch, head, pos, d_head] (given and returned as views in the first
     layout): a new query's scores and P V are then one batched matmul over (batch, head) whatever the batch, where
-    position-major storage made torch copy the whole cache for them at every step once the batch was above one."""
+    position-major storage made torch copy the whole cache for them at every step once the batch was above one.
 
-    keys: GrowingTensor = field(default_factory=lambda: GrowingTensor(2))  # [batch, head, pos, d_head]
+    Attributes:
+        keys: [batch, head, pos, d_head].
+        values: [batch, head, pos, d_head].
+        key_compose: stage -> its key side, key-last: kw1, kw2 [b, rank, head, s] and kg [b, head, s] (the branches
+            that are on) one above the other in one buffer [b, features, s].
+        key_compose_layout: stage -> (name, [rank, head] or [head]) of each piece of `key_compose`.
+        frozen: appends are returned, not stored.
+    """
+
+    keys: GrowingTensor = field(default_factory=lambda: GrowingTensor(2))
     values: GrowingTensor = field(default_factory=lambda: GrowingTensor(2))
-    # stage -> its key side, key-last: kw1, kw2 [b, rank, head, s] and kg [b, head, s] (the branches that are on) one
-    # above the other in one buffer [b, features, s]; key_compose_layout[stage]: (name, [rank, head] or [head]) each
     key_compose: dict[str, GrowingTensor] = field(default_factory=dict)
     key_compose_layout: dict[str, list[tuple[str, tuple[int, ...]]]] = field(default_factory=dict)
     frozen: bool = False
@@ -102,8 +121,15 @@ class DCFormerKeyValueCacheEntry:
         return None if self.values.value is None else self.values.value.transpose(1, 2)
 
     def append(self, new_keys: Tensor, new_values: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys and values [batch, pos, head, d_head] of every position so far, the new ones last (stored unless
-        frozen)."""
+        """Keys and values of every position so far, the new ones last (stored unless frozen).
+
+        Args:
+            new_keys: [batch, new, head, d_head].
+            new_values: [batch, new, head, d_head].
+
+        Returns:
+            (keys, values), each [batch, pos, head, d_head].
+        """
         keys = self.keys.append(new_keys.transpose(1, 2), self.frozen)
         values = self.values.append(new_values.transpose(1, 2), self.frozen)
         return keys.transpose(1, 2), values.transpose(1, 2)
@@ -111,8 +137,20 @@ class DCFormerKeyValueCacheEntry:
     def append_key_compose(
         self, stage: str, kw1: Tensor | None, kw2: Tensor | None, kg: Tensor | None
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        """A compose stage's key side [b, new, rank, head] / [b, new, head] for the new positions in; that of every
-        position so far out, key-last: kw1, kw2 [b, rank, head, s], kg [b, head, s] (None for branches that are off)."""
+        """A compose stage's key side for the new positions in; that of every position so far out, key-last.
+
+        Args:
+            stage: "pre" or "post".
+            kw1: [b, new, rank, head], or None where the branch is off.
+            kw2: [b, new, rank, head], or None.
+            kg: [b, new, head], or None.
+
+        Returns:
+            (kw1, kw2 [b, rank, head, s], kg [b, head, s]), None for branches that are off.
+
+        Raises:
+            ValueError: the branches differ from those of the earlier steps.
+        """
         named = {name: w for name, w in (("kw1", kw1), ("kw2", kw2), ("kg", kg)) if w is not None}
         if not named:
             return None, None, None
@@ -135,8 +173,14 @@ class DCFormerKeyValueCacheEntry:
         return {name: piece.unflatten(1, shape) for (name, shape), piece in zip(layout, pieces, strict=True)}
 
     def past_key_compose(self, stage: str) -> dict[str, Tensor]:
-        """The cached key side of a compose stage in the hooks' layout:
-        kw1, kw2 [b, pos, rank, head], kg [b, pos, head]."""
+        """The cached key side of a compose stage in the hooks' layout.
+
+        Args:
+            stage: "pre" or "post".
+
+        Returns:
+            kw1, kw2 [b, pos, rank, head], kg [b, pos, head], of the branches cached.
+        """
         stored = self.key_compose.get(stage)
         if stored is None or stored.value is None:
             return {}
@@ -145,7 +189,13 @@ class DCFormerKeyValueCacheEntry:
 
 @dataclass
 class DCFormerKeyValueCache:
-    """Per-layer caches and the attention mask [batch, pos_so_far] (1 real, 0 padding) of the positions so far."""
+    """Per-layer caches and the attention mask of the positions so far.
+
+    Attributes:
+        entries: one per layer.
+        previous_attention_mask: [batch, pos_so_far], 1 real, 0 padding.
+        frozen: appends are returned, not stored.
+    """
 
     entries: list[DCFormerKeyValueCacheEntry]
     previous_attention_mask: Int[Tensor, "batch pos_so_far"]
@@ -155,8 +205,18 @@ class DCFormerKeyValueCache:
     def init_cache(
         cls, cfg: DCFormerConfig, device: torch.device | str | None = None, batch_size: int = 1
     ) -> DCFormerKeyValueCache:
-        """An empty cache for `cfg`'s layers. Each layer's tensors are made on the device of that layer's first keys
-        (so models spread over devices work); `device` is where the attention mask lives."""
+        """An empty cache for `cfg`'s layers.
+
+        Each layer's tensors are made on the device of that layer's first keys, so models spread over devices work.
+
+        Args:
+            cfg: the model's config.
+            device: where the attention mask lives (None: cfg.device, else the CPU).
+            batch_size: prompts.
+
+        Returns:
+            The cache.
+        """
         device = device if device is not None else (cfg.device or "cpu")
         return cls(
             [DCFormerKeyValueCacheEntry() for _ in range(cfg.n_layers)],
@@ -173,17 +233,26 @@ class DCFormerKeyValueCache:
         return self.previous_attention_mask.shape[1]
 
     def freeze(self) -> None:
+        """Make later appends return the longer tensors without storing them (every layer)."""
         self.frozen = True
         for entry in self.entries:
             entry.frozen = True
 
     def unfreeze(self) -> None:
+        """Store appends again (every layer)."""
         self.frozen = False
         for entry in self.entries:
             entry.frozen = False
 
     def append_attention_mask(self, attention_mask: Int[Tensor, "batch new"]) -> Int[Tensor, "batch pos_so_far"]:
-        """The mask of every position so far with the new positions' appended (stored unless frozen)."""
+        """The mask of every position so far with the new positions' appended (stored unless frozen).
+
+        Args:
+            attention_mask: the new positions' mask [batch, new].
+
+        Returns:
+            [batch, pos_so_far].
+        """
         if attention_mask.shape[0] != self.batch_size:
             raise ValueError(
                 f"past_kv_cache: the cache holds a batch of {self.batch_size}, the input has "

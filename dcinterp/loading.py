@@ -128,7 +128,17 @@ def stream_weights(
 
 
 def load_config(path_or_name) -> DCFormerConfig:
-    """The configuration of a checkpoint directory or embedded model, read from its config.json alone (no weights)."""
+    """The configuration of a checkpoint directory or embedded model, read from its config.json alone (no weights).
+
+    Args:
+        path_or_name: a checkpoint directory or the name of an embedded model.
+
+    Returns:
+        The config.
+
+    Raises:
+        CheckpointError: no such checkpoint, or a config that cannot be read.
+    """
     config_file = resolve_checkpoint(path_or_name) / "config.json"
     return _config_and_converter(read_json(config_file), config_file)[0]
 
@@ -151,7 +161,12 @@ def _config_and_converter(raw: dict, config_file: Path):
 
 
 def add_folded_biases(model: HookedDCFormer, files: "CheckpointFiles") -> None:
-    """A saved processed model has biases a released one lacks (`unembed.b_U`, `attn.b_dyn_in`, ...): make room."""
+    """Make room for the biases a saved processed model has and a released one lacks (`unembed.b_U`, ...).
+
+    Args:
+        model: the model being loaded, on the meta device.
+        files: the checkpoint's weight files.
+    """
     expected = dict(model.named_parameters())
     for key in files.keys():
         module_name, _, name = key.rpartition(".")
@@ -178,6 +193,14 @@ def _reshape_errors_named(converted, take: "_Taker", files: "CheckpointFiles"):
 
 
 def save_pretrained(model: HookedDCFormer, directory) -> None:
+    """Save the model in dcinterp's own format: config.json, model.safetensors and the tokenizer, if any.
+
+    A processed model's config records its weight processing, so that loading it again says so.
+
+    Args:
+        model: the model.
+        directory: where to write (created if missing).
+    """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.cfg.save(directory / "config.json")
@@ -200,6 +223,17 @@ def embedded_models() -> list[str]:
 
 
 def resolve_checkpoint(path_or_name) -> Path:
+    """The directory of a checkpoint directory or embedded model.
+
+    Args:
+        path_or_name: a directory, or an embedded model's name.
+
+    Returns:
+        The directory.
+
+    Raises:
+        CheckpointError: neither, naming the embedded models.
+    """
     path = Path(path_or_name).expanduser()
     if path.is_dir():
         return path
@@ -210,6 +244,17 @@ def resolve_checkpoint(path_or_name) -> Path:
 
 
 def resolve_dtype(dtype) -> torch.dtype:
+    """A torch dtype from a dtype or its name.
+
+    Args:
+        dtype: a torch.dtype, a name ("float32", "fp16", "bf16", ...), or None (float32).
+
+    Returns:
+        The dtype.
+
+    Raises:
+        ValueError: an unknown name.
+    """
     if dtype is None:
         return torch.float32
     if isinstance(dtype, torch.dtype):
@@ -229,7 +274,17 @@ def resolve_dtype(dtype) -> torch.dtype:
 
 
 def resolve_device(device) -> torch.device:
-    """A torch.device that exists here, or one ValueError line naming it and what is available."""
+    """A torch.device that exists here.
+
+    Args:
+        device: a device or its name.
+
+    Returns:
+        The device; for "cuda", the current card's index.
+
+    Raises:
+        ValueError: one line naming the device and what is available.
+    """
     resolved = torch.device(check_device(device))
     if resolved.type == "cuda" and resolved.index is None:
         resolved = torch.device("cuda", torch.cuda.current_device())
@@ -237,6 +292,12 @@ def resolve_device(device) -> torch.device:
 
 
 def warn_if_half_on_cpu(dtype: torch.dtype, device_map: dict) -> None:
+    """Warn where half-precision weights would compute on the CPU, where their matmuls are slow.
+
+    Args:
+        dtype: the weights' dtype.
+        device_map: {module name: device}.
+    """
     if dtype in (torch.float16, torch.bfloat16) and any(str(d) in ("cpu", "disk") for d in device_map.values()):
         warnings.warn(
             f"{str(dtype).removeprefix('torch.')} on the CPU: most CPUs run half-precision matmuls "
@@ -251,8 +312,21 @@ DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 def plan_device_map(model: HookedDCFormer, device_map, max_memory, dtype: torch.dtype) -> dict[str, object]:
-    """A dict {module name: device} covering every parameter, from a strategy name as Hugging Face takes it
-    ("auto", "balanced", "balanced_low_0", "sequential"; blocks are never split) or from the user's dict."""
+    """A dict {module name: device} covering every parameter, from a strategy name or the user's dict.
+
+    Args:
+        model: the model, on the meta device.
+        device_map: a strategy name as Hugging Face takes it ("auto", "balanced", "balanced_low_0", "sequential";
+            blocks are never split) or a dict.
+        max_memory: per-device limits for a strategy.
+        dtype: the weights' dtype, to size them.
+
+    Returns:
+        {module name: device}.
+
+    Raises:
+        ValueError: an unknown strategy, a map that leaves a parameter out, or one that is not a dict.
+    """
     from accelerate.utils import get_balanced_memory, infer_auto_device_map
 
     if isinstance(device_map, str):
@@ -310,7 +384,13 @@ def module_device(device_map: dict, key: str):
 
 
 def dispatch(model: HookedDCFormer, device_map: dict, offload_folder) -> None:
-    """Attach accelerate's hooks where the model spans several devices (or the disk); set cfg.device."""
+    """Attach accelerate's hooks where the model spans several devices (or the disk); set cfg.device.
+
+    Args:
+        model: the loaded model.
+        device_map: {module name: device}.
+        offload_folder: where disk-offloaded weights go.
+    """
     devices = set(device_map.values())
     if len(devices) > 1 or "disk" in devices:
         from accelerate import dispatch_model
@@ -377,6 +457,17 @@ class _Placer:
 # --------------------------------------------------------------------------------------------------
 # Reading files
 def read_json(path: Path) -> dict:
+    """A JSON file of a checkpoint.
+
+    Args:
+        path: the file.
+
+    Returns:
+        Its content.
+
+    Raises:
+        CheckpointError: the file is missing or not valid JSON.
+    """
     if not path.is_file():
         raise CheckpointError(f"{path}: missing")
     try:
@@ -386,7 +477,17 @@ def read_json(path: Path) -> dict:
 
 
 def weight_files(directory: Path) -> list[Path]:
-    """The weight files of a checkpoint: a single file, or the shards an index json names."""
+    """The weight files of a checkpoint: a single file, or the shards an index json names.
+
+    Args:
+        directory: the checkpoint directory.
+
+    Returns:
+        The files.
+
+    Raises:
+        CheckpointError: no weight file, or an index naming a missing one.
+    """
     for name in WEIGHT_FILES:
         index = directory / f"{name}.index.json"
         if index.is_file():
@@ -407,7 +508,13 @@ class CheckpointFiles:
     """Every weight file of a checkpoint, opened lazily: keys are known up front, a tensor is read when asked.
 
     safetensors files are read through `safe_open` (one tensor at a time); `.bin` files are memory-mapped
-    (`torch.load(mmap=True, weights_only=True)`), so their pages are file-backed and freed on close.
+    (`torch.load(mmap=True, weights_only=True)`), so their pages are file-backed and freed on close. A context manager.
+
+    Args:
+        directory: the checkpoint directory.
+
+    Raises:
+        CheckpointError: a key in two files.
     """
 
     def __init__(self, directory: Path):
@@ -423,12 +530,32 @@ class CheckpointFiles:
                 self.files[key] = path
 
     def keys(self) -> list[str]:
+        """Every weight's key, over all the files."""
         return list(self.files)
 
     def origin(self, key: str):
+        """The file that holds a key.
+
+        Args:
+            key: the weight's key.
+
+        Returns:
+            Its file's path, or "" for an unknown key.
+        """
         return self.files.get(key, "")
 
     def get(self, key: str) -> Tensor:
+        """One weight, read from its file.
+
+        Args:
+            key: the weight's key.
+
+        Returns:
+            The tensor.
+
+        Raises:
+            CheckpointError: the weight is not readable, naming the file and key.
+        """
         path = self.files[key]
         reader = self.readers[path]
         if isinstance(reader, dict):
@@ -446,7 +573,17 @@ class CheckpointFiles:
 
 
 def open_weight_file(path: Path):
-    """A safetensors reader, or the dict of memory-mapped tensors of a `.bin` file."""
+    """A safetensors reader, or the dict of memory-mapped tensors of a `.bin` file.
+
+    Args:
+        path: the file.
+
+    Returns:
+        The reader or dict.
+
+    Raises:
+        CheckpointError: the file cannot be read.
+    """
     if path.suffix == ".safetensors":
         try:
             return safe_open(str(path), framework="pt", device="cpu")
@@ -471,7 +608,14 @@ def open_weight_file(path: Path):
 
 
 def load_tokenizer(directory: Path):
-    """The tokenizer in a checkpoint directory, loaded offline (None if there is none)."""
+    """The tokenizer in a checkpoint directory, loaded offline (None if there is none).
+
+    Args:
+        directory: the checkpoint directory.
+
+    Returns:
+        The tokenizer, or None.
+    """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     tokenizer_json = directory / "tokenizer.json"
@@ -500,6 +644,18 @@ def load_tokenizer(directory: Path):
 # --------------------------------------------------------------------------------------------------
 # The authors' DCPythia / DCFormer releases
 def config_from_official(raw: dict, source: Path) -> DCFormerConfig:
+    """The config of an official DCFormer/DCPythia checkpoint, from its config.json.
+
+    Args:
+        raw: the config.json's content.
+        source: the file, named in errors.
+
+    Returns:
+        The config.
+
+    Raises:
+        CheckpointError: a missing key or a setting dcinterp does not support.
+    """
     need = _required(raw, source)
     is_pythia = raw["model_type"] == "dcpythia"
     n_heads = need("n_head")
@@ -539,13 +695,29 @@ OFFICIAL_IGNORED = ("dyn_w_proj.dw_m", "dyn_w_proj.qkw_m", "dyn_w_proj.sw", "pre
 
 
 def convert_own(take: "_Taker", cfg: DCFormerConfig) -> Iterator[tuple[str, Tensor]]:
-    """dcinterp's own format: the model's keys as they are (and the legacy top-level W_E / W_U)."""
+    """dcinterp's own format: the model's keys as they are (and the legacy top-level W_E / W_U).
+
+    Args:
+        take: takes keys from the checkpoint's files.
+        cfg: the model's config.
+
+    Yields:
+        (HookedDCFormer key, tensor), one at a time.
+    """
     for key in take.keys():
         yield LEGACY_KEYS.get(key, key), take(key)
 
 
 def convert_official(take: "_Taker", cfg: DCFormerConfig) -> Iterator[tuple[str, Tensor]]:
-    """Official DCPythia/DCFormer keys -> HookedDCFormer keys (weights in TransformerLens layouts), one at a time."""
+    """Official DCPythia/DCFormer keys -> HookedDCFormer keys (weights in TransformerLens layouts), one at a time.
+
+    Args:
+        take: takes keys from the checkpoint's files.
+        cfg: the model's config.
+
+    Yields:
+        (HookedDCFormer key, tensor).
+    """
     H, E, D = cfg.n_heads, cfg.d_head, cfg.d_model
     take.ignore(lambda key: any(part in key for part in OFFICIAL_IGNORED))
     yield "embed.W_E", take("tok_embeddings.weight")
@@ -598,6 +770,18 @@ def convert_official(take: "_Taker", cfg: DCFormerConfig) -> Iterator[tuple[str,
 # --------------------------------------------------------------------------------------------------
 # Hugging Face GPT-NeoX (Pythia), the MHA baseline
 def config_from_gpt_neox(raw: dict, source: Path) -> DCFormerConfig:
+    """The config of a Hugging Face GPT-NeoX checkpoint, from its config.json.
+
+    Args:
+        raw: what config.json holds.
+        source: the config file, named in errors.
+
+    Returns:
+        The config, as a DCFormerConfig with use_dcmha=False.
+
+    Raises:
+        CheckpointError: a missing key, or an activation or bias setting dcinterp does not support.
+    """
     need = _required(raw, source)
     if raw.get("hidden_act", "gelu") != "gelu":
         raise CheckpointError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only 'gelu')")
@@ -630,7 +814,15 @@ NEOX_IGNORED = (".attention.bias", ".attention.masked_bias", "rotary_emb.inv_fre
 
 
 def convert_gpt_neox(take: "_Taker", cfg: DCFormerConfig) -> Iterator[tuple[str, Tensor]]:
-    """Hugging Face GPT-NeoX keys -> HookedDCFormer keys, one at a time."""
+    """Hugging Face GPT-NeoX keys -> HookedDCFormer keys, one at a time.
+
+    Args:
+        take: takes keys from the checkpoint's files.
+        cfg: the model's config.
+
+    Yields:
+        (HookedDCFormer key, tensor).
+    """
     H, E, D = cfg.n_heads, cfg.d_head, cfg.d_model
     take.ignore(lambda key: key.endswith(NEOX_IGNORED))
     yield "embed.W_E", take("gpt_neox.embed_in.weight")

@@ -1,7 +1,7 @@
 """Memory: what a `run_with_cache` will hold, before it runs, and the guard that refuses an oversized one.
 
     from dcinterp import estimate_cache
-    estimate_cache(model, tokens)                                          # every hook: 1347 tensors, 106 GiB
+    estimate_cache(model, tokens)                                          # every hook (docs/loading.md)
     estimate_cache(model, tokens, lambda name: name.startswith("blocks.16.attn"))
 
 The estimate comes from the config and the input's shape alone (nothing runs); a test checks it against real
@@ -50,7 +50,12 @@ _BRANCH_OF = {
 
 @dataclass
 class CacheEstimate:
-    """What a cache of the selected hooks holds: bytes per hook name, and the device each one lives on."""
+    """What a cache of the selected hooks holds: bytes per hook name, and the device each one lives on.
+
+    Attributes:
+        nbytes_by_hook: bytes, by hook name.
+        device_by_hook: the device each hook's tensor lives on, by hook name.
+    """
 
     nbytes_by_hook: dict[str, int] = field(default_factory=dict)
     device_by_hook: dict[str, str] = field(default_factory=dict)
@@ -64,6 +69,7 @@ class CacheEstimate:
         return sum(self.nbytes_by_hook.values())
 
     def nbytes_by_device(self) -> dict[str, int]:
+        """The estimate's bytes summed by device."""
         totals: dict[str, int] = {}
         for name, nbytes in self.nbytes_by_hook.items():
             totals[self.device_by_hook[name]] = totals.get(self.device_by_hook[name], 0) + nbytes
@@ -74,8 +80,18 @@ class CacheEstimate:
 
 
 def hook_shape(model, name: str, batch: int, pos: int, past: int = 0) -> tuple[tuple[int, ...], torch.dtype] | None:
-    """Shape and dtype of what hook `name` sees for a [batch, pos] input after `past` cached positions (a
-    `past_kv_cache`: attention-sized hooks have past + pos keys); None for a hook that does not fire."""
+    """Shape and dtype of what a hook sees for a [batch, pos] input after `past` cached positions.
+
+    Args:
+        model: the model.
+        name: the hook's name.
+        batch: prompts.
+        pos: new positions.
+        past: positions in a `past_kv_cache`: attention-sized hooks have past + pos keys.
+
+    Returns:
+        (shape, dtype), or None for a hook that does not fire.
+    """
     cfg = model.cfg
     dtype = cfg.torch_dtype
     suffix = name.rsplit(".", 1)[-1]
@@ -112,7 +128,15 @@ def hook_shape(model, name: str, batch: int, pos: int, past: int = 0) -> tuple[t
 
 
 def selected_hooks(model, names_filter) -> list[str]:
-    """Hook names as TransformerLens' `run_with_cache` selects them (None: all; a name; a list; a callable)."""
+    """Hook names as TransformerLens' `run_with_cache` selects them.
+
+    Args:
+        model: the model.
+        names_filter: None (all), a name, a list of names or a callable on a name.
+
+    Returns:
+        The selected hook names.
+    """
     names = list(model.hook_dict)
     if names_filter is None:
         return names
@@ -128,9 +152,16 @@ def estimate_cache(
 ) -> CacheEstimate:
     """What `model.run_with_cache(tokens, names_filter=..., past_kv_cache=...)` would hold, from shapes alone.
 
-    `tokens` is a [batch, pos] tensor, a string or list of strings (tokenized), or a (batch, pos) tuple;
-    `incl_bwd` doubles each hook for its gradient; `device` is where the cache is moved to (default: where
-    each hook runs); `past_kv_cache` adds its positions to the keys of the attention-sized hooks.
+    Args:
+        model: the model.
+        tokens: a [batch, pos] tensor, a string or list of strings (tokenized), or a (batch, pos) tuple.
+        names_filter: as `run_with_cache`'s.
+        incl_bwd: count each hook twice, for its gradient.
+        device: where the cache is moved to (None: where each hook runs).
+        past_kv_cache: its positions are added to the keys of the attention-sized hooks.
+
+    Returns:
+        Bytes and device per hook.
     """
     if isinstance(tokens, tuple):
         batch, pos = tokens
@@ -153,7 +184,15 @@ def estimate_cache(
 
 
 def hook_device(model, name: str) -> str:
-    """Where a hook's activations live: its module's execution device on a dispatched model, else the model's."""
+    """Where a hook's activations live: its module's execution device on a dispatched model, else the model's.
+
+    Args:
+        model: the model.
+        name: the hook's name.
+
+    Returns:
+        The device's name.
+    """
     device_map = getattr(model, "hf_device_map", None)
     if device_map:
         device = module_device(device_map, name)
@@ -166,10 +205,18 @@ def hook_device(model, name: str) -> str:
 
 
 def free_memory(device: str | torch.device) -> int:
-    """Bytes free on a device: for a GPU, what its driver has free (`torch.cuda.mem_get_info`) and what torch's
-    caching allocator holds unused (reserved, not allocated: freed tensors it keeps for the next), within the
-    process's cap where `torch.cuda.set_per_process_memory_fraction` set one; for the CPU, the OS's available
-    memory."""
+    """Bytes free on a device.
+
+    For a GPU, what its driver has free (`torch.cuda.mem_get_info`) and what torch's caching allocator holds unused
+    (reserved, not allocated: freed tensors it keeps for the next), within the process's cap where
+    `torch.cuda.set_per_process_memory_fraction` set one; for the CPU, the OS's available memory.
+
+    Args:
+        device: the device.
+
+    Returns:
+        Free bytes.
+    """
     device = torch.device(device)
     if device.type == "cuda":
         driver_free, total = torch.cuda.mem_get_info(device)
@@ -190,7 +237,16 @@ class CacheTooLarge(MemoryError):
 
 
 def check_cache_fits(model, estimate: CacheEstimate, fraction: float) -> None:
-    """Refuse (CacheTooLarge, one line) a cache above `fraction` of the free memory of any device it lands on."""
+    """Refuse a cache above `fraction` of the free memory of any device it lands on.
+
+    Args:
+        model: the model.
+        estimate: from `estimate_cache`.
+        fraction: the share of free memory a cache may take.
+
+    Raises:
+        CacheTooLarge: one line with the estimate and how to cache less.
+    """
     for device, nbytes in estimate.nbytes_by_device().items():
         free = free_memory(device)
         if nbytes > fraction * free:
@@ -205,9 +261,12 @@ def check_cache_fits(model, estimate: CacheEstimate, fraction: float) -> None:
 class PeakAnonMemory:
     """Samples this process's anonymous resident memory (RssAnon in /proc/self/status) in a background thread.
 
-    with PeakAnonMemory() as memory:
-        model = HookedDCFormer.from_pretrained(...)
-    memory.peak, memory.baseline  # bytes
+        with PeakAnonMemory() as memory:
+            model = HookedDCFormer.from_pretrained(...)
+        memory.peak, memory.baseline  # bytes
+
+    Args:
+        interval: seconds between samples.
     """
 
     def __init__(self, interval: float = 0.002):
@@ -217,6 +276,11 @@ class PeakAnonMemory:
 
     @staticmethod
     def current() -> int:
+        """This process's anonymous resident memory now, in bytes.
+
+        Raises:
+            RuntimeError: no RssAnon in /proc/self/status (Linux only).
+        """
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("RssAnon:"):
                 return int(line.split()[1]) * 1024
@@ -242,7 +306,16 @@ class PeakAnonMemory:
 def measure_load(checkpoint, dtype=None, device=None, device_map=None, *, model_class) -> dict:
     """Load a checkpoint in this process and report its peak anonymous memory against the weights' size.
 
-    `model_class`: the class whose `from_pretrained` loads it (the command line passes HookedDCFormer).
+    Args:
+        checkpoint: a checkpoint directory or embedded model.
+        dtype: as `from_pretrained`.
+        device: as `from_pretrained`.
+        device_map: as `from_pretrained`.
+        model_class: the class whose `from_pretrained` loads it (the command line passes HookedDCFormer).
+
+    Returns:
+        seconds, weights_bytes, baseline_anon_bytes, peak_anon_bytes and peak_over_weights (the peak above the
+        baseline over the weights' bytes).
     """
     start = time.perf_counter()
     with PeakAnonMemory() as memory:

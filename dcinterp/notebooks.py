@@ -21,8 +21,8 @@ they mean here. Each cell's output streams to the console as it runs.
 
 `render [NAME ...]` executes the notebooks on the embedded models with the parameters the site shows
 (`SITE_PARAMETERS`) and writes the executed copies, outputs included, to `docs/notebooks/<name>.ipynb`: the site's
-notebook pages. Run it after changing a notebook, a figure or the code they call (about a minute for all six on two
-CPU cores); the tests re-execute each notebook and compare its outputs with the committed copy (`rendered_differences`).
+notebook pages. Run it after changing a notebook, a figure or the code they call; the tests re-execute each notebook
+and compare its outputs with the committed copy (`rendered_differences`).
 `render --check` does that comparison without writing anything.
 
 Exit status: 0 success, 1 a cell raised (one line: the cell and the error; for a GPU out of memory, torch's account
@@ -51,10 +51,22 @@ class NotebookError(ValueError):
 
 
 def available() -> list[Path]:
+    """The notebooks of the project, sorted."""
     return sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 
 
 def resolve(name_or_path: str) -> Path:
+    """A notebook's path from its name or path.
+
+    Args:
+        name_or_path: a notebook's name (`case_study`) or the path of an .ipynb file.
+
+    Returns:
+        Its path.
+
+    Raises:
+        FileNotFoundError: no such notebook, naming those available.
+    """
     path = Path(name_or_path)
     if path.is_file():
         return path
@@ -68,7 +80,14 @@ def resolve(name_or_path: str) -> Path:
 # --------------------------------------------------------------------------------------------------
 # Parameters
 def notebook_parameters(notebook: Path) -> dict:
-    """The notebook's parameters and their default values, from its cell tagged `parameters`."""
+    """The notebook's parameters and their default values, from its cell tagged `parameters`.
+
+    Args:
+        notebook: the notebook's path.
+
+    Returns:
+        {name: default}; a default that is an expression stays its source text.
+    """
     import papermill
 
     return {name: _literal(info["default"]) for name, info in papermill.inspect_notebook(notebook).items()}
@@ -82,7 +101,19 @@ def _literal(source: str):
 
 
 def parse_parameters(notebook: Path, pairs: list[tuple[str, str]] = (), yaml_texts: list[str] = ()) -> dict:
-    """`-p NAME VALUE` pairs and `-y YAML` mappings -> parameters, checked against the notebook's parameter cell."""
+    """`-p NAME VALUE` pairs and `-y YAML` mappings -> parameters, checked against the notebook's parameter cell.
+
+    Args:
+        notebook: the notebook's path.
+        pairs: (name, value) of each `-p`, typed as the module docstring says.
+        yaml_texts: each `-y`'s YAML mapping.
+
+    Returns:
+        {name: value}.
+
+    Raises:
+        NotebookError: a name the notebook does not have, a value that is not of its default's kind, or bad YAML.
+    """
     import yaml
 
     defaults = notebook_parameters(notebook)
@@ -131,8 +162,17 @@ def _typed_like(default, value: str, name: str):
 
 
 def check_parameters(parameters: dict, notebook: Path | None = None) -> None:
-    """Check, before the kernel starts, the parameters this machine can check: the device, and the case study's
-    checkpoint, twin and head (`check_case_study`)."""
+    """Check, before the kernel starts, the parameters this machine can check.
+
+    The device, and the case study's checkpoint, twin and head (`check_case_study`).
+
+    Args:
+        parameters: {name: value}.
+        notebook: the notebook (None: no notebook-specific check).
+
+    Raises:
+        NotebookError: the parameter at fault, named.
+    """
     from .devices import check_device
 
     if isinstance(parameters.get("device"), str):
@@ -156,11 +196,21 @@ EMBEDDED_TWINS = {"dcpythia-synth": "pythia-synth"}
 def check_case_study(checkpoint, prompt: str, twin_checkpoint=None, layer=None, head=None):
     """Check the case study's checkpoint, twin and head from config.json and tokenizer alone (no weights loaded).
 
-    Returns (twin, layer, head): the twin to explain beside the model (`twin_checkpoint`; None: the embedded model's
-    own twin, none for a checkpoint directory; "": none) or None, and the head to follow as integers (or None: the
-    head integrated gradients rank first). Raises a NotebookError naming the parameter at fault: a twin whose
-    tokenizer reads the prompt as other tokens, a prompt longer than the model's context, a layer or head out of range,
-    one given without the other."""
+    Args:
+        checkpoint: the model's checkpoint directory or embedded model.
+        prompt: the prompt.
+        twin_checkpoint: the twin to explain beside the model (None: the embedded model's own twin, none for a
+            checkpoint directory; "": none).
+        layer: the head's layer (None: with `head` None, the head integrated gradients rank first).
+        head: the head.
+
+    Returns:
+        (twin or None, layer, head), layer and head as integers or None.
+
+    Raises:
+        NotebookError: naming the parameter at fault: a twin whose tokenizer reads the prompt as other tokens, a
+            prompt longer than the model's context, a layer or head out of range, one given without the other.
+    """
     cfg = _config(checkpoint, "checkpoint")
     ours = _prompt_pieces(checkpoint, cfg, prompt, "checkpoint")
     if len(ours) > cfg.n_ctx:  # to_tokens would cut it, and the words it looks for with it
@@ -239,9 +289,19 @@ def run_notebook(
     timeout: int = 1800,
     log_output: bool = False,
 ) -> Path:
-    """Execute a notebook top to bottom with papermill; returns the path of the executed copy.
+    """Execute a notebook top to bottom with papermill.
 
-    Figures go to `figures` (default: the executed copy's folder); the kernel runs in `cwd` (default: here).
+    Args:
+        notebook: a notebook's name or path.
+        parameters: {name: value} (None: the defaults).
+        out: the executed copy's path (None: `out/notebooks/<name>.ipynb`).
+        figures: where figures go (None: the `figures_dir` parameter, else the executed copy's folder).
+        cwd: where the kernel runs (None: here).
+        timeout: seconds a cell may run.
+        log_output: stream each cell's output to the console.
+
+    Returns:
+        The path of the executed copy.
     """
     import papermill
 
@@ -313,14 +373,23 @@ def _stream_cells_to_console() -> None:
 
 
 def written_since(directory: Path, start: float) -> list[Path]:
+    """The files of `directory` modified since `start`, sorted.
+
+    Args:
+        directory: the folder.
+        start: a time, as `time.time()` gives it.
+
+    Returns:
+        The files.
+    """
     return sorted(p for p in directory.glob("*") if p.is_file() and p.stat().st_mtime >= start)
 
 
 # --------------------------------------------------------------------------------------------------
 # The docs site's copies, with outputs
 RENDERED_DIR = Path(__file__).resolve().parent.parent / "docs" / "notebooks"
-# What the site's copies are run with: the notebook's defaults where they take seconds on the CPU; smaller where the
-# full run takes minutes (each page says so, and gives the command of the full run). The tests run the same.
+# What the site's copies are run with: the notebook's defaults where they are quick on the CPU; smaller where the
+# full run is long (each page says so, and gives the command of the full run). The tests run the same.
 SITE_PARAMETERS = {
     "case_study": {"n_steps": 16},
     "synthetic_eval": {"limit": 74},
@@ -333,7 +402,16 @@ _FIGURES_SHOWN_AS = "figures"  # the figures folder, as the site's copies name i
 
 
 def render(names=None, out_dir=RENDERED_DIR, log_output: bool = False) -> list[Path]:
-    """Execute each notebook with its `SITE_PARAMETERS` and write its site copy (`site_copy`) to `out_dir`."""
+    """Execute each notebook with its `SITE_PARAMETERS` and write its site copy (`site_copy`) to `out_dir`.
+
+    Args:
+        names: the notebooks (None: every one of `SITE_PARAMETERS`).
+        out_dir: where the site copies go.
+        log_output: stream each cell's output to the console.
+
+    Returns:
+        The site copies written.
+    """
     import tempfile
 
     import nbformat
@@ -359,9 +437,20 @@ def render(names=None, out_dir=RENDERED_DIR, log_output: bool = False) -> list[P
 
 
 def site_copy(executed, name: str, figures: Path):
-    """The executed notebook as the site shows it: a note of the parameters it ran with (and the full run's command)
-    after the title; the run's figures folder named `figures`; no stderr (progress bars, timings) and no execution
-    timestamps, so that rendering twice gives the same file."""
+    """The executed notebook as the site shows it.
+
+    A note of the parameters it ran with (and the full run's command) after the title; the run's figures folder named
+    `figures`; no stderr (progress bars, timings) and no execution timestamps, so that rendering twice gives the same
+    file.
+
+    Args:
+        executed: the executed notebook (nbformat).
+        name: its name.
+        figures: the run's figures folder.
+
+    Returns:
+        The site copy (nbformat).
+    """
     import nbformat
 
     notebook = nbformat.from_dict(executed)  # a copy
@@ -412,16 +501,24 @@ _NUMBER = re.compile(r"(?<![\w.])[-+]?(\d+)(?:\.(\d+))?(?:[eE]([-+]?\d+))?(?!\w)
 
 
 def rendered_differences(fresh, committed) -> list[str]:
-    """What differs between two site copies of a notebook (`site_copy`), one line each; [] when they agree.
+    """What differs between two site copies of a notebook (`site_copy`), one line each.
 
     Cells' sources must be identical. Text outputs (streams and `text/plain`) must read the same once runs of
     whitespace are collapsed, word for word, and number for number within the rounding of another CPU: integers
-    (counts, indices) exactly; other numbers when they differ by at most 2 units of their last printed digit plus
-    1e-4 of their size (a float32 printed in full, 22.153275, after long sums that another CPU orders otherwise),
-    or when both are below 1e-4 (float32 rounding errors themselves, "relative gap 1.5e-07"). Where both copies
-    end a number in zeros, the unit is that of its last digit before them: a value rounded to fewer digits than
-    pandas prints (-2.574000 after `.round(3)`) may come out one step of that rounding apart on another CPU.
-    Each cell must show as many images (PNG) as before; their pixels are not compared."""
+    (counts, indices) exactly; other numbers when they differ by at most 2 units of their last printed digit plus 1e-4
+    of their size (a float32 printed in full, 22.153275, after long sums that another CPU orders otherwise), or when
+    both are below 1e-4 (float32 rounding errors themselves, "relative gap 1.5e-07"). Where both copies end a number in
+    zeros, the unit is that of its last digit before them: a value rounded to fewer digits than pandas prints
+    (-2.574000 after `.round(3)`) may come out one step of that rounding apart on another CPU. Each cell must show as
+    many images (PNG) as before; their pixels are not compared.
+
+    Args:
+        fresh: the copy just rendered (nbformat).
+        committed: the committed copy (nbformat).
+
+    Returns:
+        The differences; [] when they agree.
+    """
     problems = []
     if len(fresh.cells) != len(committed.cells):
         return [f"{len(fresh.cells)} cells, the committed copy {len(committed.cells)}"]
@@ -493,6 +590,7 @@ def _first_difference(new: str, old: str) -> str:
 # --------------------------------------------------------------------------------------------------
 # Command line
 def build_parser() -> Parser:
+    """The command line's parser (list, run, render)."""
     parser = Parser(
         prog="python -m dcinterp.notebooks",
         description=__doc__.split("\n\n")[0],
@@ -548,6 +646,14 @@ def _RawDescription(prog):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line: `python -m dcinterp.notebooks ...` (the module docstring).
+
+    Args:
+        argv: the arguments (None: sys.argv's).
+
+    Returns:
+        The exit status: 0 success, 1 a cell raised, 2 bad arguments.
+    """
     args = build_parser().parse_args(argv)
     if args.command == "list":
         for path in available():
@@ -595,7 +701,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def out_of_memory_remedies(parameters: dict) -> list[str]:
-    """The notebook's parameters, as the run had them, that would hold less on the GPU."""
+    """The notebook's parameters, as the run had them, that would hold less on the GPU.
+
+    Args:
+        parameters: {name: value} of the run.
+
+    Returns:
+        Remedies, as `-p` options to try.
+    """
     remedies = []
     if parameters.get("dtype") == "float32":
         remedies.append("-p dtype bfloat16 (half the memory of float32)")

@@ -21,8 +21,8 @@ head; for a dynamic weight it is the weight's last axis (the input head for `qw1
   number of sites. The gradient is taken at the run patched into: the clean one for noising (as in AtP, Kramar
   et al. 2024), the corrupted one for denoising. It flows through the activations (a zero tensor added at each
   site), not the weights, so frozen parameters are fine and no `.grad` is written. A pre-compose branch feeds a
-  softmax that may saturate, where the first-order estimate can be far off (on `dcpythia-synth`, +0.02 for a site
-  whose exact effect is -0.93); `softmax="exact"` carries pre-compose sites through their layer's softmax exactly
+  softmax that may saturate, where the first-order estimate can be far off (docs/patching.md shows a site whose
+  sign it gets wrong); `softmax="exact"` carries pre-compose sites through their layer's softmax exactly
   and linearises only the rest (AtP*'s fix). The default is the plain first-order estimate.
 """
 
@@ -71,11 +71,19 @@ FRAME_COLUMNS = ["layer", "stage", "site", "branch", "head", "effect", "delta"]
 # Sites and components
 @dataclass(frozen=True)
 class Site:
-    """One compose hook (a branch output or a dynamic weight) of a layer and stage, optionally one head of it."""
+    """One compose hook (a branch output or a dynamic weight) of a layer and stage, optionally one head of it.
+
+    Attributes:
+        layer: the layer.
+        stage: "pre" or "post".
+        name: the hook, one of SITE_NAMES (o_qp, ..., qw1, ..., kg).
+        head: one head of it (None: every head). For a branch output the output head; for a dynamic weight its last
+            axis.
+    """
 
     layer: int
-    stage: str  # "pre" or "post"
-    name: str  # one of SITE_NAMES
+    stage: str
+    name: str
     head: int | None = None
 
     @property
@@ -103,7 +111,17 @@ def sites(
     layers: Sequence[int] | None = None,
     per_head: bool = False,
 ) -> list[Site]:
-    """Every site the model has (its compose stages and branches), layer by layer, stage, then `names` order."""
+    """Every site the model has (its compose stages and branches), layer by layer, stage, then `names` order.
+
+    Args:
+        model: a DCMHA model.
+        names: the hooks, among SITE_NAMES.
+        layers: the layers (None: all).
+        per_head: one site per head of each hook.
+
+    Returns:
+        The sites.
+    """
     cfg = model.cfg
     names = [names] if isinstance(names, str) else list(names)
     if not names:
@@ -142,7 +160,16 @@ def _check_layers(model: HookedDCFormer, layers: Sequence[int] | None) -> list[i
 
 
 def check_sites(model: HookedDCFormer, site_list: Sequence[Site], name: str = "components") -> None:
-    """A one-line ValueError naming `name` for a site this model does not have (layer, stage, hook or head)."""
+    """Check that the model has each site (layer, stage, hook and head).
+
+    Args:
+        model: the model.
+        site_list: the sites.
+        name: the argument named in the error.
+
+    Raises:
+        ValueError: one line naming `name`, for a site this model does not have.
+    """
     cfg = model.cfg
     for site in site_list:
         if not isinstance(site, Site):
@@ -165,7 +192,15 @@ def check_sites(model: HookedDCFormer, site_list: Sequence[Site], name: str = "c
 
 @dataclass(frozen=True)
 class Component:
-    """Branch outputs ablated together, with the labels of their row in a table ("all" where it spans)."""
+    """Branch outputs ablated together, with the labels of their row in a table ("all" where it spans).
+
+    Attributes:
+        sites: the sites ablated together.
+        layer: the row's layer label.
+        stage: the row's stage label.
+        branch: the row's branch label.
+        head: the row's head label.
+    """
 
     sites: tuple[Site, ...]
     layer: int | str
@@ -177,7 +212,16 @@ class Component:
 def branch_components(
     model: HookedDCFormer, per_head: bool = False, layers: Sequence[int] | None = None
 ) -> list[Component]:
-    """One component per (layer, stage, branch), or per (layer, stage, branch, output head)."""
+    """One component per (layer, stage, branch), or per (layer, stage, branch, output head).
+
+    Args:
+        model: a DCMHA model.
+        per_head: one component per output head.
+        layers: the layers (None: all).
+
+    Returns:
+        The components.
+    """
     return [
         Component((site,), site.layer, site.stage, site.branch, "all" if site.head is None else site.head)
         for site in sites(model, BRANCH_OUTPUTS, layers, per_head)
@@ -185,7 +229,16 @@ def branch_components(
 
 
 def check_components(model: HookedDCFormer, components: Sequence[Component]) -> None:
-    """One line naming `components` for an empty list, a non-Component or a site the model does not have."""
+    """Check a list of components against the model.
+
+    Args:
+        model: the model.
+        components: the components.
+
+    Raises:
+        ValueError: one line naming `components`, for an empty list, a non-Component or a site the model does not
+            have.
+    """
     if not components:
         raise ValueError("components is empty: pass at least one Component (default: branch_components(model))")
     for component in components:
@@ -197,14 +250,30 @@ def check_components(model: HookedDCFormer, components: Sequence[Component]) -> 
 
 
 def stage_components(model: HookedDCFormer, layers: Sequence[int] | None = None) -> list[Component]:
-    """One component per (layer, stage): the stage's every branch."""
+    """One component per (layer, stage): the stage's every branch.
+
+    Args:
+        model: a DCMHA model.
+        layers: the layers (None: all).
+
+    Returns:
+        The components.
+    """
     found = sites(model, BRANCH_OUTPUTS, layers)
     keys = dict.fromkeys((site.layer, site.stage) for site in found)
     return [Component(tuple(s for s in found if (s.layer, s.stage) == key), *key, "all") for key in keys]
 
 
 def layer_components(model: HookedDCFormer, layers: Sequence[int] | None = None) -> list[Component]:
-    """One component per layer: its whole compose, both stages."""
+    """One component per layer: its whole compose, both stages.
+
+    Args:
+        model: a DCMHA model.
+        layers: the layers (None: all).
+
+    Returns:
+        The components.
+    """
     found = sites(model, BRANCH_OUTPUTS, layers)
     return [
         Component(tuple(s for s in found if s.layer == layer), layer, "all", "all")
@@ -213,7 +282,14 @@ def layer_components(model: HookedDCFormer, layers: Sequence[int] | None = None)
 
 
 def everywhere_components(model: HookedDCFormer) -> list[Component]:
-    """The post-hoc Table 9: each (stage, branch) in every layer, each stage in every layer, all of the compose."""
+    """The post-hoc Table 9: each (stage, branch) in every layer, each stage in every layer, all of the compose.
+
+    Args:
+        model: a DCMHA model.
+
+    Returns:
+        The components.
+    """
     found = sites(model, BRANCH_OUTPUTS)
     keys = dict.fromkeys((site.stage, site.branch) for site in found)
     by_branch = [Component(tuple(s for s in found if (s.stage, s.branch) == key), "all", *key) for key in keys]
@@ -252,15 +328,21 @@ def mean_activations(
 ) -> dict[str, Tensor]:
     """Each hook's mean activation over the real tokens of a right-padded batch: pads never count.
 
-    over="position": at each position (each query and key for a branch output), the mean over the prompts that
-        have a real token there. Positions align only within one template.
-    over="token": the mean over every real token of every prompt (every real query and a key it sees, for a
-        branch output): one value per head (and rank), put at every position (a branch output's only where a
-        query sees the key, 0 elsewhere, as in the model).
-    templates: one label per prompt; each prompt then gets the mean over the prompts with its label.
-    lengths: real tokens per prompt (default: up to the trailing pad tokens of the model's tokenizer).
-    width: the positions of the batch the means will replace (default the same as tokens'); a per-position mean
-        is cropped or padded with zeros. Returns, per hook, [1 or batch (with templates), ...] as its activation.
+    Args:
+        model: the model.
+        tokens: the batch [batch, pos].
+        hook_names: the hooks.
+        over: "position": at each position (each query and key for a branch output), the mean over the prompts that
+            have a real token there; positions align only within one template. "token": the mean over every real token
+            of every prompt (every real query and a key it sees, for a branch output): one value per head (and rank),
+            put at every position (a branch output's only where a query sees the key, 0 elsewhere, as in the model).
+        lengths: real tokens per prompt [batch] (None: up to the trailing pad tokens of the model's tokenizer).
+        templates: one label per prompt; each prompt then gets the mean over the prompts with its label.
+        width: the positions of the batch the means will replace (None: as `tokens`); a per-position mean is cropped
+            or padded with zeros.
+
+    Returns:
+        Per hook, [1 or batch (with templates), ...] as its activation.
     """
     if over not in ("position", "token"):
         raise ValueError(f"mean_over must be 'position' or 'token', not {over!r}")
@@ -305,7 +387,15 @@ def mean_activations(
 
 
 def ablation_hooks(component: Component, means: dict[str, Tensor] | None = None) -> list[tuple[str, Callable]]:
-    """Forward hooks that set the component's sites to zero, or to `means` (from `mean_activations`)."""
+    """Forward hooks that set the component's sites to zero, or to `means`.
+
+    Args:
+        component: the sites.
+        means: from `mean_activations` (None: zero).
+
+    Returns:
+        (hook name, hook) pairs for `run_with_hooks`.
+    """
 
     def make_hook(site: Site):
         def hook(x: Tensor, hook) -> Tensor:
@@ -325,17 +415,22 @@ OUTPUT_HEAD_WEIGHT = {"qp": "qw2", "kp": "kw2", "qg": "qg", "kg": "kg"}  # the w
 
 
 def zero_weight_hooks(component: Component) -> list[tuple[str, Callable]]:
-    """Forward hooks that switch the component's branches off through their dynamic weights: `qw1` and `qw2` of
-    `o_qp` (`kw1`, `kw2` of `o_kp`; `qg`; `kg`) set to zero, or, for one head, the output head's slice of `qw2`
-    (`kw2`, `qg`, `kg`).
+    """Forward hooks that switch the component's branches off through their dynamic weights.
 
-    The branch output is then exactly zero, so this is `ablation_hooks(component)` (zero ablation), but the compose
-    keeps its no-hook path (`dcinterp.dcmha.blocked` on a CPU), without a [batch, head, query, key] tensor per branch
-    (`synth.commands.ablate.ablation_table`, which also shares the unablated layers before the first ablated one: on
-    `dcpythia-synth` its 15 ablations of the 888 released samples cost 0.86x 15 plain evaluations where zeroed
-    outputs cost 1.79x, `benchmarks/bench_ablate.py`). The result is the model
-    built without the branch (`DCFormerConfig(compose_branches=...)` or `compose_stages=...`) bit for bit, and
-    zeroing the branch outputs up to float32 rounding (the no-hook path adds in another order)."""
+    `qw1` and `qw2` of `o_qp` (`kw1`, `kw2` of `o_kp`; `qg`; `kg`) are set to zero, or, for one head, the output
+    head's slice of `qw2` (`kw2`, `qg`, `kg`). The branch output is then exactly zero, so this is
+    `ablation_hooks(component)` (zero ablation), but the compose keeps its no-hook path (`dcinterp.dcmha.blocked` on a
+    CPU), without a [batch, head, query, key] tensor per branch; `synth.commands.ablate.ablation_table` takes it
+    for that (its cost against zeroed outputs: `benchmarks/bench_ablate.py`, docs/benchmarks.md). The result is the
+    model built without the branch (`DCFormerConfig(compose_branches=...)` or `compose_stages=...`) bit for bit, and
+    zeroing the branch outputs up to float32 rounding (the no-hook path adds in another order).
+
+    Args:
+        component: the branches to switch off.
+
+    Returns:
+        (hook name, hook) pairs for `run_with_hooks`.
+    """
 
     def zero(x: Tensor, hook) -> Tensor:
         return torch.zeros_like(x)
@@ -376,18 +471,30 @@ def branch_ablation(
 ) -> pd.DataFrame:
     """The target's change (mean over prompts) when each component is ablated: one row per component.
 
-    components: default `branch_components(model)`; also `branch_components(model, per_head=True)`,
-        `stage_components`, `layer_components`, `everywhere_components`, or your own.
-    ablation: "zero" (the model without the branch, the paper's reading) or "mean": the mean over the real tokens
-        of `reference_tokens` (default `tokens`; pads never count), by `mean_over`:
-        "position" (default): each position's mean over the prompts that have a real token there; with
-        `templates` (one label per prompt, e.g. the task id; needs reference_tokens None), over the prompts of
-        the same template only. "token": the mean over all real tokens, the same at every position.
-        `lengths`: the reference prompts' real tokens (default: up to the tokenizer's trailing pad tokens;
-        pass `pairs.position + 1` where the tokenizer has no pad token). docs/conventions.md measures the rules.
-    target, position, target_type: as in `attribution.head_attribution` (a token id or [batch] of ids, a word,
-        or a function of the logits). Columns: layer, stage, branch, head, clean, ablated, effect (negative: the
-        component helps the target).
+    Args:
+        model: a DCMHA model.
+        tokens: prompts [batch, pos].
+        target: as in `attribution.head_attribution`: a token id or [batch] of ids, a word, or a function of the
+            logits.
+        components: None: `branch_components(model)`; also `branch_components(model, per_head=True)`,
+            `stage_components`, `layer_components`, `everywhere_components`, or your own.
+        ablation: "zero" (the model without the branch, the paper's reading) or "mean": the mean over the real tokens
+            of `reference_tokens`, by `mean_over`.
+        reference_tokens: the prompts of a "mean" ablation [ref, pos] (None: `tokens`; pads never count).
+        position: as in `attribution.head_attribution`.
+        target_type: as in `attribution.head_attribution`.
+        mean_over: "position": each position's mean over the prompts that have a real token there (with `templates`,
+            over the prompts of the same template only). "token": the mean over all real tokens, the same at every
+            position. docs/conventions.md compares the rules.
+        templates: one label per prompt, e.g. the task id; needs `reference_tokens` None.
+        lengths: the reference prompts' real tokens [ref] (None: up to the tokenizer's trailing pad tokens; pass
+            `pairs.position + 1` where the tokenizer has no pad token).
+
+    Returns:
+        Columns layer, stage, branch, head, clean, ablated, effect (negative: the component helps the target).
+
+    Raises:
+        ValueError: a bad argument, named.
     """
     tokens, target, position = check_target_inputs(model, tokens, target, position, target_type)
     if mean_over not in ("position", "token"):
@@ -445,7 +552,15 @@ def branch_ablation(
 # The metric
 @dataclass(frozen=True)
 class LogitDiff:
-    """logit(clean answer) - logit(corrupted answer) at each prompt's answer position: [batch]."""
+    """logit(clean answer) - logit(corrupted answer) at each prompt's answer position: [batch].
+
+    Called as a metric: `LogitDiff(...)(model, tokens, fwd_hooks)`.
+
+    Attributes:
+        clean_answer: the clean answer's token id [batch].
+        corrupt_answer: the corrupted answer's token id [batch].
+        position: the answer's position: one, or one per prompt [batch].
+    """
 
     clean_answer: Int[Tensor, " batch"]
     corrupt_answer: Int[Tensor, " batch"]
@@ -464,14 +579,31 @@ class LogitDiff:
 def cache_sites(
     model: HookedDCFormer, tokens: Int[Tensor, "batch pos"], hook_names: Sequence[str]
 ) -> dict[str, Tensor]:
-    """The activations at the given hooks for a batch of prompts (no gradients)."""
+    """The activations at the given hooks for a batch of prompts (no gradients).
+
+    Args:
+        model: the model.
+        tokens: the prompts [batch, pos].
+        hook_names: the hooks.
+
+    Returns:
+        Each hook's activation.
+    """
     with torch.no_grad():
         _, cache = model.run_with_cache(tokens, names_filter=list(hook_names), stop_at_layer=model.cfg.n_layers)
     return {name: cache[name] for name in hook_names}
 
 
 def patch_hook(site: Site, source: Tensor) -> tuple[str, Callable]:
-    """A forward hook that replaces the site's part of its activation by the same part of `source`."""
+    """A forward hook that replaces the site's part of its activation by the same part of `source`.
+
+    Args:
+        site: the site.
+        source: the activation to copy from, of the hook's shape.
+
+    Returns:
+        (hook name, hook).
+    """
 
     def hook(x: Tensor, hook) -> Tensor:
         if site.head is None:
@@ -491,7 +623,18 @@ def patching_deltas(
     metric: Metric,
     site_list: Sequence[Site],
 ) -> Float[Tensor, " site"]:
-    """Exact: mean metric with each site patched from `sources`, less the unpatched mean metric (a forward each)."""
+    """Exact: mean metric with each site patched from `sources`, less the unpatched mean metric (a forward each).
+
+    Args:
+        model: the model.
+        tokens: the run patched into [batch, pos].
+        sources: the activations patched in, by hook name.
+        metric: `metric(model, tokens, fwd_hooks) -> [batch]`, e.g. a `LogitDiff`.
+        site_list: the sites.
+
+    Returns:
+        One delta per site [site].
+    """
     base = metric(model, tokens, []).mean()
     return torch.stack(
         [metric(model, tokens, [patch_hook(site, sources[site.hook_name])]).mean() - base for site in site_list]
@@ -503,8 +646,17 @@ def site_gradients(
 ) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
     """The mean metric, and its gradient and the activation at each hook, from one forward and one backward.
 
-    A zero tensor added at each hook carries the gradient, so it is the total derivative of the metric with
-    respect to that activation, through every later site as well.
+    A zero tensor added at each hook carries the gradient, so it is the total derivative of the metric with respect to
+    that activation, through every later site as well.
+
+    Args:
+        model: the model.
+        tokens: the prompts [batch, pos].
+        metric: `metric(model, tokens, fwd_hooks) -> [batch]`.
+        hook_names: the hooks.
+
+    Returns:
+        (the mean metric, the gradient at each hook, the activation at each hook).
     """
     offsets, activations = {}, {}
 
@@ -532,9 +684,18 @@ def attribution_deltas(
 ) -> Float[Tensor, " site"]:
     """First order: gradient . (source - activation) over each site's part, from one forward and backward.
 
-    softmax="exact" (AtP*'s fix for saturated attention, Kramar et al. 2024): a pre-compose site's change is
-    carried through its layer's softmax exactly, and only the rest of the model is linearised, as
-    gradient at `hook_pattern` . (softmax(scores + change) - softmax(scores)).
+    Args:
+        model: the model.
+        tokens: the run patched into [batch, pos].
+        sources: the activations patched in, by hook name.
+        metric: `metric(model, tokens, fwd_hooks) -> [batch]`.
+        site_list: the sites.
+        softmax: "linear", or "exact" (AtP*'s fix for saturated attention, Kramar et al. 2024): a pre-compose site's
+            change is carried through its layer's softmax exactly, and only the rest of the model is linearised, as
+            gradient at `hook_pattern` . (softmax(scores + change) - softmax(scores)).
+
+    Returns:
+        One estimated delta per site [site].
     """
     if softmax not in ("linear", "exact"):
         raise ValueError(f"softmax must be 'linear' or 'exact', not {softmax!r}")
@@ -610,9 +771,20 @@ def activation_patching(
 ) -> pd.DataFrame:
     """Exact activation patching of every site (one forward pass per site, or per site and head).
 
-    pairs: `dcinterp.synth.tokenize_pairs(contrast_pairs(...), model.tokenizer)`, or your own `PairTokens`.
-    Columns: layer, stage, site, branch, head, effect (normalised, see the module docstring), delta (the raw
-    change of the mean logit difference).
+    Args:
+        model: a DCMHA model.
+        pairs: `dcinterp.synth.tokenize_pairs(contrast_pairs(...), model.tokenizer)`, or your own `PairTokens`.
+        direction: "noising" (the clean run, corrupted activations) or "denoising" (the other way).
+        per_head: one row per site and head.
+        names: the hooks, among SITE_NAMES.
+        layers: the layers (None: all).
+
+    Returns:
+        Columns layer, stage, site, branch, head, effect (normalised, see the module docstring), delta (the raw change
+        of the mean logit difference).
+
+    Raises:
+        ValueError: a bad argument, named.
     """
     return _patching_table(model, pairs, direction, per_head, names, layers, patching_deltas)
 
@@ -628,8 +800,21 @@ def attribution_patching(
 ) -> pd.DataFrame:
     """The first-order estimate of `activation_patching`, same rows and columns, from one backward pass.
 
-    softmax: "linear" (default: the plain first-order estimate) or "exact" (pre-compose sites carried through
-    their layer's softmax exactly, as AtP* does for attention scores; see `attribution_deltas`).
+    Args:
+        model: a DCMHA model.
+        pairs: as `activation_patching`.
+        direction: as `activation_patching`.
+        per_head: as `activation_patching`.
+        names: as `activation_patching`.
+        layers: as `activation_patching`.
+        softmax: "linear" (the plain first-order estimate) or "exact" (pre-compose sites carried through their
+            layer's softmax exactly, as AtP* does for attention scores; see `attribution_deltas`).
+
+    Returns:
+        The rows of `activation_patching`, estimated.
+
+    Raises:
+        ValueError: a bad argument, named.
     """
     if softmax not in ("linear", "exact"):
         raise ValueError(f"softmax must be 'linear' or 'exact', not {softmax!r}")
@@ -641,7 +826,18 @@ def attribution_patching(
 
 
 def check_pairs(model: HookedDCFormer, pairs: PairTokens) -> tuple[Tensor, ...]:
-    """(clean, corrupt, clean_answer, corrupt_answer, position) on the model's device, or one line naming `pairs`."""
+    """The pairs' tensors on the model's device, checked.
+
+    Args:
+        model: the model.
+        pairs: the tokenized contrast pairs.
+
+    Returns:
+        (clean, corrupt, clean_answer, corrupt_answer, position).
+
+    Raises:
+        ValueError: one line naming `pairs`.
+    """
     if not all(hasattr(pairs, field) for field in ("clean", "corrupt", "clean_answer", "corrupt_answer", "position")):
         raise TypeError(f"pairs must be a PairTokens (dcinterp.synth.tokenize_pairs), not {type(pairs).__name__}")
     clean, corrupt = (

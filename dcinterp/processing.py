@@ -11,8 +11,8 @@ stream before any weight), what writes to the residual stream has no component a
 - Centring is valid only where every reader of the residual stream is a centring LayerNorm: on an RMSNorm
   model (DCFormer++) `center_writing_weights` is skipped with one warning, as in TransformerLens.
 - Value biases are folded into `b_O` only in layers whose attention rows sum to 1. After post-compose they do
-  not (`hook_composed_pattern` rows on dcpythia-synth sum to anything from -5.4 to 9.0), so b_V's effect there
-  depends on the input and stays in `b_V` (one warning says so).
+  not (`hook_composed_pattern`'s rows: docs/weight-processing.md), so b_V's effect there depends on the input and
+  stays in `b_V` (one warning says so).
 - `refactor_factored_attn_matrices` is refused: with rotary embeddings the QK product depends on the relative
   position, and QK-norm makes q and k nonlinear in the stream (TransformerLens refuses rotary models too).
 
@@ -49,12 +49,23 @@ def process_weights_(
     fold_value_biases: bool = True,
     refactor_factored_attn_matrices: bool = False,
 ):
-    """Process `model`'s weights in place, as TransformerLens' `HookedTransformer.process_weights_`; returns it.
+    """Process `model`'s weights in place, as TransformerLens' `HookedTransformer.process_weights_`.
 
-    The log-probabilities do not change (float32: within 1e-5 on the fixtures); the logits change by a constant
-    per position with `center_unembed`. Hooks on the residual stream (and `ln*.hook_normalized`) see the
-    processed values; every attention hook (q, k, scores, compose branches, dynamic weights, patterns) is
-    unchanged, and so is `hook_z` except where value biases were folded.
+    The log-probabilities do not change (up to float rounding); the logits change by a constant per position with
+    `center_unembed`. Hooks on the residual stream (and `ln*.hook_normalized`) see the processed values; every
+    attention hook (q, k, scores, compose branches, dynamic weights, patterns) is unchanged, and so is `hook_z` except
+    where value biases were folded.
+
+    Args:
+        model: the model.
+        fold_ln: fold each norm's weight (and bias) into the weights that read its output.
+        center_writing_weights: centre the weights that write into the residual stream.
+        center_unembed: centre W_U over the vocabulary.
+        fold_value_biases: fold the value biases into the attention output's bias.
+        refactor_factored_attn_matrices: rebalance W_Q W_K^T and W_V W_O between their factors, as TransformerLens.
+
+    Returns:
+        The model.
     """
     if refactor_factored_attn_matrices:
         raise ValueError(
@@ -106,10 +117,17 @@ def process_weights_(
 
 
 def logit_offset(model) -> Tensor:
-    """The part of the logits no residual component carries: the final norm's bias through W_U, plus b_U [d_vocab].
+    """The part of the logits no residual component carries: the final norm's bias through W_U, plus b_U.
 
     For every model, processed or not: `cache.apply_ln_to_stack(components).sum(0) @ model.W_U + logit_offset(model)`
-    is the logits, and so `cache.logit_attrs(components, tokens).sum(0) + logit_offset(model)[tokens]`."""
+    is the logits, and so `cache.logit_attrs(components, tokens).sum(0) + logit_offset(model)[tokens]`.
+
+    Args:
+        model: the model.
+
+    Returns:
+        [d_vocab].
+    """
     offset = model.unembed.b_U
     if model.ln_final.b is not None:
         offset = offset + model.ln_final.b @ model.W_U
@@ -117,8 +135,18 @@ def logit_offset(model) -> Tensor:
 
 
 def require_raw_weights(model, analysis: str) -> None:
-    """A ValueError for the analyses that read the released weights as the paper does (Eq. 12's norms, Fig. 5's
-    W_Q W_K^T): folding and centring change them, and what was folded cannot be told apart again."""
+    """Refuse processed weights to the analyses that read the released weights as the paper does.
+
+    Eq. 12's norms and Fig. 5's W_Q W_K^T read them: folding and centring change them, and what was folded cannot be
+    told apart again.
+
+    Args:
+        model: the model.
+        analysis: the analysis, named in the error.
+
+    Raises:
+        ValueError: the model's weights were processed.
+    """
     changed = [k for k in ("fold_ln", "center_writing_weights") if model.weight_processing.get(k)]
     if changed:
         raise ValueError(
@@ -158,6 +186,18 @@ class DCActivationCache(ActivationCache):
         return get_act_name(name, layer, *rest)
 
     def apply_ln_to_stack(self, residual_stack, layer=None, mlp_input=False, *args, **kwargs):
+        """TransformerLens' `apply_ln_to_stack`, with the norm's weight applied to each component as well.
+
+        Args:
+            residual_stack: the components [component, ..., d_model].
+            layer: the norm's layer (None or -1: the final norm).
+            mlp_input: the norm before the MLP of `layer`.
+            *args: TransformerLens' other arguments.
+            **kwargs: TransformerLens' other arguments.
+
+        Returns:
+            Each component's share of the norm's output.
+        """
         stack = super().apply_ln_to_stack(residual_stack, layer, mlp_input, *args, **kwargs)
         final = layer is None or layer == -1 or layer == self.model.cfg.n_layers
         if final and kwargs.get("recompute_ln", False):
@@ -181,6 +221,14 @@ class DCActivationCache(ActivationCache):
         return block.ln2 if mlp_input else block.ln1
 
     def apply_slice_to_batch_dim(self, batch_slice):
+        """TransformerLens' `apply_slice_to_batch_dim`, keeping this class.
+
+        Args:
+            batch_slice: the prompts to keep.
+
+        Returns:
+            A DCActivationCache of them.
+        """
         sliced = super().apply_slice_to_batch_dim(batch_slice)
         return DCActivationCache(sliced.cache_dict, self.model, has_batch_dim=sliced.has_batch_dim)
 

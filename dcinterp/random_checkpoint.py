@@ -58,12 +58,27 @@ PYTHIA_6_9B = {
 
 
 def scaled(config: dict, **changes) -> dict:
-    """A copy of a config with some sizes changed (official or GPT-NeoX key names)."""
+    """A copy of a config with some sizes changed.
+
+    Args:
+        config: an official or GPT-NeoX config dict.
+        **changes: the sizes to change, by their key names in `config`.
+
+    Returns:
+        The changed copy.
+    """
     return {**config, **changes}
 
 
 def official_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Every key of the checkpoint and its shape, in the file layout of the config's `model_type`."""
+    """Every key of the checkpoint and its shape, in the file layout of the config's `model_type`.
+
+    Args:
+        config: an official or GPT-NeoX config dict.
+
+    Returns:
+        {key: shape}.
+    """
     if config["model_type"] == "gpt_neox":
         return _gpt_neox_shapes(config)
     D, H, F, V = config["dim"], config["n_head"], config["intermediate_size"], config["vocab_size"]
@@ -122,6 +137,14 @@ def _gpt_neox_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 
 
 def n_parameters(config: dict) -> int:
+    """The number of parameters a checkpoint of this config holds.
+
+    Args:
+        config: an official or GPT-NeoX config dict.
+
+    Returns:
+        The count.
+    """
     return sum(torch.Size(shape).numel() for shape in official_shapes(config).values())
 
 
@@ -134,9 +157,25 @@ def write_random_checkpoint(
     seed: int = 0,
     device="cpu",
 ) -> Path:
-    """Write config.json and random weights (normal, std 0.02; norm scales near 1) in shards of at most
-    `shard_bytes`, with a `*.index.json` when there is more than one shard. Returns the directory.
-    `device="cuda"` draws the numbers on the GPU (much faster for a 7B model; different numbers)."""
+    """Write config.json and random weights (normal, std 0.02; norm scales near 1) in shards.
+
+    A `*.index.json` is written when there is more than one shard.
+
+    Args:
+        directory: where to write (created if missing).
+        config: an official or GPT-NeoX config dict.
+        file_format: "safetensors" or "bin".
+        dtype: the weights' dtype.
+        shard_bytes: the largest shard.
+        seed: seeds the weights.
+        device: where the numbers are drawn; "cuda" is much faster for a 7B model, and draws other numbers.
+
+    Returns:
+        The directory.
+
+    Raises:
+        ValueError: an unknown `file_format`.
+    """
     if file_format not in ("safetensors", "bin"):
         raise ValueError(f"file_format must be 'safetensors' or 'bin', not {file_format!r}")
     directory = Path(directory)
@@ -178,8 +217,18 @@ def write_random_checkpoint(
 
 
 def write_tokenizer(directory, texts: list[str], vocab_size: int = 2048) -> Path:
-    """A byte-level BPE tokenizer (GPT-NeoX style: words carry their leading space, "Ġburger") trained on `texts`,
-    saved as `tokenizer.json` so that prompts can be run through a random checkpoint; ids stay below vocab_size."""
+    """A byte-level BPE tokenizer trained on `texts`, saved as `tokenizer.json` in a random checkpoint.
+
+    GPT-NeoX style: words carry their leading space ("Ġburger"). Prompts can then be run through the checkpoint.
+
+    Args:
+        directory: where to save it.
+        texts: the training texts.
+        vocab_size: ids stay below it.
+
+    Returns:
+        The directory.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())

@@ -117,8 +117,16 @@ class TransformerLensAPI:
     def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> Tensor:
         """Sum of the attention and MLP output biases written into the residual stream before `layer`.
 
-        As TransformerLens: `mlp_input=True` adds layer `layer`'s attention bias (the stream entering its MLP
-        in a sequential block). `ActivationCache.get_full_resid_decomposition` reads it.
+        `ActivationCache.get_full_resid_decomposition` reads it.
+
+        Args:
+            layer: the layer whose input stream is meant.
+            mlp_input: add layer `layer`'s attention bias too (the stream entering its MLP in a sequential block), as
+                TransformerLens.
+            include_mlp_biases: include the MLPs' output biases.
+
+        Returns:
+            [d_model].
         """
         if mlp_input and layer >= self.cfg.n_layers:
             raise ValueError(f"accumulated_bias: mlp_input needs layer < n_layers ({self.cfg.n_layers}), not {layer}")
@@ -144,13 +152,20 @@ class TransformerLensAPI:
         return FactoredMatrix(self.W_V, self.W_O)
 
     def all_composition_scores(self, mode: Literal["Q", "K", "V"]):
-        """TransformerLens' composition scores (Elhage et al., 2021) between every pair of heads, [layer, head,
-        layer, head]: entry [l1, h1, l2, h2] = ||OV_1 C_2||_F / (||OV_1||_F ||C_2||_F), how much head (l2, h2)'s
-        query (mode "Q", C = QK), key ("K", C = QK^T) or value ("V", C = OV) input reads what head (l1, h1)
-        writes; 0 unless l1 < l2. From the static weights, computed by TransformerLens' own `composition_scores`:
-        rotary, QK-norm and DCMHA's compose are not in it (heads of one layer mix through the compose:
-        `dcinterp.composition`). A TransformerLens 4 `CompositionScores` (a tensor that carries `head_labels`)
-        where that exists, else the tensor, as TransformerLens 3 returns."""
+        """TransformerLens' composition scores (Elhage et al., 2021) between every pair of heads.
+
+        Entry [l1, h1, l2, h2] = ||OV_1 C_2||_F / (||OV_1||_F ||C_2||_F): how much head (l2, h2)'s query, key or
+        value input reads what head (l1, h1) writes; 0 unless l1 < l2. From the static weights, computed by
+        TransformerLens' own `composition_scores`: rotary, QK-norm and DCMHA's compose are not in it (heads of one
+        layer mix through the compose: `dcinterp.composition`).
+
+        Args:
+            mode: "Q" (C = QK), "K" (C = QK^T) or "V" (C = OV).
+
+        Returns:
+            [layer, head, layer, head]: a TransformerLens 4 `CompositionScores` (a tensor that carries `head_labels`)
+            where that exists, else the tensor, as TransformerLens 3 returns.
+        """
         from transformer_lens.utilities import composition_scores
 
         if mode not in ("Q", "K", "V"):
@@ -172,11 +187,17 @@ class TransformerLensAPI:
         return [f"L{layer}H{head}" for layer in range(self.cfg.n_layers) for head in range(self.cfg.n_heads)]
 
     def tokens_to_residual_directions(self, tokens) -> Tensor:
-        """The columns of `W_U` for the tokens, as TransformerLens: [*tokens.shape, d_model].
+        """The columns of `W_U` for the tokens, as TransformerLens.
 
         Dotted with `cache.apply_ln_to_stack(...)` (the final norm applied with its weight, see
-        `dcinterp.processing.DCActivationCache`) they give each component's share of the logit; the shares add
-        up to the logit less `dcinterp.logit_offset(model)` (the final norm's bias through `W_U`, plus `b_U`).
+        `dcinterp.processing.DCActivationCache`) they give each component's share of the logit; the shares add up to the
+        logit less `dcinterp.logit_offset(model)` (the final norm's bias through `W_U`, plus `b_U`).
+
+        Args:
+            tokens: token ids, a tensor of any shape, or a string of one token.
+
+        Returns:
+            [*tokens.shape, d_model].
         """
         if isinstance(tokens, str):
             tokens = self.to_single_token(tokens)
@@ -205,13 +226,26 @@ class TransformerLensAPI:
         truncate: bool = True,
         allow_unknown: bool | None = None,
     ) -> Int[Tensor, "b p"]:
-        """Token ids [batch, pos], as TransformerLens: padded on the tokenizer's `padding_side` (or this one), cut to
-        `cfg.n_ctx` tokens (`truncate`), on the model's input device (`move_to_device`).
+        """Token ids [batch, pos], as TransformerLens.
 
-        BOS only where the tokenizer adds it itself, unless prepend_bos. Words the tokenizer does not know raise a
-        ValueError naming them (never a silent [UNK]); `allow_unknown=True` (or `model.allow_unknown_tokens = True`,
-        for code that calls to_tokens for you) turns it into one warning line. The inspection calls, `to_str_tokens`
-        and `to_string` of text, always show them as [UNK], with that warning."""
+        Words the tokenizer does not know raise a ValueError naming them (never a silent [UNK]). The inspection calls,
+        `to_str_tokens` and `to_string` of text, always show them as [UNK], with a warning.
+
+        Args:
+            input: a string or a list of strings.
+            prepend_bos: prepend BOS (None: only where the tokenizer adds it itself).
+            padding_side: "left" or "right" (None: the tokenizer's).
+            move_to_device: put the ids on the model's input device.
+            truncate: cut to `cfg.n_ctx` tokens.
+            allow_unknown: turn the error on unknown words into one warning line (None: `model.allow_unknown_tokens`,
+                for code that calls to_tokens for you).
+
+        Returns:
+            [batch, pos].
+
+        Raises:
+            ValueError: words the tokenizer does not know, named.
+        """
         ids = self._encode(input, prepend_bos, allow_unknown, "to_tokens")
         tokenizer = self.tokenizer
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -250,10 +284,16 @@ class TransformerLensAPI:
         return ids
 
     def to_string(self, tokens) -> str | list[str]:
-        """The text of token ids (a list or tensor; [batch, pos] gives one string per row), as TransformerLens.
+        """The text of token ids, as TransformerLens.
 
-        Given text (a string, or a list of strings), the text as the model reads it: words the tokenizer does not
-        know shown as [UNK], with one warning line naming them."""
+        Args:
+            tokens: ids (a list or tensor; [batch, pos] gives one string per row), or text (a string, or a list of
+                strings): then the text as the model reads it, words the tokenizer does not know shown as [UNK], with
+                one warning line naming them.
+
+        Returns:
+            A string, or one per row.
+        """
         tokenizer = self._need_tokenizer()
         if _is_text(tokens):
             texts = [tokenizer.decode(ids) for ids in self._encode(tokens, None, True, "to_string")]
@@ -269,11 +309,20 @@ class TransformerLensAPI:
     def to_str_tokens(
         self, input, prepend_bos: bool | None = None, padding_side: Literal["left", "right"] | None = None
     ) -> list[str] | list[list[str]]:
-        """One string per token, as TransformerLens: a string or 1-d ids give a list, a list gives one list per item.
+        """One string per token, as TransformerLens.
 
-        A [batch, pos] tensor (or array) gives one list per row, where TransformerLens raises; a [1, pos] one a
-        single list. `prepend_bos` and `padding_side` apply to strings only. Words the tokenizer does not know show
-        as [UNK], with one warning line naming them (`to_tokens`, which feeds the model, raises)."""
+        Words the tokenizer does not know show as [UNK], with one warning line naming them (`to_tokens`, which feeds the
+        model, raises).
+
+        Args:
+            input: a string or 1-d ids (one list), a list (one list per item), or a [batch, pos] tensor or array (one
+                list per row, where TransformerLens raises; a [1, pos] one gives a single list).
+            prepend_bos: as `to_tokens`, for strings only.
+            padding_side: as `to_tokens`, for strings only.
+
+        Returns:
+            A list of strings, or one per item.
+        """
         tokenizer = self._need_tokenizer()
         if _is_text(input):
             rows = self._encode(input, prepend_bos, True, "to_str_tokens")
@@ -300,7 +349,21 @@ class TransformerLensAPI:
         prepend_bos: bool | None = None,
         padding_side: Literal["left", "right"] | None = None,
     ) -> int:
-        """Position of a token in a string or a [pos] / [1, pos] token tensor ("first" or "last" occurrence)."""
+        """Position of a token in a string or a token tensor.
+
+        Args:
+            single_token: the token: a string of one token, or its id.
+            input: a string or a [pos] / [1, pos] token tensor.
+            mode: "first" or "last" occurrence.
+            prepend_bos: as `to_tokens`, for a string input.
+            padding_side: as `to_tokens`, for a string input.
+
+        Returns:
+            The position.
+
+        Raises:
+            ValueError: a bad shape or mode, or a token that does not occur.
+        """
         tokens = self.to_tokens(input, prepend_bos, padding_side) if isinstance(input, str) else torch.as_tensor(input)
         if tokens.ndim == 2:
             if tokens.shape[0] != 1:
@@ -316,12 +379,33 @@ class TransformerLensAPI:
         return int(positions[0] if mode == "first" else positions[-1])
 
     def to_single_str_token(self, int_token: int) -> str:
-        """The string of one token id, as TransformerLens."""
+        """The string of one token id, as TransformerLens.
+
+        Args:
+            int_token: the id.
+
+        Returns:
+            Its string.
+
+        Raises:
+            ValueError: not an int.
+        """
         if not isinstance(int_token, int):
             raise ValueError(f"to_single_str_token: an int token id, not {type(int_token).__name__}")
         return self.to_str_tokens(torch.tensor([int_token]))[0]
 
     def to_single_token(self, string: str) -> int:
+        """The id of a string that is one token, as TransformerLens.
+
+        Args:
+            string: the string.
+
+        Returns:
+            Its id.
+
+        Raises:
+            ValueError: the string is several tokens.
+        """
         ids = self.to_tokens(string)[0]
         if ids.numel() != 1:
             raise ValueError(f"{string!r} is {ids.numel()} tokens, not one")
@@ -350,17 +434,30 @@ class TransformerLensAPI:
     ) -> str | list[str] | Int[Tensor, "b p"]:
         """Continue a prompt token by token, as TransformerLens' `generate` (same arguments and defaults).
 
-        Greedy with `do_sample=False`, else sampled with TransformerLens' `sample_logits` (temperature, top-k,
-        top-p, frequency and repetition penalties). With `stop_at_eos`, a sequence that reaches an EOS token
-        (`eos_token_id`: one id or several; default the tokenizer's) is padded with EOS, and generation stops when
-        all have. A list of prompts of different lengths is padded on the left; a padded token tensor needs its
-        `attention_mask` (1 real, 0 padding). Hooks attached to the model (`with model.hooks(...)`, `add_hook`)
-        are active at every step.
+        Hooks attached to the model (`with model.hooks(...)`, `add_hook`) are active at every step. With the key-value
+        cache, a hook sees the prompt at the first step and then each new token's activations (its row of a [b, h, t, s]
+        hook). Both ways give the same tokens (docs/generation.md).
 
-        `use_past_kv_cache=True` (default): the prompt runs once and each step runs the new token alone against a
-        `DCFormerKeyValueCache` (keys, values and the key side of DCMHA's compose), so a hook sees the prompt at
-        the first step and then each new token's activations (its row of a [b, h, t, s] hook). False: every step
-        reruns the whole sequence. Both give the same tokens (docs/generation.md).
+        Args:
+            input: a string, a list of strings (of different lengths: padded on the left) or token ids [batch, pos].
+            max_new_tokens: tokens to add.
+            stop_at_eos: a sequence that reaches an EOS token is padded with EOS, and generation stops when all have.
+            eos_token_id: one id or several (None: the tokenizer's).
+            do_sample: sample with TransformerLens' `sample_logits`; False: greedy.
+            top_k: sample among the k most likely tokens.
+            top_p: sample within this much probability mass.
+            temperature: divides the logits before sampling.
+            freq_penalty: lowers the logits of tokens by how often they occurred.
+            repetition_penalty: lowers the logits of tokens that occurred.
+            use_past_kv_cache: run the prompt once, then each new token alone against a `DCFormerKeyValueCache` (keys,
+                values and the key side of DCMHA's compose); False: every step reruns the whole sequence.
+            prepend_bos: as `to_tokens`, for text input.
+            return_type: "input" (the input's kind), "str" or "tokens".
+            verbose: a progress bar.
+            attention_mask: 1 real, 0 padding [batch, pos], needed with a padded token tensor.
+
+        Returns:
+            The prompts with their continuations, as text or token ids.
         """
         from transformer_lens.utilities import sample_logits
 
@@ -439,7 +536,15 @@ class TransformerLensAPI:
 
     @classmethod
     def from_pretrained_no_processing(cls, path_or_name, **kwargs) -> "HookedDCFormer":
-        """TransformerLens' name for a load with the weights as released (what `from_pretrained` gives by default)."""
+        """TransformerLens' name for a load with the weights as released (what `from_pretrained` gives by default).
+
+        Args:
+            path_or_name: as `from_pretrained`.
+            **kwargs: `from_pretrained`'s other arguments.
+
+        Returns:
+            The model.
+        """
         for option in PROCESSING_OPTIONS:
             kwargs[option] = False
         return cls.from_pretrained(path_or_name, **kwargs)
@@ -452,7 +557,18 @@ class TransformerLensAPI:
         fold_value_biases: bool = True,
         refactor_factored_attn_matrices: bool = False,
     ):
-        """TransformerLens' weight processing, in place (`dcinterp.processing.process_weights_`); returns the model."""
+        """TransformerLens' weight processing, in place (`dcinterp.processing.process_weights_`).
+
+        Args:
+            fold_ln: as `dcinterp.processing.process_weights_`.
+            center_writing_weights: as `dcinterp.processing.process_weights_`.
+            center_unembed: as `dcinterp.processing.process_weights_`.
+            fold_value_biases: as `dcinterp.processing.process_weights_`.
+            refactor_factored_attn_matrices: as `dcinterp.processing.process_weights_`.
+
+        Returns:
+            The model.
+        """
         from .processing import process_weights_
 
         return process_weights_(

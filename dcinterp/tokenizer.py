@@ -28,7 +28,14 @@ _TOKEN_RE = re.compile(TOKEN_PATTERN)
 
 
 def split_words(text: str) -> list[str]:
-    """The pre-tokenisation in Python (the same regex the tokenizer uses)."""
+    """The pre-tokenisation in Python (the same regex the tokenizer uses).
+
+    Args:
+        text: the text.
+
+    Returns:
+        Its words and punctuation.
+    """
     return _TOKEN_RE.findall(text)
 
 
@@ -43,7 +50,14 @@ EXTRA_WORDS = (
 
 
 def lexicon_words(directory: Path | None = None) -> set[str]:
-    """Every word of the lexicon and the catalog's templates (split as the tokenizer splits)."""
+    """Every word of the lexicon and the catalog's templates (split as the tokenizer splits).
+
+    Args:
+        directory: the synthetic dataset's folder (None: the package's).
+
+    Returns:
+        The words.
+    """
     directory = Path(directory) if directory is not None else data_dir()
     texts: list[str] = []
 
@@ -97,7 +111,15 @@ def lexicon_words(directory: Path | None = None) -> set[str]:
 
 
 def build_vocab(directory: Path | None = None, extra_texts=()) -> list[str]:
-    """The sorted vocabulary (special tokens first), deterministic for a given lexicon."""
+    """The sorted vocabulary (special tokens first), deterministic for a given lexicon.
+
+    Args:
+        directory: the synthetic dataset's folder (None: the package's).
+        extra_texts: more texts whose words join the vocabulary.
+
+    Returns:
+        The vocabulary.
+    """
     words = lexicon_words(directory)
     words |= set(string.punctuation)
     words |= set(string.digits)
@@ -111,7 +133,15 @@ def build_vocab(directory: Path | None = None, extra_texts=()) -> list[str]:
 
 
 def build_tokenizer(directory: Path | None = None, extra_texts=()):
-    """The word-level tokenizer wrapped as a `transformers.PreTrainedTokenizerFast`."""
+    """The word-level tokenizer wrapped as a `transformers.PreTrainedTokenizerFast`.
+
+    Args:
+        directory: the synthetic dataset's folder (None: the package's).
+        extra_texts: more texts whose words join the vocabulary.
+
+    Returns:
+        The tokenizer.
+    """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -135,13 +165,28 @@ def build_tokenizer(directory: Path | None = None, extra_texts=()):
 
 
 def released_texts(directory: Path | None = None) -> list[str]:
-    """The `texts` of the released synthetic_dataset.jsonl (888 samples), bracketed as released."""
+    """The `texts` of the released synthetic_dataset.jsonl, bracketed as released.
+
+    Args:
+        directory: the synthetic dataset's folder (None: the package's).
+
+    Returns:
+        The texts.
+    """
     directory = Path(directory) if directory is not None else data_dir()
     return [record["texts"] for record in read_jsonl(directory / "synthetic_dataset.jsonl")]
 
 
 def unknown_words(tokenizer, texts) -> dict[str, int]:
-    """Pieces of `texts` that map to [UNK], with counts (empty when the tokenizer covers them)."""
+    """Pieces of `texts` that map to [UNK], with counts (empty when the tokenizer covers them).
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        texts: a string or several.
+
+    Returns:
+        {piece: count}.
+    """
     unk = tokenizer.unk_token_id
     found: dict[str, int] = {}
     for text in texts:
@@ -153,8 +198,18 @@ def unknown_words(tokenizer, texts) -> dict[str, int]:
 
 
 def check_vocabulary(tokenizer, texts, name: str = "text") -> None:
-    """A ValueError naming the words of `texts` (a string or several) that the tokenizer maps to its unknown
-    token, instead of letting them silently become [UNK]. Byte-level BPE tokenizers have none: always passes."""
+    """Refuse words that the tokenizer maps to its unknown token, instead of letting them silently become [UNK].
+
+    Byte-level BPE tokenizers have none: always passes.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        texts: a string or several.
+        name: the argument named in the error.
+
+    Raises:
+        ValueError: naming the unknown words.
+    """
     if tokenizer.unk_token_id is None:
         return
     unknown = unknown_words(tokenizer, [texts] if isinstance(texts, str) else texts)

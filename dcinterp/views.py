@@ -29,7 +29,16 @@ NEGATIVE_COLOR, POSITIVE_COLOR = "#2166ac", "#b2182b"  # ends of a diverging blu
 def layer_patterns(
     model: HookedDCFormer, tokens: Int[Tensor, "1 pos"], layer: int
 ) -> dict[str, Float[Tensor, "head query key"]]:
-    """The layer's pattern before post-compose and, for DCMHA, after it, for one prompt (float32, CPU)."""
+    """The layer's pattern before post-compose and, for DCMHA, after it, for one prompt (float32, CPU).
+
+    Args:
+        model: the model.
+        tokens: one prompt [1, pos].
+        layer: the layer.
+
+    Returns:
+        Each pattern [head, query, key], by name.
+    """
     attn = f"blocks.{layer}.attn"
     names = {"pattern": f"{attn}.hook_pattern"}
     if model.cfg.use_dcmha:
@@ -66,9 +75,20 @@ def _heads_view(element_id: str, pattern: Tensor, tokens: list[str], signed: boo
 def attention_page(
     model: HookedDCFormer, prompt: str | Int[Tensor, " pos"], layer: int, str_tokens: list[str] | None = None
 ) -> str:
-    """The HTML of one layer's attention page for one prompt (text, or token ids [pos] / [1, pos]).
+    """The HTML of one layer's attention page for one prompt.
 
-    The axes are labelled with the prompt's tokens, or with `str_tokens` (one label per token) when given."""
+    Args:
+        model: the model.
+        prompt: text, or token ids [pos] / [1, pos].
+        layer: the layer.
+        str_tokens: one axis label per token (None: the prompt's tokens).
+
+    Returns:
+        The page's HTML.
+
+    Raises:
+        ValueError: a layer out of range, or as many labels as tokens not given.
+    """
     if not 0 <= layer < model.cfg.n_layers:
         raise ValueError(f"layer: {layer} is not a layer of this model (0..{model.cfg.n_layers - 1})")
     tokens = model.to_tokens(prompt) if isinstance(prompt, str) else torch.as_tensor(prompt).reshape(1, -1)
@@ -127,7 +147,18 @@ Hover a head to zoom on it, click to lock it.</p>
 def write_attention_page(
     model: HookedDCFormer, prompt: str | Int[Tensor, " pos"], layer: int, path, str_tokens: list[str] | None = None
 ) -> Path:
-    """Write `attention_page` to `path` (a self-contained .html file) and return the path."""
+    """Write `attention_page` to `path`, a self-contained .html file.
+
+    Args:
+        model: as `attention_page`.
+        prompt: as `attention_page`.
+        layer: as `attention_page`.
+        path: the file.
+        str_tokens: as `attention_page`.
+
+    Returns:
+        The path.
+    """
     page = attention_page(model, prompt, layer, str_tokens)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,8 @@ the reference would run them together. This rewrites, for rendering only (the so
 - lines indented by four spaces right after a sentence (equations, commands) become a code block;
 - an unindented sentence right after a list or a code block gets a blank line before it, so that it does not join
   the last item.
-Indented lines (code blocks, continuations of an item) are left as they are.
+Indented lines (code blocks, continuations of an item) are left as they are, and so are Google-style sections
+(`Args:`, `Returns:`, `Raises:`, ... and their indented entries), which mkdocstrings renders as tables.
 """
 
 from __future__ import annotations
@@ -20,11 +21,21 @@ import griffe
 
 ARGUMENT = re.compile(r"^([a-z_][a-z0-9_]*(?:, [a-z_][a-z0-9_]*)*): (\S.*)$")
 BULLET = re.compile(r"^[-*] \S")
+SECTION = re.compile(r"^(Args|Arguments|Parameters|Attributes|Returns|Yields|Raises|Warns|Examples?):\s*$")
 
 
 def markdown_lists(text: str) -> str:
-    lines, out, in_list, in_code = text.split("\n"), [], False, False
+    lines, out, in_list, in_code, in_section = text.split("\n"), [], False, False, False
     for i, line in enumerate(lines):
+        if SECTION.match(line):
+            in_section, in_list, in_code = True, False, False
+        elif in_section and (not line.strip() or line.startswith(" ")):
+            pass
+        else:
+            in_section = False
+        if in_section:
+            out.append(line)
+            continue
         argument = ARGUMENT.match(line)
         starts_item = bool(BULLET.match(line)) or (argument is not None and (in_list or _next_is_argument(lines, i)))
         blank_before = False
