@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from dcinterp.study import paired_bootstrap_interval, paired_permutation_p, read_runs, write_summary
-from dcinterp.train import main
+from dcinterp.train.__main__ import main
 
 FIXTURE = Path(__file__).parent / "fixtures" / "study_runs"
 PAIRED_SEEDS = (0, 1, 2)
@@ -216,7 +216,7 @@ def test_summarize_help_is_fast():
     import sys
 
     script = (
-        "import sys; from dcinterp.train import main\n"
+        "import sys; from dcinterp.train.__main__ import main\n"
         "try:\n    main(['summarize', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
         "print('torch' in sys.modules)"
     )
