@@ -158,8 +158,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="torch.compile the model: about 10 minutes of compilation on a busy 2-core CPU, then steps about a "
-        "quarter faster; pays for runs of thousands of steps (the float results differ slightly from eager)",
+        help="torch.compile the model: minutes of compilation, then faster steps; pays for runs of thousands of "
+        "steps (docs/training.md; the float results differ slightly from eager)",
     )
     p.add_argument("--max-minutes", type=float, default=None)
     p.add_argument("--no-eval", action="store_true", help="skip the accuracy evaluation after training")
