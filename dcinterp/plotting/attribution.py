@@ -39,8 +39,6 @@ def _symlog_ticks(limit: float, linthresh: float) -> list[float]:
     return [-v for v in reversed(positive)] + [0.0] + positive
 
 
-# --------------------------------------------------------------------------------------------------
-# Attribution
 def plot_head_attribution(
     scores: HeadAttribution | torch.Tensor,
     top_k: int = 3,

@@ -50,8 +50,6 @@ from .recipe import (
 )
 
 
-# --------------------------------------------------------------------------------------------------
-# Command line
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line's settings (`python -m dcinterp.train --help`), the recipe's defaults as its defaults.
 

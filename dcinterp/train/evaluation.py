@@ -15,8 +15,6 @@ if TYPE_CHECKING:
     from ..model import HookedDCFormer
 
 
-# --------------------------------------------------------------------------------------------------
-# Evaluation (dcinterp.synth.evaluate)
 def probe_accuracy(model: HookedDCFormer, records: list[dict]) -> float:
     """The accuracy logged every `eval_every` steps; the model is left in train mode.
 
