@@ -74,7 +74,7 @@ import pandas as pd
 import scipy.stats
 
 from .cli import Parser, check_writable_dir
-from .train import DEFAULT_RECORD, split_tasks  # DEFAULT_RECORD: a setting added since a run was trained
+from .train.recipe import DEFAULT_RECORD, split_tasks  # DEFAULT_RECORD: a setting added since a run was trained
 
 if TYPE_CHECKING:
     from .circuits import HeadDiversity

@@ -74,9 +74,6 @@ LAYERS: dict[str, tuple[str, ...]] = {
 PENDING_HELPER_A = {  # dcmha stops importing memory (free_memory moves to devices)
     ("dcinterp.dcmha", "dcinterp.memory"),
 }
-PENDING_HELPER_C = {  # train stops importing study (the circle train <-> study)
-    ("dcinterp.train", "dcinterp.study"),
-}
 
 
 def module_name(path: Path) -> str:
@@ -163,7 +160,7 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def pending(importer: str, imported: str) -> bool:
-    return (importer, imported) in PENDING_HELPER_A | PENDING_HELPER_C
+    return (importer, imported) in PENDING_HELPER_A
 
 
 def test_every_module_has_a_layer_and_imports_only_from_its_layer_and_below():

@@ -443,7 +443,7 @@ def test_qk_figure_of_plain_mha_has_no_branch_panel():
     fig = plotting.plot_qk_attribution(qk.pair_table(), qk.head_branch_table(), qk.component_table(), label="score")
     check(fig, "qk_mha", ["query component i"])
     assert not any("branch" in ax.get_xlabel() for ax in fig.axes)
-    assert not plotting._composes(qk.head_branch_table())
+    assert not plotting.qk._composes(qk.head_branch_table())
 
 
 def test_synth_qk_figure_titles_say_positions_in_words():

@@ -24,7 +24,7 @@ from dcinterp.study import (
     t_interval,
     write_summary,
 )
-from dcinterp.train import main
+from dcinterp.train.__main__ import main
 
 FIXTURE = Path(__file__).parent / "fixtures" / "study_runs"
 PAIRED_SEEDS = (0, 1, 2)
@@ -280,7 +280,7 @@ def test_summarize_help_is_fast():
     import sys
 
     script = (
-        "import sys; from dcinterp.train import main\n"
+        "import sys; from dcinterp.train.__main__ import main\n"
         "try:\n    main(['summarize', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
         "print('torch' in sys.modules)"
     )

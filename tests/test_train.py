@@ -296,7 +296,7 @@ def test_trainer_on_a_task_subset_logs_the_probe_accuracy():
 
 
 def test_train_cli_rejects_an_unknown_task(capsys):
-    from dcinterp.train import main
+    from dcinterp.train.__main__ import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--tasks", "task10,task99", "--steps", "1", "--out", "/nonexistent"])
@@ -307,7 +307,7 @@ def test_train_cli_rejects_an_unknown_task(capsys):
 
 @pytest.mark.parametrize("combos", ["same-person:nothing", "same-person", "odd-one-out:prev"])
 def test_train_cli_rejects_bad_excluded_combos(capsys, tmp_path, combos):
-    from dcinterp.train import main
+    from dcinterp.train.__main__ import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--exclude-combos", combos, "--steps", "1", "--out", str(tmp_path / "runs")])
@@ -327,7 +327,7 @@ def test_train_cli_rejects_bad_excluded_combos(capsys, tmp_path, combos):
     ],
 )
 def test_train_cli_rejects_bad_settings_before_writing(capsys, tmp_path, args, named):
-    from dcinterp.train import main
+    from dcinterp.train.__main__ import main
 
     with pytest.raises(SystemExit) as exit_info:
         main([*args, "--steps", "1", "--out", str(tmp_path / "runs")])
@@ -352,7 +352,7 @@ def test_train_cli_rejects_bad_settings_before_writing(capsys, tmp_path, args, n
     ],
 )
 def test_train_cli_rejects_bad_focus_stages_before_writing(capsys, tmp_path, args, named):
-    from dcinterp.train import main
+    from dcinterp.train.__main__ import main
 
     with pytest.raises(SystemExit) as exit_info:
         main([*args, "--steps", "1", "--out", str(tmp_path / "runs")])
@@ -373,7 +373,7 @@ def test_train_cli_rejects_bad_focus_stages_before_writing(capsys, tmp_path, arg
 )
 def test_train_cli_rejects_a_folder_it_cannot_write_before_training(capsys, tmp_path, args, named):
     """Checked before the first step: a model is never trained for minutes and then lost at its save."""
-    from dcinterp.train import main
+    from dcinterp.train.__main__ import main
 
     (tmp_path / "a-file").write_text("")
     where = {"file": str(tmp_path / "a-file"), "tmp": str(tmp_path)}
@@ -386,7 +386,7 @@ def test_train_cli_rejects_a_folder_it_cannot_write_before_training(capsys, tmp_
 
 
 def test_focus_stages_take_task_ids_as_tasks_does():
-    from dcinterp.train import config_from_args, parse_args
+    from dcinterp.train.__main__ import config_from_args, parse_args
 
     args = parse_args(["--focus-stages", "14,task15@0.3; 12-13@.35"])
     cfg = config_from_args(args, "dcmha", [], ["task10", "task11"])
@@ -395,7 +395,7 @@ def test_focus_stages_take_task_ids_as_tasks_does():
 
 
 def test_train_cli_defaults_are_the_train_config_defaults(capsys, tmp_path):
-    from dcinterp.train import config_from_args, main, parse_args
+    from dcinterp.train.__main__ import config_from_args, main, parse_args
 
     args = parse_args([])
     assert config_from_args(args, "dcmha", [], list(TrainConfig().focus_tasks)) == TrainConfig()

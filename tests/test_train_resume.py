@@ -19,12 +19,11 @@ from dcinterp.train import (
     ResumeError,
     RunInterrupted,
     TrainConfig,
-    main,
-    parse_seeds,
     save_checkpoint,
     stop_requests,
     train,
 )
+from dcinterp.train.__main__ import main, parse_seeds
 
 # Small enough for seconds, and every piece of state in play: chunks of 3 samples (one per task) drawn across
 # batches of 4, length buckets of 2 batches (a stop can fall with a bucket half used), the compact-facts share

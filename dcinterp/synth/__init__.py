@@ -12,9 +12,6 @@ JSON-lines format), ``check`` and ``contrast``. Scoring a model on it: ``evaluat
 that run models on it (``eval``, ``ablate``, ``circuit``, ``qk``, ``attribute``): ``dcinterp.synth.commands``.
 """
 
-import sys
-
-from . import generator
 from .catalog import (
     Catalog,
     CatalogError,
@@ -59,7 +56,3 @@ __all__ = [
     "unbracket",
     "write_jsonl",
 ]
-
-# PENDING_HELPER_C: train.py imports `dcinterp.synth.generate` (now `generator`) by its old name. The alias keeps
-# that import working without a module file of that name, so that `dcinterp.synth.generate` stays the function.
-sys.modules.setdefault(f"{__name__}.generate", generator)
