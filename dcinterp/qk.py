@@ -674,10 +674,10 @@ def qk_contrast(
 
     Args:
         model: the model.
-        tokens: one prompt [pos] or a batch [batch, pos].
-        layer: the layer.
-        head: the target head.
-        query_pos: the query position or word.
+        tokens: the prompt [pos], or a batch [batch, pos] of which `batch_index` picks one.
+        layer: the head's layer.
+        head: the head whose two scores are compared.
+        query_pos: the query, a position or word.
         key_pos: the key s, a position or word.
         other_key_pos: the key s', a position or word.
         batch_index: the prompt of a batch.
