@@ -183,7 +183,7 @@ def read_runs(runs_dir: Path) -> tuple[list[RunResult], list[str]]:
     """The finished runs under a folder, checked to be one recipe.
 
     Args:
-        runs_dir: the study's folder (RUNS_DIR/seed<N>/<name>/recipe.json).
+        runs_dir: the study's folder, holding `RUNS_DIR/seed<N>/<name>/recipe.json`.
 
     Returns:
         (the finished runs, the lines saying which were left out and why).
