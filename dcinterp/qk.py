@@ -274,12 +274,32 @@ def _component_frame(query: Tensor, key: Tensor, components: list[str]) -> pd.Da
 class QKAttribution:
     """Head `head`'s composed score at (query_pos, s), for each s in key_pos, as a sum of terms (module docstring).
 
-    `terms`: one row per term, columns key_pos, query_component, key_component, source_head, branch, value; past
-    `max_terms` the largest terms and one `rest` row per key (source_head `<NA>`). Its values add up, per key, to
-    `composed` (the model's `hook_composed_scores`, or `hook_attn_scores` for plain MHA): `gap`.
-    `loadings`: the post-compose head loadings, one row per (key_pos, source_head, branch): pattern P_n[t, s],
-    weight W'_b[n, head], value = weight x pattern, adding up to `composed_pattern`; each source head's own score
-    is `qk_attribution(model, tokens, layer, source_head, ...)`.
+    The values of `terms` add up, per key, to `composed`, up to `gap`. Each source head's own score in `loadings` is
+    `qk_attribution(model, tokens, layer, source_head, ...)`.
+
+    Attributes:
+        layer: the layer.
+        head: the target head m.
+        query_pos: the query position t.
+        key_pos: the key positions s.
+        components: the residual components' names (`embed`, `L{l}H{h}`, `MLP{l}`, `bias`).
+        branches: the pre-compose branches (`skip`, `qp`, `kp`, `qg`, `kg`; `skip` alone for plain MHA).
+        composed: the model's score at each key, `hook_composed_scores` (`hook_attn_scores` for plain MHA), in
+            float32 [key].
+        terms: one row per term, columns key_pos, query_component, key_component, source_head, branch, value; past
+            `max_terms` the largest terms and one `rest` row per key (source_head `<NA>`).
+        pairs: the terms summed over source heads and branches [key, component, component].
+        head_branch: the terms summed over components [key, branch, head].
+        query_marginal: a query component's terms, per source head [key, head, component].
+        key_marginal: a key component's terms, per source head [key, head, component].
+        totals: the float64 sum of every term, before any top-k [key].
+        loadings: the post-compose head loadings, one row per (key_pos, source_head, branch): pattern P_n[t, s],
+            weight W'_b[n, head], value = weight x pattern, adding up to `composed_pattern`.
+        composed_pattern: `hook_composed_pattern` (`hook_pattern` for plain MHA) at each key [key].
+        complete: every term is a row of `terms`.
+        scale: the largest |score| of the head over the query's visible keys.
+        tokens: the prompt [pos].
+        str_tokens: the prompt's tokens as text, where the model has a tokenizer.
     """
 
     layer: int
@@ -288,18 +308,18 @@ class QKAttribution:
     key_pos: list[int]
     components: list[str]
     branches: list[str]
-    composed: Float[Tensor, " key"]  # the model's score at each key (float32)
+    composed: Float[Tensor, " key"]
     terms: pd.DataFrame
-    pairs: Float[Tensor, "key component component"]  # summed over source heads and branches
-    head_branch: Float[Tensor, "key branch head"]  # summed over components
-    query_marginal: Float[Tensor, "key head component"]  # a query component's terms, per source head
+    pairs: Float[Tensor, "key component component"]
+    head_branch: Float[Tensor, "key branch head"]
+    query_marginal: Float[Tensor, "key head component"]
     key_marginal: Float[Tensor, "key head component"]
-    totals: Float[Tensor, " key"]  # float64 sum of every term, before any top-k
+    totals: Float[Tensor, " key"]
     loadings: pd.DataFrame
-    composed_pattern: Float[Tensor, " key"]  # hook_composed_pattern (hook_pattern for MHA)
-    complete: bool  # every term is a row of `terms`
-    scale: float  # the largest |score| of the head over the query's visible keys
-    tokens: Int[Tensor, " pos"]  # the prompt
+    composed_pattern: Float[Tensor, " key"]
+    complete: bool
+    scale: float
+    tokens: Int[Tensor, " pos"]
     str_tokens: list[str] | None = field(default=None, repr=False)
 
     def key_index(self, key_pos: int | None) -> int:
@@ -351,25 +371,54 @@ class QKAttribution:
         )
 
     def pair_table(self, key_pos: int | None = None, top: int | None = None) -> pd.DataFrame:
-        """[query component x key component] at one key, summed over source heads and branches (exact, every
-        pair; `top`: the `top` rows and columns with the largest |sums|)."""
+        """[query component x key component] at one key, summed over source heads and branches (exact, every pair).
+
+        Args:
+            key_pos: one of `key_pos`; None where the attribution has a single key.
+            top: keep the `top` rows and columns with the largest |sums|; None: all.
+
+        Returns:
+            The table, query components as rows.
+        """
         return _pair_frame(self.pairs[self.key_index(key_pos)], self.components, top)
 
     def head_branch_table(self, key_pos: int | None = None) -> pd.DataFrame:
-        """[source head x branch] at one key, summed over components: W_b[n, head] * S_n[t, s]."""
+        """[source head x branch] at one key, summed over components: W_b[n, head] * S_n[t, s].
+
+        Args:
+            key_pos: one of `key_pos`; None where the attribution has a single key.
+
+        Returns:
+            The table, source heads as rows.
+        """
         table = self.head_branch[self.key_index(key_pos)].T
         return _frame_table(table, list(range(table.shape[0])), self.branches, "source_head", "branch")
 
     def component_table(self, key_pos: int | None = None, source_head: int | None = None) -> pd.DataFrame:
-        """Each component's terms summed on the query side and on the key side (through every source head, or
-        one), at one key."""
+        """Each component's terms summed on the query side and on the key side, at one key.
+
+        Args:
+            key_pos: one of `key_pos`; None where the attribution has a single key.
+            source_head: sum through this source head only; None: through every one.
+
+        Returns:
+            One row per component: component, query, key.
+        """
         k = self.key_index(key_pos)
         heads = slice(None) if source_head is None else slice(source_head, source_head + 1)
         query, key = self.query_marginal[k, heads].sum(0), self.key_marginal[k, heads].sum(0)
         return _component_frame(query, key, self.components)
 
     def top_terms(self, k: int = 10, key_pos: int | None = None) -> pd.DataFrame:
-        """The k terms with the largest |value| (of one key, or of all)."""
+        """The k terms with the largest |value|, `rest` rows left out.
+
+        Args:
+            k: how many terms.
+            key_pos: the terms of this key only; None: of every key.
+
+        Returns:
+            The rows of `terms`, largest |value| first.
+        """
         terms = self.terms if key_pos is None else self.terms[self.terms["key_pos"] == key_pos]
         terms = terms[terms["branch"] != REST]
         return terms.reindex(terms["value"].abs().sort_values(ascending=False).index).head(k)
@@ -418,13 +467,28 @@ def qk_attribution(
     batch_index: int = 0,
     max_terms: int = MAX_TERMS,
 ) -> QKAttribution:
-    """Head `head`'s composed score in `layer` from `query_pos` to each key of `key_pos`, as a sum of terms
-    (query component, key component, source head, branch), in float32 on the CPU.
+    """Head `head`'s composed score from `query_pos` to each key of `key_pos`, as a sum of terms.
 
-    Positions are integers (negative from the end) or words (the last piece of the word's last occurrence);
-    `key_pos` one, several, or None for every key the query sees in this layer. `tokens`: one prompt [pos] or a
-    batch (`batch_index` picks the prompt). Only layers 0..layer run. A key the query does not see (later, or
-    outside a local window) is a ValueError.
+    A term is one (query component, key component, source head, branch), in float32 on the CPU. Positions are
+    integers (negative from the end) or words (the last piece of the word's last occurrence). Only layers 0..layer
+    run.
+
+    Args:
+        model: the model.
+        tokens: one prompt [pos] or a batch [batch, pos].
+        layer: the layer.
+        head: the target head.
+        query_pos: the query position or word.
+        key_pos: one key position or word, several, or None for every key the query sees in this layer.
+        batch_index: the prompt of a batch.
+        max_terms: rows of `terms` at most; past it the largest terms and one `rest` row per key.
+
+    Returns:
+        The attribution.
+
+    Raises:
+        ValueError: a layer, head, position or word out of range, a key the query does not see (later, or outside a
+            local window), `max_terms` not above the number of keys, or too many keys for the tables.
     """
     layer, head = check_layer(model, layer), check_head(model, head)
     prompt = single_prompt(model, tokens, batch_index)
@@ -486,8 +550,27 @@ class QKContrast:
     """Why head `head` scores key_pos above other_key_pos: difference = A'[t, s] - A'[t, s'] as a sum of terms.
 
     A term is value(i, j, n, b) at s minus the same term at s': the query side is the same, the key side and the
-    key-side weights (kp, kg) change. `terms` has the columns of `QKAttribution.terms` (key_pos = s) and
-    other_key_pos; its values add up to `difference`.
+    key-side weights (kp, kg) change.
+
+    Attributes:
+        layer: the layer.
+        head: the target head m.
+        query_pos: the query position t.
+        key_pos: the key s.
+        other_key_pos: the key s'.
+        components: the residual components' names.
+        branches: the pre-compose branches.
+        difference: the model's composed score at s minus at s'.
+        terms: the columns of `QKAttribution.terms` (key_pos = s) and other_key_pos; its values add up to
+            `difference`.
+        pairs: the terms summed over source heads and branches [component, component].
+        head_branch: the terms summed over components [branch, head].
+        query_marginal: a query component's terms, per source head [head, component].
+        key_marginal: a key component's terms, per source head [head, component].
+        total: the float64 sum of every term.
+        complete: every term is a row of `terms`.
+        scale: the largest |score| of the head over the query's visible keys.
+        str_tokens: the prompt's tokens as text, where the model has a tokenizer.
     """
 
     layer: int
@@ -497,13 +580,13 @@ class QKContrast:
     other_key_pos: int
     components: list[str]
     branches: list[str]
-    difference: float  # the model's composed score at s minus at s'
+    difference: float
     terms: pd.DataFrame
     pairs: Float[Tensor, "component component"]
     head_branch: Float[Tensor, "branch head"]
     query_marginal: Float[Tensor, "head component"]
     key_marginal: Float[Tensor, "head component"]
-    total: float  # float64 sum of every term
+    total: float
     complete: bool
     scale: float
     str_tokens: list[str] | None = field(default=None, repr=False)
@@ -521,18 +604,43 @@ class QKContrast:
         return abs(self.gap) / self.scale
 
     def pair_table(self, top: int | None = None) -> pd.DataFrame:
+        """[query component x key component], summed over source heads and branches.
+
+        Args:
+            top: keep the `top` rows and columns with the largest |sums|; None: all.
+
+        Returns:
+            The table, query components as rows.
+        """
         return _pair_frame(self.pairs, self.components, top)
 
     def head_branch_table(self) -> pd.DataFrame:
+        """[source head x branch], summed over components."""
         return _frame_table(
             self.head_branch.T, list(range(self.head_branch.shape[1])), self.branches, "source_head", "branch"
         )
 
     def component_table(self, source_head: int | None = None) -> pd.DataFrame:
+        """Each component's terms summed on the query side and on the key side.
+
+        Args:
+            source_head: sum through this source head only; None: through every one.
+
+        Returns:
+            One row per component: component, query, key.
+        """
         heads = slice(None) if source_head is None else slice(source_head, source_head + 1)
         return _component_frame(self.query_marginal[heads].sum(0), self.key_marginal[heads].sum(0), self.components)
 
     def top_terms(self, k: int = 10) -> pd.DataFrame:
+        """The k terms with the largest |value|, `rest` rows left out.
+
+        Args:
+            k: how many terms.
+
+        Returns:
+            The rows of `terms`, largest |value| first.
+        """
         terms = self.terms[self.terms["branch"] != REST]
         return terms.reindex(terms["value"].abs().sort_values(ascending=False).index).head(k)
 
@@ -559,9 +667,28 @@ def qk_contrast(
     batch_index: int = 0,
     max_terms: int = MAX_TERMS,
 ) -> QKContrast:
-    """Why `head` attends to key_pos rather than other_key_pos from query_pos: the difference of the two composed
-    scores (what moves the softmax between them) as a sum of terms, float32 on the CPU. Arguments as
-    `qk_attribution`, with one key each."""
+    """Why `head` attends to key_pos rather than other_key_pos from query_pos.
+
+    The difference of the two composed scores (what moves the softmax between them) as a sum of terms, float32 on
+    the CPU.
+
+    Args:
+        model: the model.
+        tokens: the prompt [pos], or a batch [batch, pos] of which `batch_index` picks one.
+        layer: the head's layer.
+        head: the head whose two scores are compared.
+        query_pos: the query, a position or word.
+        key_pos: the key s, a position or word.
+        other_key_pos: the key s', a position or word.
+        batch_index: the prompt of a batch.
+        max_terms: rows of `terms` at most; past it the largest terms and one `rest` row.
+
+    Returns:
+        The contrast.
+
+    Raises:
+        ValueError: as `qk_attribution`, a key that is not one position, or the same key twice.
+    """
     layer, head = check_layer(model, layer), check_head(model, head)
     prompt = single_prompt(model, tokens, batch_index)
     t = prompt_position(model, prompt, query_pos, "query_pos")
@@ -616,12 +743,22 @@ SIDES = ("query", "key")
 class QKCheck:
     """One component removed from the query (or key) input of one source head (or all), at one (t, s).
 
-    Every number is the score lost, clean - ablated, of head `head`'s composed score at (query_pos, key_pos):
-    `estimate` is the component's terms (what removing it must take away when nothing else moves); `frozen` is
-    measured with ln1's scale, the QK-norm's scale and the dynamic weights held at the clean run's values (equal to
-    the estimate up to rounding); `norms` with both norms recomputed (the weights still frozen: the split input
-    reaches q or k alone); `weights` (DCMHA only) with the component also removed from what the compose's dynamic
-    weights read at that position, so the weights move too.
+    Every number is the score lost, clean - ablated, of head `head`'s composed score at (query_pos, key_pos).
+
+    Attributes:
+        layer: the layer.
+        head: the target head.
+        query_pos: the query position t.
+        key_pos: the key position s.
+        component: the component removed.
+        side: "query" or "key".
+        source_head: the source head whose input loses the component; None: every source head's.
+        estimate: the component's terms: what removing it must take away when nothing else moves.
+        frozen: measured with ln1's scale, the QK-norm's scale and the dynamic weights held at the clean run's values
+            (equal to the estimate up to rounding).
+        norms: measured with both norms recomputed (the weights still frozen: the split input reaches q or k alone).
+        weights: DCMHA only: with the component also removed from what the compose's dynamic weights read at that
+            position, so the weights move too; None for plain MHA.
     """
 
     layer: int
@@ -630,7 +767,7 @@ class QKCheck:
     key_pos: int
     component: str
     side: str
-    source_head: int | None  # None: every source head's input
+    source_head: int | None
     estimate: float
     frozen: float
     norms: float
@@ -649,10 +786,25 @@ def check_terms(
     source_head: int | None = None,
     key_pos: int | None = None,
 ) -> QKCheck:
-    """Remove `component` from `source_head`'s (None: every head's) `side` ("query" or "key") input, through the
-    split q/k inputs (`hook_q_input` / `hook_k_input`), and compare the change of the composed score with the
-    component's terms in `attribution` (run on this model). Six forwards of layers 0..layer (five for plain MHA);
-    `causal_checks` shares the clean ones between checks."""
+    """Removes a component from a head's query or key input and compares the change with its terms.
+
+    The removal goes through the split q/k inputs (`hook_q_input` / `hook_k_input`). Six forwards of layers
+    0..layer (five for plain MHA); `causal_checks` shares the clean ones between checks.
+
+    Args:
+        model: the model `attribution` was run on.
+        attribution: from `qk_attribution`.
+        component: a residual component of the layer (not `bias`).
+        side: "query" or "key".
+        source_head: the source head whose input loses the component; None: every head's.
+        key_pos: one of the attribution's keys; None where it has a single key.
+
+    Returns:
+        The check.
+
+    Raises:
+        ValueError: an unknown side, component or key, `bias`, or a source head out of range.
+    """
     _check_arguments(model, attribution, component, side, source_head)
     attribution.key_index(key_pos)
     return _Checker(model, attribution, key_pos).check(component, side, source_head)
@@ -712,10 +864,25 @@ def causal_checks(
     key_pos: int | None = None,
     checks: list[tuple[str, str, int | None]] | None = None,
 ) -> pd.DataFrame:
-    """`check_terms` at one key for each (component, side, source_head) of `checks`; by default, the k components
-    with the largest |terms| on each side (through every source head; `bias` left out) and, in a DCMHA model, for
-    the largest single term, its two components through its source head alone. One row per check (the fields of
-    `QKCheck`)."""
+    """`check_terms` at one key for each (component, side, source_head) of `checks`.
+
+    Every argument is checked before the first forward.
+
+    Args:
+        model: the model `attribution` was run on.
+        attribution: from `qk_attribution`.
+        k: by default, the k components with the largest |terms| on each side, through every source head (`bias`
+            left out), and, in a DCMHA model, for the largest single term, its two components through its source head
+            alone.
+        key_pos: one of the attribution's keys; None where it has a single key.
+        checks: (component, side, source_head) triples; None: the default above.
+
+    Returns:
+        One row per check, the fields of `QKCheck`.
+
+    Raises:
+        ValueError: as `check_terms`.
+    """
     index = attribution.key_index(key_pos)
     s = attribution.key_pos[index]
     if checks is None:

@@ -55,10 +55,16 @@ STAGE_INPUT = {"pre": "scores", "post": "pattern"}
 def quadrature(n_steps: int, method: str, from_zero: bool = False) -> tuple[Tensor, Tensor]:
     """(alphas, weights) on [0, 1]: Gauss-Legendre nodes for "ig", the single point 1 for "linear".
 
-    from_zero: the path starts at the zero input, where w_q1 / w_k1 (RMS-normalised over heads, eps 1e-6) jump
-    from 0 to unit scale within alpha ~ 1e-3; the nodes are then alpha = u^3 (Gauss-Legendre in u, weights
-    3 u^2 du), which puts them where the jump is (w_k1's completeness gap on a tiny model at 64 nodes: 3.5e-2
-    without, below 1e-5 with)."""
+    Args:
+        n_steps: the Gauss-Legendre nodes ("ig").
+        method: "ig" or "linear".
+        from_zero: the path starts at the zero input, where w_q1 / w_k1 (RMS-normalised over heads, eps 1e-6) jump
+            from 0 to unit scale within alpha ~ 1e-3; the nodes are then alpha = u^3 (Gauss-Legendre in u, weights
+            3 u^2 du), which puts them where the jump is, so that the sum stays complete.
+
+    Returns:
+        The nodes alpha [step] and their weights [step], float32.
+    """
     if method == "linear":
         return torch.ones(1), torch.ones(1)
     nodes, weights = np.polynomial.legendre.leggauss(n_steps)
@@ -157,12 +163,25 @@ def _attribute_side(
 class WeightAttribution:
     """A stage's dynamic weights at (query_pos, key_pos), and head `head`'s compose value, by component.
 
-    `target` = sum_n A_n (W[n, head] - [n = head]) at the run, with the stage input A frozen: the composed value
-    less the skip connection. `scores`: one row per component, its share of `target` through the query-side weights
-    ("query") and through the key-side ones ("key"); they add up to target - baseline_value, up to `delta` (the
-    quadrature for "ig"; for "linear", what the linearisation misses). `weights[name]` [component, ...]: each
-    weight's attribution (qw1, qw2 [component, rank, head]; qg [component, head]; kw1, kw2, kg at the key), adding
-    up to `weight_values[name]` - `weight_baselines[name]` for "ig".
+    Attributes:
+        layer: the layer.
+        head: the target head m.
+        query_pos: the query position t.
+        key_pos: the key position s.
+        stage: "pre" or "post".
+        method: "ig" or "linear".
+        n_steps: the quadrature's nodes (1 for "linear").
+        components: the residual components' names.
+        target: sum_n A_n (W[n, head] - [n = head]) at the run, with the stage input A frozen: the composed value
+            less the skip connection.
+        baseline_value: the same at the baseline (the zero normed input).
+        scores: one row per component, its share of `target` through the query-side weights ("query") and through
+            the key-side ones ("key"); they add up to target - baseline_value, up to `delta` (the quadrature for
+            "ig"; for "linear", what the linearisation misses).
+        weights: each weight's attribution by name: qw1, qw2 [component, rank, head]; qg [component, head]; kw1,
+            kw2, kg at the key; adding up to `weight_values[name]` - `weight_baselines[name]` for "ig".
+        weight_values: each weight at the run.
+        weight_baselines: each weight at the baseline.
     """
 
     layer: int
@@ -213,8 +232,29 @@ def weight_attribution(
     n_steps: int = 64,
     batch_index: int = 0,
 ) -> WeightAttribution:
-    """Attribute the stage's dynamic weights at (query_pos, key_pos), and head's compose value, to the residual
-    components (module docstring), from the zero normed input ("ig") or at the run ("linear"). float32, CPU."""
+    """Attributes the stage's dynamic weights at (query_pos, key_pos), and head's compose value, to the components.
+
+    The residual components are those of `dcinterp.qk` (module docstring), in float32 on the CPU.
+
+    Args:
+        model: a DCMHA model.
+        tokens: one prompt [pos] or a batch [batch, pos].
+        layer: the layer.
+        head: the target head.
+        query_pos: the query position or word.
+        key_pos: the key position or word.
+        stage: "pre" or "post" compose.
+        method: "ig" (integrated gradients from the zero normed input) or "linear" (at the run).
+        n_steps: the Gauss-Legendre nodes of "ig".
+        batch_index: the prompt of a batch.
+
+    Returns:
+        The attribution.
+
+    Raises:
+        ValueError: a plain MHA model, a stage the model lacks, an unknown method, a bad `n_steps`, or a layer,
+            head or position out of range.
+    """
     layer, head = check_layer(model, layer), check_head(model, head)
     _check_stage(model, stage)
     _check_method(method, n_steps)
@@ -274,14 +314,30 @@ def _component_rows(components: list[str], sides: dict) -> pd.DataFrame:
 # Two prompts: how much of the change comes from the weights, how much from the scores
 @dataclass
 class ComposeChange:
-    """Head `head`'s composed value at (query_pos, key_pos) in `tokens` against (other_query_pos, other_key_pos) in
-    `other_tokens`, split exactly into what the stage input A (scores or pattern) and the dynamic weights W change.
+    """Head `head`'s composed value in `tokens` against `other_tokens`, split into what A and W change.
 
-    `change` = composed - other = scores_part + weights_part (bilinear midpoint rule, exact). `by_branch`: one row
-    per (source_head, branch) with its scores and weights parts. `weights_by_component`: the weights' part
-    attributed to the components (integrated gradients from the other prompt's normed stream; adds up to
-    weights_part up to `delta`). `scores_by_pair` (pre-compose only): the scores' part as a [query component x key
-    component] table (exact), the weights held at their mean.
+    `change` = composed - other = scores_part + weights_part (bilinear midpoint rule, exact), A the stage input
+    (scores or pattern) and W the dynamic weights.
+
+    Attributes:
+        layer: the layer.
+        head: the target head m.
+        stage: "pre" or "post".
+        query_pos: the query position in `tokens`.
+        key_pos: the key position in `tokens`.
+        other_query_pos: the query position in `other_tokens`.
+        other_key_pos: the key position in `other_tokens`.
+        components: the residual components' names.
+        composed: the composed value in `tokens`.
+        other: the composed value in `other_tokens`.
+        scores_part: the part of the change that A makes.
+        weights_part: the part of the change that W makes.
+        by_branch: one row per (source_head, branch) with its scores and weights parts.
+        weights_by_component: the weights' part attributed to the components (integrated gradients from the other
+            prompt's normed stream; adds up to weights_part up to `delta`).
+        scores_by_pair: pre-compose only: the scores' part as a [query component x key component] table (exact),
+            the weights held at their mean; None for post-compose.
+        n_steps: the quadrature's nodes.
     """
 
     layer: int
@@ -333,8 +389,32 @@ def compose_change(
     batch_index: int = 0,
     other_batch_index: int = 0,
 ) -> ComposeChange:
-    """How much of head's composed value's change from `other_tokens` to `tokens` comes from the scores and how much
-    from the dynamic weights (class docstring). The other prompt's positions default to query_pos and key_pos."""
+    """How much of head's composed value's change from `other_tokens` to `tokens` comes from the scores and the weights.
+
+    The split is exact; the class docstring says how.
+
+    Args:
+        model: a DCMHA model.
+        tokens: one prompt [pos] or a batch [batch, pos].
+        other_tokens: the prompt compared against, [pos] or [batch, pos].
+        layer: the layer.
+        head: the target head.
+        query_pos: the query position or word in `tokens`.
+        key_pos: the key position or word in `tokens`.
+        other_query_pos: the query position or word in `other_tokens`; None: `query_pos`.
+        other_key_pos: the key position or word in `other_tokens`; None: `key_pos`.
+        stage: "pre" or "post" compose.
+        n_steps: the Gauss-Legendre nodes of the weights' attribution.
+        batch_index: the prompt of a batch `tokens`.
+        other_batch_index: the prompt of a batch `other_tokens`.
+
+    Returns:
+        The change, split.
+
+    Raises:
+        ValueError: a plain MHA model, a stage the model lacks, a bad `n_steps`, or a layer, head or position out of
+            range.
+    """
     layer, head = check_layer(model, layer), check_head(model, head)
     _check_stage(model, stage)
     _check_method("ig", n_steps)

@@ -100,17 +100,29 @@ MAY_DIFFER_BETWEEN_ARCHES = ("d_mlp",)
 
 @dataclass
 class RunResult:
-    """One run's accuracies, as its recipe.json records them."""
+    """One run's accuracies, as its recipe.json records them.
+
+    Attributes:
+        path: the run's recipe.json.
+        arch: "dcmha" or "mha".
+        seed: the run's seed.
+        config: its train_config, with DEFAULT_RECORD's values for settings added since it was trained.
+        accuracy: {eval set: {(measure, group): accuracy}}.
+        per_task: {eval set: {task id: accuracy}}, where recipe.json has them.
+        history: recipe["history"]: the logged steps, some with eval_accuracy.
+        started_from: {"path", "step", "answer_loss"} of the shared start, for a forked run; else None.
+        diversity: the run's head diversity, set by `add_head_diversity`; else None.
+    """
 
     path: Path
     arch: str
     seed: int
     config: dict
-    accuracy: dict  # {eval set: {(measure, group): accuracy}}
-    per_task: dict = field(default_factory=dict)  # {eval set: {task id: accuracy}}, where recipe.json has them
-    history: list = field(default_factory=list)  # recipe["history"]: the logged steps, some with eval_accuracy
-    started_from: dict | None = None  # {"path", "step", "answer_loss"} of the shared start, for a forked run
-    diversity: HeadDiversity | None = None  # filled by add_head_diversity
+    accuracy: dict
+    per_task: dict = field(default_factory=dict)
+    history: list = field(default_factory=list)
+    started_from: dict | None = None
+    diversity: HeadDiversity | None = None
 
     @property
     def folder(self) -> Path:
@@ -118,7 +130,17 @@ class RunResult:
 
 
 def read_run(path: Path) -> RunResult | str:
-    """The run's result, or why it is left out (one line)."""
+    """One run's result, from its recipe.json.
+
+    Args:
+        path: the run's recipe.json.
+
+    Returns:
+        The run's result, or why it is left out (one line): stopped early, or not evaluated.
+
+    Raises:
+        ValueError: the file is not a dcinterp.train recipe, or its started_from lacks the start's step and loss.
+    """
     try:
         recipe = json.loads(path.read_text())
         config, evaluated = {**DEFAULT_RECORD, **recipe["train_config"]}, recipe.get("accuracy")
@@ -158,7 +180,18 @@ def read_run(path: Path) -> RunResult | str:
 
 
 def read_runs(runs_dir: Path) -> tuple[list[RunResult], list[str]]:
-    """(the finished runs under `runs_dir`, the lines saying which were left out and why)."""
+    """The finished runs under a folder, checked to be one recipe.
+
+    Args:
+        runs_dir: the study's folder, holding `RUNS_DIR/seed<N>/<name>/recipe.json`.
+
+    Returns:
+        (the finished runs, the lines saying which were left out and why).
+
+    Raises:
+        ValueError: no such folder, no recipe.json under it, an unreadable recipe, or runs of different recipes
+            (`check_one_recipe`).
+    """
     if not runs_dir.is_dir():
         raise ValueError(f"{runs_dir}: no such folder of runs")
     paths = sorted(runs_dir.rglob("recipe.json"))
@@ -173,9 +206,18 @@ def read_runs(runs_dir: Path) -> tuple[list[RunResult], list[str]]:
 
 
 def check_one_recipe(runs: list[RunResult]) -> None:
-    """Every run of the folder trained with the same settings but those of MAY_DIFFER (and, between the
-    architectures, MAY_DIFFER_BETWEEN_ARCHES), and no seed has two runs of one architecture: else the pairs would
-    compare more than the architecture (and its parameter-matched width)."""
+    """Checks that the runs of a folder differ only where a study may.
+
+    Every run must have trained with the same settings but those of MAY_DIFFER (and, between the architectures,
+    MAY_DIFFER_BETWEEN_ARCHES), and no seed may have two runs of one architecture: else the pairs would compare more
+    than the architecture (and its parameter-matched width).
+
+    Args:
+        runs: the folder's runs.
+
+    Raises:
+        ValueError: naming the run and the first setting at fault, or a seed's second run of one architecture.
+    """
     seen: dict[tuple[str, int], Path] = {}
     first_of_arch: dict[str, RunResult] = {}
     for run in runs:
@@ -189,13 +231,27 @@ def check_one_recipe(runs: list[RunResult]) -> None:
 
 
 def mlp_widths(runs: list[RunResult]) -> dict[str, int] | None:
-    """Each architecture's d_mlp where they differ (a parameter-matched study), else None."""
+    """Each architecture's d_mlp where they differ (a parameter-matched study).
+
+    Args:
+        runs: the study's runs.
+
+    Returns:
+        {arch: d_mlp}, or None where every run has one width.
+    """
     widths = {run.arch: run.config.get("d_mlp") for run in runs}
     return widths if len(set(widths.values())) > 1 else None
 
 
 def width_lines(runs: list[RunResult]) -> list[str]:
-    """A sentence for summary.md's header where the architectures' MLPs differ (a parameter-matched study)."""
+    """A sentence for summary.md's header where the architectures' MLPs differ (a parameter-matched study).
+
+    Args:
+        runs: the study's runs.
+
+    Returns:
+        The sentence in a list, or an empty list.
+    """
     widths = mlp_widths(runs)
     if widths is None:
         return []
@@ -207,7 +263,17 @@ def width_lines(runs: list[RunResult]) -> list[str]:
 
 
 def check_same_recipe(run: RunResult, other: RunResult, why: str, may_differ: tuple = MAY_DIFFER) -> None:
-    """`run` trained with `other`'s settings, but those of `may_differ`; else a ValueError naming the first key."""
+    """Checks that `run` trained with `other`'s settings, but those of `may_differ`.
+
+    Args:
+        run: the run checked.
+        other: the run it is compared with.
+        why: the end of the error message: what the check is for.
+        may_differ: the train_config keys that may differ.
+
+    Raises:
+        ValueError: naming the first key that differs.
+    """
     for key in sorted(set(run.config) | set(other.config)):
         if key not in may_differ and run.config.get(key) != other.config.get(key):
             raise ValueError(
@@ -217,10 +283,23 @@ def check_same_recipe(run: RunResult, other: RunResult, why: str, may_differ: tu
 
 
 def add_held_out_change(runs: list[RunResult], trained_on: list[RunResult], trained_on_dir: Path) -> list[str]:
-    """Give every run that left combinations out its `held_out_change` rows: per combination, and for all of them
-    (group `held_out_combos`), its accuracy on their tasks minus that of its twin trained on every task (the run of
-    the same seed and architecture under `trained_on_dir`, from the same start). 0 is nothing lost for never
-    having seen them. The lines returned name the runs that have no such twin."""
+    """Gives every run that left combinations out its `held_out_change` rows.
+
+    Per combination, and for all of them (group `held_out_combos`): its accuracy on their tasks minus that of its
+    twin trained on every task (the run of the same seed and architecture under `trained_on_dir`, from the same
+    start). 0 is nothing lost for never having seen them.
+
+    Args:
+        runs: the study's runs; their `accuracy` gains the rows.
+        trained_on: the runs trained on every task.
+        trained_on_dir: their folder, for the messages.
+
+    Returns:
+        The lines naming the runs that have no such twin.
+
+    Raises:
+        ValueError: a twin that left tasks out too, or differs from its run in recipe or start.
+    """
     twins = {(run.arch, run.seed): run for run in trained_on}
     missing = []
     for run in runs:
@@ -245,7 +324,15 @@ def add_held_out_change(runs: list[RunResult], trained_on: list[RunResult], trai
 
 
 def check_trained_on_every_task(run: RunResult, twin: RunResult) -> None:
-    """The twin trained on every task, with the run's recipe otherwise, from the run's start."""
+    """Checks that the twin trained on every task, with the run's recipe otherwise, from the run's start.
+
+    Args:
+        run: a run that left combinations out.
+        twin: the run of the same seed and architecture trained on every task.
+
+    Raises:
+        ValueError: the twin left tasks out, differs in another setting, or started elsewhere.
+    """
     if twin.config["exclude_combos"]:
         left_out = ", ".join(twin.config["exclude_combos"])
         raise ValueError(f"{twin.path}: left {left_out} out; --trained-on needs runs trained on every task")
@@ -262,18 +349,43 @@ SCREEN_COLUMNS = ("seed", "kept", "answer_loss", "threshold", "step", "start", "
 
 
 def loss_or_nan(value) -> float:
-    """A start's answer loss; NaN where none was logged (dcinterp.train writes null then)."""
+    """A start's answer loss; NaN where none was logged (dcinterp.train writes null then).
+
+    Args:
+        value: the logged loss, or None.
+
+    Returns:
+        The loss as a float.
+    """
     return np.nan if value is None else float(value)
 
 
 def same_start(a: dict, b: dict) -> bool:
-    """Whether two rows of the screen name one start (the same checkpoint, step and answer loss, NaN or not)."""
+    """Whether two rows of the screen name one start (the same checkpoint, step and answer loss, NaN or not).
+
+    Args:
+        a: a row of the screen.
+        b: another.
+
+    Returns:
+        True where they name one start.
+    """
     same_loss = np.array_equal([a["answer_loss"]], [b["answer_loss"]], equal_nan=True)
     return (a["start"], a["step"]) == (b["start"], b["step"]) and same_loss
 
 
 def read_screened_out(path: Path) -> dict:
-    """A screened_out.json as a row of the screen."""
+    """A screened_out.json as a row of the screen.
+
+    Args:
+        path: a seed's screened_out.json.
+
+    Returns:
+        The row, with the keys of SCREEN_COLUMNS.
+
+    Raises:
+        ValueError: the file is not a screened-out seed's record, naming it.
+    """
     try:
         entry = json.loads(path.read_text())
         return {
@@ -293,9 +405,22 @@ def read_screened_out(path: Path) -> dict:
 
 
 def read_screen(runs_dir: Path, runs: list[RunResult]) -> pd.DataFrame:
-    """One row per seed (SCREEN_COLUMNS): the seeds screened out (their screened_out.json) and the seeds kept (their
-    runs' started_from; the threshold is started_from's own if it has one, else the screened-out seeds' when they
-    agree on one). Empty when no run started from a shared start and no seed was screened out."""
+    """One row per seed: the seeds screened out and the seeds kept.
+
+    The seeds screened out come from their screened_out.json, the seeds kept from their runs' started_from; a kept
+    seed's threshold is started_from's own if it has one, else the screened-out seeds' when they agree on one.
+
+    Args:
+        runs_dir: the study's folder.
+        runs: its finished runs.
+
+    Returns:
+        The screen, columns SCREEN_COLUMNS; empty when no run started from a shared start and no seed was screened
+        out.
+
+    Raises:
+        ValueError: a seed screened out twice, or screened out and run, or twins that started from different starts.
+    """
     screened: dict[int, tuple[dict, Path]] = {}
     for path in sorted(runs_dir.rglob("screened_out.json")):
         row = read_screened_out(path)
@@ -350,7 +475,14 @@ def read_screen(runs_dir: Path, runs: list[RunResult]) -> pd.DataFrame:
 
 
 def screen_lines(screen: pd.DataFrame) -> list[str]:
-    """The screen in a sentence for summary.md's header (none without a screen)."""
+    """The screen in a sentence for summary.md's header.
+
+    Args:
+        screen: from `read_screen`.
+
+    Returns:
+        The sentence in a list; empty without a screen.
+    """
     if screen.empty:
         return []
     known = screen.dropna(subset=["answer_loss"])
@@ -375,8 +507,16 @@ def screen_lines(screen: pd.DataFrame) -> list[str]:
 
 
 def add_head_diversity(runs: list[RunResult]) -> None:
-    """Load each run's model from its folder and set `run.diversity` (Fig. 5; the QK and OV curves as the module's
-    docstring says). A few hundredths of a second per model of the study's size, after torch's import."""
+    """Loads each run's model from its folder and sets `run.diversity`.
+
+    Fig. 5's curves; QK and OV normalised as the module's docstring says.
+
+    Args:
+        runs: the runs; each gains its `diversity`.
+
+    Raises:
+        ValueError: a run's model cannot be loaded, naming its folder.
+    """
     from .circuits import HeadDiversity, head_diversity
     from .model import HookedDCFormer
 
@@ -392,7 +532,16 @@ def add_head_diversity(runs: list[RunResult]) -> None:
 
 
 def diversity_measures(diversity: HeadDiversity, n_heads: int, d_head: int) -> dict[str, float]:
-    """The head_diversity rows of one run (module docstring): area, k = n_heads, k = d_head, for QK and OV."""
+    """The head_diversity rows of one run (module docstring): area, k = n_heads, k = d_head, for QK and OV.
+
+    Args:
+        diversity: the run's head diversity.
+        n_heads: heads per layer.
+        d_head: the head dimension.
+
+    Returns:
+        {name: share of variance}, names such as qk_area, qk_k4, ov_k16.
+    """
     values = {}
     for circuit in ("qk", "ov"):
         curve = getattr(diversity, circuit).double().mean(0)  # over layers
@@ -404,7 +553,14 @@ def diversity_measures(diversity: HeadDiversity, n_heads: int, d_head: int) -> d
 
 
 def run_values(run: RunResult) -> dict:
-    """{eval set: {(measure, group): value}}: the run's accuracies, and its head diversity under WEIGHTS."""
+    """The run's accuracies, and its head diversity under WEIGHTS.
+
+    Args:
+        run: the run.
+
+    Returns:
+        {eval set: {(measure, group): value}}.
+    """
     values = dict(run.accuracy)
     if run.diversity is not None:
         measures = diversity_measures(run.diversity, run.config["n_heads"], run.config["d_head"])
@@ -413,7 +569,14 @@ def run_values(run: RunResult) -> dict:
 
 
 def diversity_frame(runs: list[RunResult]) -> pd.DataFrame:
-    """Long format for the figure: arch, seed, circuit, components (k), captured (the mean over layers)."""
+    """The runs' head-diversity curves in long format, for the figure.
+
+    Args:
+        runs: the runs; those without `diversity` are left out.
+
+    Returns:
+        Columns arch, seed, circuit, components (k), captured (the mean over layers).
+    """
     rows = [
         (run.arch, run.seed, circuit, k + 1, value)
         for run in runs
@@ -425,8 +588,15 @@ def diversity_frame(runs: list[RunResult]) -> pd.DataFrame:
 
 
 def learning_curves(runs: list[RunResult]) -> pd.DataFrame:
-    """Long format for the figure: arch, seed, step, eval_accuracy (the probe logged every --eval-every steps), and
-    start_step (the shared start's step, NaN for a run that did not fork from one)."""
+    """The runs' probe accuracies in long format, for the figure.
+
+    Args:
+        runs: the runs.
+
+    Returns:
+        Columns arch, seed, step, eval_accuracy (the probe logged every --eval-every steps), and start_step (the
+        shared start's step, NaN for a run that did not fork from one).
+    """
     rows = [
         (run.arch, run.seed, entry["step"], entry["eval_accuracy"], (run.started_from or {}).get("step", np.nan))
         for run in runs
@@ -440,8 +610,16 @@ MAX_EXACT_SEEDS = 20  # up to 2^20 subsets enumerated; beyond, SAMPLED_SUBSETS d
 
 
 def subset_means(differences: np.ndarray, seed: int = 0) -> np.ndarray:
-    """The means of the 2^n - 1 nonempty subsets of the n differences (for more than MAX_EXACT_SEEDS, of 2^20
-    subsets drawn at random with numpy's `default_rng(seed)`), unsorted."""
+    """The means of the nonempty subsets of the differences, unsorted.
+
+    Args:
+        differences: the n seeds' paired differences.
+        seed: the random seed of the subsets drawn for more than MAX_EXACT_SEEDS differences.
+
+    Returns:
+        The 2^n - 1 subset means; for more than MAX_EXACT_SEEDS differences, those of 2^20 subsets drawn at random
+        with numpy's `default_rng(seed)`.
+    """
     differences = np.asarray(differences, dtype=float)
     if len(differences) <= MAX_EXACT_SEEDS:
         sums, counts = np.zeros(1), np.zeros(1, dtype=np.int64)
@@ -473,14 +651,29 @@ def sign_flip_interval(differences: np.ndarray, level: float = 0.95) -> tuple[fl
 
 
 def t_interval(differences: np.ndarray, level: float = 0.95) -> tuple[float, float]:
-    """The paired t interval of the mean difference (it assumes normal differences), for comparison."""
+    """The paired t interval of the mean difference (it assumes normal differences), for comparison.
+
+    Args:
+        differences: each seed's paired difference.
+        level: the confidence level.
+
+    Returns:
+        (low, high).
+    """
     differences = np.asarray(differences, dtype=float)
     half = scipy.stats.t.ppf((1 + level) / 2, len(differences) - 1) * scipy.stats.sem(differences)
     return float(differences.mean() - half), float(differences.mean() + half)
 
 
 def holm(p_values) -> np.ndarray:
-    """Holm's step-down adjustment of a family of p-values (family-wise error), in their order."""
+    """Holm's step-down adjustment of a family of p-values (family-wise error), in their order.
+
+    Args:
+        p_values: the family's p-values.
+
+    Returns:
+        The adjusted p-values, in the order given.
+    """
     p_values = np.asarray(p_values, dtype=float)
     order = np.argsort(p_values)
     steps = p_values[order] * (len(p_values) - np.arange(len(p_values)))
@@ -490,16 +683,37 @@ def holm(p_values) -> np.ndarray:
 
 
 def paired_t_power(effect: float, sd: float, seeds: int, alpha: float = 0.05) -> float:
-    """The power of the two-sided paired t test at `seeds` pairs to detect a mean difference `effect` when the
-    differences spread with standard deviation `sd` (the noncentral t; the sign-flip test's power is close to it,
-    and a little lower at few seeds, where its p-values are coarse)."""
+    """The power of the two-sided paired t test to detect a mean difference `effect`.
+
+    The noncentral t; the sign-flip test's power is close to it, and a little lower at few seeds, where its p-values
+    are coarse.
+
+    Args:
+        effect: the mean difference to detect.
+        sd: the differences' standard deviation.
+        seeds: the pairs.
+        alpha: the test's level.
+
+    Returns:
+        The power.
+    """
     df, shift = seeds - 1, effect / sd * np.sqrt(seeds)
     critical = scipy.stats.t.ppf(1 - alpha / 2, df)
     return float(scipy.stats.nct.sf(critical, df, shift) + scipy.stats.nct.cdf(-critical, df, shift))
 
 
 def seeds_for_power(effect: float, sd: float, power: float = 0.8, alpha: float = 0.05) -> int:
-    """The fewest pairs at which `paired_t_power` reaches `power`."""
+    """The fewest pairs at which `paired_t_power` reaches `power`.
+
+    Args:
+        effect: the mean difference to detect.
+        sd: the differences' standard deviation.
+        power: the power wanted.
+        alpha: the test's level.
+
+    Returns:
+        The number of pairs, at least 2.
+    """
     seeds = 2
     while paired_t_power(effect, sd, seeds, alpha) < power:
         seeds += 1
@@ -507,7 +721,14 @@ def seeds_for_power(effect: float, sd: float, power: float = 0.8, alpha: float =
 
 
 def paired_permutation_p(differences: np.ndarray) -> float:
-    """Exact two-sided sign-flip permutation test of a zero mean paired difference (every 2^n sign assignment)."""
+    """Exact two-sided sign-flip permutation test of a zero mean paired difference (every 2^n sign assignment).
+
+    Args:
+        differences: each seed's paired difference.
+
+    Returns:
+        The p-value; 1 for one seed or where every difference is zero.
+    """
     if len(differences) < 2 or not np.any(differences):
         return 1.0  # one seed, or every difference zero: every sign assignment is as far from zero as the observed
     result = scipy.stats.permutation_test(
@@ -517,12 +738,28 @@ def paired_permutation_p(differences: np.ndarray) -> float:
 
 
 def summary_table(runs: list[RunResult], level: float = 0.95) -> pd.DataFrame:
-    """One row per (eval_set, measure, group); see the module's docstring for the columns."""
+    """The study's table: one row per (eval_set, measure, group); the module's docstring has the columns.
+
+    Args:
+        runs: the study's runs.
+        level: the least level of the sign-flip interval.
+
+    Returns:
+        The table; `attrs["interval"]` says which interval.
+    """
     return paired_table({(run.arch, run.seed): run_values(run) for run in runs}, level)
 
 
 def paired_table(values_of: dict[tuple[str, int], dict], level: float = 0.95) -> pd.DataFrame:
-    """The table of `summary_table` from each run's values: {(arch, seed): {eval set: {(measure, group): value}}}."""
+    """The table of `summary_table` from each run's values.
+
+    Args:
+        values_of: {(arch, seed): {eval set: {(measure, group): value}}}.
+        level: the least level of the sign-flip interval.
+
+    Returns:
+        The table; `attrs["interval"]` says which interval.
+    """
     by_arch = {arch: sorted(s for a, s in values_of if a == arch) for arch in ARCHES}
     seeds = sorted({s for _, s in values_of})
     eval_sets = list(dict.fromkeys(eval_set for values in values_of.values() for eval_set in values))  # recipe order
@@ -565,7 +802,14 @@ def paired_table(values_of: dict[tuple[str, int], dict], level: float = 0.95) ->
 
 
 def markdown(table: pd.DataFrame) -> str:
-    """The table in markdown, accuracies and differences in percent."""
+    """The table in markdown, accuracies and differences in percent.
+
+    Args:
+        table: from `summary_table`.
+
+    Returns:
+        The markdown table, ending with a newline.
+    """
     percent = [
         c for c in table.columns if c not in ("eval_set", "measure", "group", "p", "level", "seeds", "dcmha_ahead")
     ]
@@ -591,7 +835,16 @@ def markdown(table: pd.DataFrame) -> str:
 
 @dataclass
 class Study:
-    """A folder of runs read: the runs, the lines saying which were left out, the table and the screen."""
+    """A folder of runs read: the runs, the lines saying which were left out, the table and the screen.
+
+    Attributes:
+        runs_dir: the study's folder.
+        runs: its finished runs.
+        left_out: the lines saying which runs were left out and why.
+        table: from `summary_table`.
+        screen: from `read_screen`.
+        trained_on: the folder of the runs trained on every task, for `held_out_change`; else None.
+    """
 
     runs_dir: Path
     runs: list[RunResult]
@@ -604,8 +857,21 @@ class Study:
 def read_study(
     runs_dir: Path, head_diversity: bool = False, trained_on: Path | None = None, level: float = 0.95
 ) -> Study:
-    """Read the runs (with their head diversity if asked, and their `held_out_change` against the runs under
-    `trained_on` if given), the screen, and make the table."""
+    """Reads the runs and the screen, and makes the table.
+
+    Args:
+        runs_dir: the study's folder.
+        head_diversity: load each run's model for its head diversity.
+        trained_on: the folder of the same seeds' runs trained on every task, for the `held_out_change` rows; None:
+            none.
+        level: the least level of the sign-flip interval.
+
+    Returns:
+        The study.
+
+    Raises:
+        ValueError: no finished, evaluated run, or as `read_runs`, `read_screen` and `add_held_out_change`.
+    """
     runs, left_out = read_runs(runs_dir)
     if not runs:
         raise ValueError(f"{runs_dir}: no finished, evaluated run ({len(left_out)} left out: {left_out[0]})")
@@ -624,14 +890,33 @@ def write_summary(
     trained_on: Path | None = None,
     level: float = 0.95,
 ) -> tuple[pd.DataFrame, list[str]]:
-    """Read the runs, write summary.csv and summary.md (and screen.csv if the study has a screen) to `out_dir`
-    (default: `runs_dir`); (table, left out)."""
+    """Reads the runs and writes summary.csv and summary.md, and screen.csv if the study has a screen.
+
+    Args:
+        runs_dir: the study's folder.
+        out_dir: where the files go; None: `runs_dir`.
+        head_diversity: load each run's model for its head diversity.
+        trained_on: the folder of the runs trained on every task, for `held_out_change`; None: none.
+        level: the least level of the sign-flip interval.
+
+    Returns:
+        (the table, the lines saying which runs were left out).
+
+    Raises:
+        ValueError: as `read_study`.
+    """
     study = read_study(runs_dir, head_diversity, trained_on, level)
     write_study(study, out_dir or runs_dir)
     return study.table, study.left_out
 
 
 def write_study(study: Study, out_dir: Path) -> None:
+    """Writes summary.csv, summary.md (its header says what the columns mean) and screen.csv if there is a screen.
+
+    Args:
+        study: from `read_study`.
+        out_dir: where the files go, made if need be.
+    """
     runs, table = study.runs, study.table
     out_dir.mkdir(parents=True, exist_ok=True)
     table.to_csv(out_dir / "summary.csv", index=False)
@@ -670,7 +955,15 @@ def write_study(study: Study, out_dir: Path) -> None:
 
 
 def write_figures(study: Study, figures_dir: Path) -> list[Path]:
-    """The study's figures as PNGs in `figures_dir` (dcinterp.plotting: plot_study_*); the paths written."""
+    """The study's figures as PNGs (dcinterp.plotting: plot_study_*).
+
+    Args:
+        study: from `read_study`.
+        figures_dir: where the PNGs go, made if need be.
+
+    Returns:
+        The paths written.
+    """
     from .plotting import (
         plot_study_differences,
         plot_study_head_diversity,
@@ -738,17 +1031,33 @@ PATTERN_NAMES = {
 
 @dataclass
 class TableData:
-    """The committed data of the study page, in percent as the page prints them."""
+    """The committed data of the study page, in percent as the page prints them.
 
-    accuracy: pd.DataFrame  # one row per model and measure: study, eval_set, measure, group, arch, seed, accuracy
-    screen: pd.DataFrame  # one row per seed: seed, kept, answer_loss, threshold, step
-    held_out_change: pd.DataFrame  # the primary endpoint per seed: seed, difference (points)
-    person_answer: pd.DataFrame  # one row per model: study, arch, seed, answers (yes, part, no), and the two rates
+    Attributes:
+        accuracy: one row per model and measure: study, eval_set, measure, group, arch, seed, accuracy.
+        screen: one row per seed: seed, kept, answer_loss, threshold, step.
+        held_out_change: the primary endpoint per seed: seed, difference (points).
+        person_answer: one row per model: study, arch, seed, answers (yes, part, no), and the two rates.
+    """
+
+    accuracy: pd.DataFrame
+    screen: pd.DataFrame
+    held_out_change: pd.DataFrame
+    person_answer: pd.DataFrame
 
 
 def read_table_data(data_dir: Path) -> TableData:
-    """The CSV files of TABLE_FILES under `data_dir` ('#' lines are their provenance); a ValueError naming the file
-    at fault."""
+    """The CSV files of TABLE_FILES under `data_dir` ('#' lines are their provenance).
+
+    Args:
+        data_dir: the study page's data folder (docs/study-data).
+
+    Returns:
+        The data.
+
+    Raises:
+        ValueError: a file cannot be read or lacks a column, naming the file.
+    """
     frames = {}
     for key, (name, columns) in TABLE_FILES.items():
         path = data_dir / name
@@ -764,7 +1073,17 @@ def read_table_data(data_dir: Path) -> TableData:
 
 
 def table_values(data: TableData, study: str, arches: dict[str, str], seeds=None) -> dict:
-    """{(slot, seed): {eval set: {(measure, group): accuracy as a fraction}}} for `paired_table`."""
+    """One study's accuracies from the page's data, in the form `paired_table` takes.
+
+    Args:
+        data: the page's data.
+        study: "full" or "held_out".
+        arches: {the data's arch: the table's slot ("dcmha" or "mha")}.
+        seeds: the seeds kept; None: all.
+
+    Returns:
+        {(slot, seed): {eval set: {(measure, group): accuracy as a fraction}}}.
+    """
     rows = data.accuracy[(data.accuracy["study"] == study) & data.accuracy["arch"].isin(list(arches))]
     values: dict = {}
     for row in rows.itertuples():
@@ -775,12 +1094,28 @@ def table_values(data: TableData, study: str, arches: dict[str, str], seeds=None
 
 
 def points(value: float, sign: bool = True) -> str:
-    """A fraction in percent (points), to 0.1, signed or not."""
+    """A fraction in percent (points), to 0.1.
+
+    Args:
+        value: the fraction.
+        sign: write the sign of a positive value too.
+
+    Returns:
+        The text.
+    """
     return f"{100 * value:+.1f}" if sign else f"{100 * value:.1f}"
 
 
 def measure_label(measure: str, group: str) -> str:
-    """How the page names a row: "every task", "same person", "never seen: same person : superclass", ..."""
+    """How the page names a row: "every task", "same person", "never seen: same person : superclass", ...
+
+    Args:
+        measure: one of MEASURES.
+        group: the row's group.
+
+    Returns:
+        The label.
+    """
     if measure == "held_out_combo":
         pattern, transformation = group.split(":")
         return f"never seen: {PATTERN_NAMES[pattern]} : {transformation}"
@@ -790,7 +1125,15 @@ def measure_label(measure: str, group: str) -> str:
 
 
 def exploratory_table(data: TableData, level: float = 0.95) -> pd.DataFrame:
-    """Every comparison of EXPLORATORY with paired seeds, with its Holm-adjusted p over them all."""
+    """Every comparison of EXPLORATORY with paired seeds, with its Holm-adjusted p over them all.
+
+    Args:
+        data: the page's data.
+        level: the least level of the sign-flip interval.
+
+    Returns:
+        The rows of `paired_table` of each comparison, with columns comparison and holm.
+    """
     parts = []
     for study, arches, seeds, label in EXPLORATORY:
         table = paired_table(table_values(data, study, arches, seeds), level)
@@ -801,13 +1144,29 @@ def exploratory_table(data: TableData, level: float = 0.95) -> pd.DataFrame:
 
 
 def least_p(seeds: int) -> float:
-    """The smallest two-sided sign-flip p that `seeds` pairs can give: 2 / 2^seeds."""
+    """The smallest two-sided sign-flip p that `seeds` pairs can give: 2 / 2^seeds.
+
+    Args:
+        seeds: the pairs.
+
+    Returns:
+        The p-value.
+    """
     return 2 / 2**seeds
 
 
 def exploratory_markdown(table: pd.DataFrame) -> str:
-    """`exploratory_table` as the page prints it: means, difference with its interval and level, p uncorrected and
-    Holm-adjusted, the seeds ahead with the least p that many seeds can give."""
+    """`exploratory_table` as the page prints it.
+
+    Means, difference with its interval and level, p uncorrected and Holm-adjusted, the seeds ahead with the least p
+    that many seeds can give.
+
+    Args:
+        table: from `exploratory_table`.
+
+    Returns:
+        The markdown table.
+    """
     lines = [
         "| comparison | measure | mean | difference (interval, its level) | p, uncorrected | p, Holm | ahead "
         "(least p) |",
@@ -825,7 +1184,15 @@ def exploratory_markdown(table: pd.DataFrame) -> str:
 
 
 def primary_endpoint(data: TableData, level: float = 0.95) -> dict:
-    """The primary endpoint: what never seeing the 8 tasks cost DCMHA minus what it cost MHA, per seed (points)."""
+    """The primary endpoint: what never seeing the 8 tasks cost DCMHA minus what it cost MHA, per seed (points).
+
+    Args:
+        data: the page's data.
+        level: the least level of the sign-flip interval.
+
+    Returns:
+        mean, low, high, level (the sign-flip interval's exact one), t (the t interval), p, ahead, seeds, sd.
+    """
     differences = data.held_out_change["difference"].to_numpy(dtype=float)
     low, high, exact_level = sign_flip_interval(differences, level)
     return {
@@ -842,7 +1209,15 @@ def primary_endpoint(data: TableData, level: float = 0.95) -> dict:
 
 
 def primary_markdown(endpoint: dict, level: float = 0.95) -> str:
-    """The primary endpoint's row: mean, sign-flip interval with its level, t interval, p, seeds ahead."""
+    """The primary endpoint's row: mean, sign-flip interval with its level, t interval, p, seeds ahead.
+
+    Args:
+        endpoint: from `primary_endpoint`.
+        level: the t interval's level, for the header.
+
+    Returns:
+        The markdown table.
+    """
     e = endpoint
     return (
         "| DCMHA - MHA (negative: DCMHA lost more) | interval: sign-flip test inverted (its level) "
@@ -854,8 +1229,14 @@ def primary_markdown(endpoint: dict, level: float = 0.95) -> str:
 
 
 def screen_markdown(screen: pd.DataFrame) -> str:
-    """The seeds kept and screened out, each with its start's answer loss, and the kept share with its exact
-    (Clopper-Pearson) 95% interval."""
+    """The seeds kept and screened out, with the kept share and its exact (Clopper-Pearson) 95% interval.
+
+    Args:
+        screen: the page's screen data, one row per seed with its start's answer loss.
+
+    Returns:
+        The markdown table.
+    """
     kept, dropped = screen[screen["kept"]], screen[~screen["kept"]]
     rate = len(kept) / len(screen)
     ci = scipy.stats.binomtest(len(kept), len(screen)).proportion_ci(0.95, method="exact")
@@ -874,7 +1255,16 @@ def screen_markdown(screen: pd.DataFrame) -> str:
 
 
 def per_seed_markdown(data: TableData, study: str, rows: list[tuple[str, str]]) -> str:
-    """Per seed, `DCMHA / MHA` in %, one row per (measure, group)."""
+    """Per seed, `DCMHA / MHA` in %, one row per (measure, group).
+
+    Args:
+        data: the page's data.
+        study: "full" or "held_out".
+        rows: the (measure, group) rows, in order.
+
+    Returns:
+        The markdown table.
+    """
     accuracy = data.accuracy[data.accuracy["study"] == study]
     seeds = sorted(accuracy["seed"].unique())
     lines = ["| | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
@@ -886,7 +1276,14 @@ def per_seed_markdown(data: TableData, study: str, rows: list[tuple[str, str]]) 
 
 
 def matched_markdown(data: TableData) -> str:
-    """Per seed, the overall accuracy of DCMHA, its plain MHA twin and the parameter-matched MHA, and their means."""
+    """Per seed, the overall accuracy of DCMHA, its plain MHA twin and the parameter-matched MHA, and their means.
+
+    Args:
+        data: the page's data.
+
+    Returns:
+        The markdown table.
+    """
     overall = data.accuracy[(data.accuracy["study"] == "full") & (data.accuracy["measure"] == "overall")]
     wide = overall.pivot(index="seed", columns="arch", values="accuracy")[["dcmha", "mha", "mha_matched"]]
     lines = ["| seed | DCMHA | plain MHA twin | matched MHA |", "|---|---|---|---|"]
@@ -896,13 +1293,29 @@ def matched_markdown(data: TableData) -> str:
 
 
 def seeds_named(seeds: list[int]) -> str:
-    """ "seed 3" or "seeds 3, 4"."""
+    """ "seed 3" or "seeds 3, 4".
+
+    Args:
+        seeds: the seeds.
+
+    Returns:
+        The text.
+    """
     return ("seed " if len(seeds) == 1 else "seeds ") + ", ".join(map(str, seeds))
 
 
 def lookup_markdown(data: TableData) -> str:
-    """Each arm's rate of answering the two person-answer patterns beside its mean accuracy (every task, released),
-    and Fisher's exact test of every task trained against 8 tasks never trained."""
+    """Each arm's rate of answering the two person-answer patterns beside its mean accuracy.
+
+    The mean accuracy is over every task, released data; then Fisher's exact test of every task trained against 8
+    tasks never trained.
+
+    Args:
+        data: the page's data.
+
+    Returns:
+        The markdown table and the test's sentence.
+    """
     answers, overall = data.person_answer, data.accuracy[data.accuracy["measure"] == "overall"]
     lines = ["| runs | answer the person-answer patterns | mean accuracy, every task (%) |", "|---|---|---|"]
     for (study, arch), name in ARM_NAMES.items():
@@ -923,9 +1336,20 @@ def lookup_markdown(data: TableData) -> str:
 
 
 def power_markdown(data: TableData, endpoint: dict, small: float = 5.0, power: float = 0.8) -> str:
-    """The power of the paired test at the study's seeds, and the kept seeds (and shared starts, at the screen's
-    rate) that `power` at the observed effect and at `small` points would need, for the overall difference and for
-    the primary endpoint."""
+    """The power of the paired test at the study's seeds, and the seeds that `power` would need.
+
+    The kept seeds (and shared starts, at the screen's rate) that `power` at the observed effect and at `small`
+    points would need, for the overall difference and for the primary endpoint.
+
+    Args:
+        data: the page's data.
+        endpoint: from `primary_endpoint`.
+        small: the smaller effect, in points.
+        power: the power wanted.
+
+    Returns:
+        The markdown table.
+    """
     overall = paired_table(table_values(data, "full", {"dcmha": "dcmha", "mha": "mha"}))
     row = overall[overall["measure"] == "overall"].iloc[0]
     seeds = [c for c in overall.columns if c.startswith("dcmha_seed")]
@@ -954,7 +1378,15 @@ def power_markdown(data: TableData, endpoint: dict, small: float = 5.0, power: f
 
 
 def page_tables(data: TableData, level: float = 0.95) -> dict[str, str]:
-    """Every table of the study page, in markdown, by name (the page quotes each verbatim; tests/test_study.py)."""
+    """Every table of the study page, in markdown (the page quotes each verbatim; tests/test_study.py).
+
+    Args:
+        data: the page's data.
+        level: the least level of the sign-flip interval.
+
+    Returns:
+        The tables by name: screen, primary, pairs, matched, held_out, lookup, exploratory, power.
+    """
     endpoint = primary_endpoint(data, level)
     qk = [
         ("qk_pattern", g)
@@ -984,8 +1416,19 @@ def page_tables(data: TableData, level: float = 0.95) -> dict[str, str]:
 
 
 def write_table_figures(data: TableData, figures_dir: Path, level: float = 0.95) -> list[Path]:
-    """The study page's figures that its data can draw: study_differences_released.png (every task trained) and
-    study_heldout_differences_released.png (8 tasks never trained), DCMHA - MHA per seed and per measure."""
+    """The study page's figures that its data can draw: DCMHA - MHA per seed and per measure.
+
+    study_differences_released.png (every task trained) and study_heldout_differences_released.png (8 tasks never
+    trained).
+
+    Args:
+        data: the page's data.
+        figures_dir: where the PNGs go, made if need be.
+        level: the least level of the sign-flip interval.
+
+    Returns:
+        The paths written.
+    """
     from .plotting import plot_study_differences
 
     figures_dir.mkdir(parents=True, exist_ok=True)
@@ -1001,6 +1444,14 @@ def write_table_figures(data: TableData, figures_dir: Path, level: float = 0.95)
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`python -m dcinterp.train summarize`: a study's table (and figures) from its runs, or the page's from its data.
+
+    Args:
+        argv: the command's arguments; None: `sys.argv[1:]`.
+
+    Raises:
+        SystemExit: a bad argument or a study that cannot be read: one line on stderr, exit 2.
+    """
     parser = Parser(prog="python -m dcinterp.train summarize", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "runs_dir", metavar="RUNS_DIR", nargs="?", help="a folder of runs (recipe.json files, at any depth)"
@@ -1064,7 +1515,15 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def summarize_table(parser: Parser, args) -> None:
-    """`summarize --from-table`: the study page's tables printed (and written to --out), its figures drawn."""
+    """`summarize --from-table`: the study page's tables printed (and written to --out), its figures drawn.
+
+    Args:
+        parser: the command's parser, for its errors.
+        args: the parsed arguments.
+
+    Raises:
+        SystemExit: a folder that cannot be written or data that cannot be read: one line on stderr, exit 2.
+    """
     out_dir, figures_dir = (Path(d) if d else None for d in (args.out, args.figures))
     try:
         for folder, flag in ((out_dir, "--out"), (figures_dir, "--figures")):

@@ -30,7 +30,14 @@ TABLE_COLUMNS = ["accuracy", "low", "high", "chance", "answers", "samples"]
 
 
 def chance_per_answer(results: pd.DataFrame) -> pd.Series:
-    """The chance of each answer (a row of the results) from its task's QK pattern; NaN for an unknown pattern."""
+    """The chance of each answer from its task's QK pattern.
+
+    Args:
+        results: the per-answer results of `evaluate`, with a "qk_pattern" column.
+
+    Returns:
+        One chance per row; NaN for an unknown pattern.
+    """
     return results["qk_pattern"].map(CHANCE_BY_QK_PATTERN).astype(float)
 
 
@@ -42,7 +49,23 @@ def accuracy_table(
     n_resamples: int = 2000,
     seed: int = 0,
 ) -> pd.DataFrame:
-    """Accuracy per checkpoint (and per value of `by`) with its interval [low, high], chance, answers, samples."""
+    """Accuracy per checkpoint (and per value of `by`) with its interval, chance, answers and samples.
+
+    Args:
+        results: the per-answer results of `evaluate` (checkpoint, task, sample, correct, qk_pattern, ...).
+        by: the column or columns to group by besides the checkpoint; None: per checkpoint only.
+        interval: "bootstrap" (over samples) or "wilson" (over answers).
+        level: the interval's confidence level.
+        n_resamples: the bootstrap's resamples.
+        seed: the bootstrap's random seed.
+
+    Returns:
+        One row per group: its keys, accuracy, low, high, chance, answers, samples; `attrs["interval"]` says which
+        interval.
+
+    Raises:
+        ValueError: an unknown `interval`, or `level` outside (0, 1).
+    """
     if interval not in INTERVALS:
         raise ValueError(f"interval={interval!r}: expected one of {', '.join(INTERVALS)}")
     if not 0 < level < 1:
@@ -79,8 +102,19 @@ def accuracy_table(
 def accuracy_tables(
     results: pd.DataFrame, interval: str = "bootstrap", level: float = 0.95, n_resamples: int = 2000, seed: int = 0
 ) -> dict[str, pd.DataFrame]:
-    """`accuracy_table` for each of GROUPINGS ("combination": per QK pattern and OV transformation), and with two
-    or more checkpoints "difference": `difference_table` of the first two per combination."""
+    """`accuracy_table` for each of GROUPINGS, and the difference of the first two checkpoints.
+
+    Args:
+        results: the per-answer results of `evaluate`.
+        interval: "bootstrap" or "wilson", as in `accuracy_table`.
+        level: the intervals' confidence level.
+        n_resamples: the bootstrap's resamples.
+        seed: the bootstrap's random seed.
+
+    Returns:
+        One table per grouping ("combination": per QK pattern and OV transformation), and with two or more
+        checkpoints "difference": `difference_table` of the first two per combination.
+    """
     by = {"overall": None, "combination": ["qk_pattern", "ov_transformation"]}
     tables = {
         name: accuracy_table(results, by.get(name, name), interval, level, n_resamples, seed) for name in GROUPINGS
@@ -102,9 +136,23 @@ def difference_table(
     n_resamples: int = 2000,
     seed: int = 0,
 ) -> pd.DataFrame:
-    """The accuracy of checkpoint `first` minus that of `second` (per value of `by`) with a paired percentile
-    bootstrap interval [low, high] over the samples both answered: each resample draws samples with replacement and
-    scores both checkpoints on the same draw. `significant`: the interval leaves out zero."""
+    """The accuracy of checkpoint `first` minus that of `second`, with a paired bootstrap interval.
+
+    The percentile bootstrap runs over the samples both checkpoints answered: each resample draws samples with
+    replacement and scores both checkpoints on the same draw.
+
+    Args:
+        results: the per-answer results of `evaluate`.
+        first: the checkpoint whose accuracy is subtracted from.
+        second: the checkpoint subtracted.
+        by: the column or columns to group by; None: one row.
+        level: the interval's confidence level.
+        n_resamples: the bootstrap's resamples.
+        seed: the bootstrap's random seed.
+
+    Returns:
+        One row per group: its keys, difference, low, high, significant (the interval leaves out zero), samples.
+    """
     keys = [by] if isinstance(by, str) else list(by or [])
     sample = ["task", "sample"]
     counts = results.groupby(["checkpoint", *keys, *sample], sort=False)["correct"].agg(["sum", "count"])
@@ -127,7 +175,16 @@ def difference_table(
 
 
 def wilson_interval(successes: int, trials: int, level: float = 0.95) -> tuple[float, float]:
-    """The Wilson score interval of a binomial proportion (scipy's)."""
+    """The Wilson score interval of a binomial proportion (scipy's).
+
+    Args:
+        successes: the correct answers.
+        trials: the answers.
+        level: the confidence level.
+
+    Returns:
+        (low, high).
+    """
     from scipy.stats import binomtest
 
     interval = binomtest(successes, trials).proportion_ci(confidence_level=level, method="wilson")
@@ -137,8 +194,20 @@ def wilson_interval(successes: int, trials: int, level: float = 0.95) -> tuple[f
 def bootstrap_interval(
     group: pd.DataFrame, level: float = 0.95, n_resamples: int = 2000, seed: int = 0
 ) -> tuple[float, float]:
-    """Percentile bootstrap of the accuracy over samples: each resample draws samples with replacement, and an
-    accuracy is the correct answers over the answers of the samples drawn."""
+    """Percentile bootstrap of the accuracy over samples.
+
+    Each resample draws samples with replacement, and an accuracy is the correct answers over the answers of the
+    samples drawn.
+
+    Args:
+        group: per-answer results (task, sample, correct) of one group.
+        level: the confidence level.
+        n_resamples: the resamples.
+        seed: the random seed.
+
+    Returns:
+        (low, high).
+    """
     per_sample = group.groupby(["task", "sample"], sort=False)["correct"].agg(["sum", "count"]).to_numpy(float)
     rng = np.random.default_rng(seed)
     draws = rng.integers(0, len(per_sample), size=(n_resamples, len(per_sample)))

@@ -40,16 +40,39 @@ def data_dir() -> Path:
 
 
 def capitalize(word: str) -> str:
+    """A word with its first letter upper-cased, the rest as it is.
+
+    Args:
+        word: the word.
+
+    Returns:
+        The capitalized word.
+    """
     return word[:1].upper() + word[1:]
 
 
 def template_parts(template: str) -> list[tuple[str, str | None, str]]:
-    """Splits a template into (literal text, field name or None, form) parts."""
+    """Splits a template into (literal text, field name or None, form) parts.
+
+    Args:
+        template: a format string such as "{person} has {item:has_form}".
+
+    Returns:
+        The parts, in order; the form is "" where the field names none.
+    """
     return [(literal, field, form or "") for literal, field, form, _ in Formatter().parse(template)]
 
 
 def fill_template(template: str, value_of: Callable[[str, str], str]) -> str:
-    """Fills a template; value_of(field, form) gives the text of a field."""
+    """Fills a template.
+
+    Args:
+        template: a format string such as "{person} has {item:has_form}".
+        value_of: value_of(field, form) gives the text of a field.
+
+    Returns:
+        The filled text.
+    """
     return "".join(
         literal + (value_of(field, form) if field is not None else "")
         for literal, field, form in template_parts(template)
@@ -57,6 +80,14 @@ def fill_template(template: str, value_of: Callable[[str, str], str]) -> str:
 
 
 def template_fields(template: str) -> set[str]:
+    """The field names a template uses.
+
+    Args:
+        template: a format string.
+
+    Returns:
+        The names of its fields.
+    """
     return {field for _, field, _ in template_parts(template) if field is not None}
 
 
@@ -65,38 +96,89 @@ def template_fields(template: str) -> set[str]:
 
 @dataclass(frozen=True)
 class ObjectEntry:
-    name: str  # bare form, used in queries and answers
-    has_form: str  # after "has" and in "There are" lists: "a cat", "an apple", "jeans", "pencils"
-    possessive_form: str  # "The cat is", "The jeans are", "T-shirt is"
+    """One object of the lexicon and how it is written.
+
+    Attributes:
+        name: the bare form, used in queries and answers.
+        has_form: after "has" and in "There are" lists: "a cat", "an apple", "jeans", "pencils".
+        possessive_form: "The cat is", "The jeans are", "T-shirt is".
+        superclass: the object's superclass, if it has one.
+        capability: what the object can do, if the lexicon says.
+    """
+
+    name: str
+    has_form: str
+    possessive_form: str
     superclass: str | None
     capability: str | None
 
 
 @dataclass(frozen=True)
 class OrdinalDomain:
-    unit: str  # year, month, day, season, time
+    """An ordered sequence of items of one unit (years, months, days, seasons, times).
+
+    Attributes:
+        unit: year, month, day, season or time.
+        preposition: the preposition an item of this domain takes.
+        sequence: the items, in order.
+    """
+
+    unit: str
     preposition: str
     sequence: tuple[str, ...]
 
     def successor(self, item: str) -> str | None:
+        """The item after `item` in the sequence.
+
+        Args:
+            item: an item of the sequence.
+
+        Returns:
+            The next item, or None after the last.
+        """
         position = self.sequence.index(item) + 1
         return self.sequence[position] if position < len(self.sequence) else None
 
     def predecessor(self, item: str) -> str | None:
+        """The item before `item` in the sequence.
+
+        Args:
+            item: an item of the sequence.
+
+        Returns:
+            The previous item, or None before the first.
+        """
         position = self.sequence.index(item) - 1
         return self.sequence[position] if position >= 0 else None
 
 
 @dataclass(frozen=True)
 class Lexicon:
+    """The people and the items the tasks draw from, with what the transformations map them to.
+
+    Attributes:
+        people: the persons' names.
+        objects: the objects, by name.
+        country_of: city -> country.
+        opposites: adjective -> its opposites.
+        ordinal_domains: the ordinal domains, by unit.
+    """
+
     people: tuple[str, ...]
     objects: dict[str, ObjectEntry]
-    country_of: dict[str, str]  # city -> country string
-    opposites: dict[str, tuple[str, ...]]  # adjective -> its opposites
-    ordinal_domains: dict[str, OrdinalDomain]  # by unit
+    country_of: dict[str, str]
+    opposites: dict[str, tuple[str, ...]]
+    ordinal_domains: dict[str, OrdinalDomain]
 
     def items(self, kind: str) -> tuple[str, ...]:
-        """All items of a kind, in lexicon order."""
+        """All items of a kind, in lexicon order.
+
+        Args:
+            kind: "object", "city", "adjective" or "ordinal".
+
+        Returns:
+            The items.
+        """
         if kind == "object":
             return tuple(self.objects)
         if kind == "city":
@@ -106,10 +188,30 @@ class Lexicon:
         return tuple(item for domain in self.ordinal_domains.values() for item in domain.sequence)
 
     def domain_of(self, ordinal: str) -> OrdinalDomain:
+        """The ordinal domain an ordinal belongs to.
+
+        Args:
+            ordinal: an item of one of the ordinal domains.
+
+        Returns:
+            Its domain.
+        """
         return next(domain for domain in self.ordinal_domains.values() if ordinal in domain.sequence)
 
     def form(self, kind: str, item: str, form: str) -> str:
-        """How an item is written in a given form (see ITEM_FORMS)."""
+        """How an item is written in a given form.
+
+        Args:
+            kind: the item's kind.
+            item: the item.
+            form: one of ITEM_FORMS ("" is the bare item).
+
+        Returns:
+            The written form.
+
+        Raises:
+            CatalogError: items of this kind have no such form.
+        """
         if form == "":
             return item
         if form == "capitalized":
@@ -125,14 +227,34 @@ class Lexicon:
         raise CatalogError(f"{kind} items have no form {form!r}")
 
     def class_of(self, item: str, class_name: str) -> str | None:
-        """The superclass, capability or country of an item (None if it has none)."""
+        """The superclass, capability or country of an item.
+
+        Args:
+            item: an object or a city.
+            class_name: "superclass", "capability" or "country".
+
+        Returns:
+            The class, or None if the item has none.
+        """
         if class_name == "country":
             return self.country_of.get(item)
         entry = self.objects.get(item)
         return getattr(entry, class_name) if entry else None
 
     def transform(self, ov_transformation: str, kind: str, item: str) -> tuple[str, ...]:
-        """The values an item maps to (empty where undefined, two for some opposites)."""
+        """The values an item maps to.
+
+        Args:
+            ov_transformation: one of OV_TRANSFORMATIONS.
+            kind: the item's kind.
+            item: the item.
+
+        Returns:
+            The values: empty where undefined, two for some opposites.
+
+        Raises:
+            CatalogError: the transformation does not apply to items of this kind.
+        """
         if ov_transformation == "copy":
             return (item,)
         if ov_transformation in CLASS_TRANSFORMATIONS:
@@ -147,7 +269,15 @@ class Lexicon:
         raise CatalogError(f"transformation {ov_transformation!r} does not apply to {kind} items")
 
     def values(self, ov_transformation: str, kind: str) -> tuple[str, ...]:
-        """Every value the transformation gives for some item of the kind."""
+        """Every value the transformation gives for some item of the kind.
+
+        Args:
+            ov_transformation: one of OV_TRANSFORMATIONS.
+            kind: the items' kind.
+
+        Returns:
+            The values, each once, in lexicon order.
+        """
         values = (value for item in self.items(kind) for value in self.transform(ov_transformation, kind, item))
         return tuple(dict.fromkeys(values))
 
@@ -160,6 +290,17 @@ def _read_json(path: Path) -> dict:
 
 
 def load_lexicon(path: Path | None = None) -> Lexicon:
+    """Loads the lexicon.
+
+    Args:
+        path: a lexicon JSON file; None: lexicon.json in `data_dir()`.
+
+    Returns:
+        The lexicon.
+
+    Raises:
+        CatalogError: the file cannot be read or lacks an entry, naming the file.
+    """
     path = path or data_dir() / "lexicon.json"
     raw = _read_json(path)
     try:
@@ -188,62 +329,142 @@ def load_lexicon(path: Path | None = None) -> Lexicon:
 
 @dataclass(frozen=True)
 class LineShape:
-    name: str  # "context" or "list"
-    line: str  # template with {facts}, {question} and {answer}
+    """How a line is laid out: a context line of facts, or a list.
+
+    Attributes:
+        name: "context" or "list".
+        line: the template with {facts}, {question} and {answer}.
+        fact_separator: the text between two facts.
+    """
+
+    name: str
+    line: str
     fact_separator: str
 
 
 @dataclass(frozen=True)
 class Syntax:
-    name: str  # HAS, POSS, LIKES, ...
+    """How a task writes its facts.
+
+    Attributes:
+        name: HAS, POSS, LIKES, ...
+        shape: the line's layout.
+        fact: the template with {person} and {item:form}.
+    """
+
+    name: str
     shape: LineShape
-    fact: str  # template with {person} and {item:form}
+    fact: str
 
 
 @dataclass(frozen=True)
 class ItemPool:
+    """The items a task draws from.
+
+    Attributes:
+        name: the pool's name in catalog.json.
+        kind: "object", "city", "adjective" or "ordinal".
+        class_name: superclass, capability or country, where the pool's items must have one.
+        exclude: items left out of the pool.
+    """
+
     name: str
     kind: str
-    class_name: str | None  # superclass, capability or country
+    class_name: str | None
     exclude: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class Phrasing:
-    template: str  # with {person}, {value} and {unit}
-    weight: int  # number of released samples with this phrasing
+    """One way a task asks its question.
+
+    Attributes:
+        template: the question, with {person}, {value} and {unit}.
+        weight: the number of released samples with this phrasing.
+    """
+
+    template: str
+    weight: int
 
 
 @dataclass(frozen=True)
 class Task:
+    """One synthetic task: its QK pattern, OV transformation, items and how it writes its lines.
+
+    Attributes:
+        id: "taskN".
+        qk_pattern: one of QK_PATTERNS.
+        ov_transformation: one of OV_TRANSFORMATIONS.
+        pool: the item pool.
+        items: the pool's items for which the transformations in use are defined.
+        syntax: how the facts are written.
+        samples_of: the task whose samples this one re-renders, or None.
+        phrasings: the question's phrasings.
+        answer_prefix: fixed text between the phrasing and the answer, may hold {unit}.
+        example: line 3 of the first released sample.
+    """
+
     id: str
     qk_pattern: str
     ov_transformation: str
     pool: ItemPool
-    items: tuple[str, ...]  # the pool's items for which the transformations in use are defined
+    items: tuple[str, ...]
     syntax: Syntax
-    samples_of: str | None  # the task whose samples this one re-renders
+    samples_of: str | None
     phrasings: tuple[Phrasing, ...]
-    answer_prefix: str  # fixed text between the phrasing and the answer, may hold {unit}
-    example: str  # line 3 of the first released sample
+    answer_prefix: str
+    example: str
 
 
 @dataclass(frozen=True)
 class Catalog:
-    tasks: dict[str, Task]  # by id, in task order
+    """The tasks and the lexicon they draw from.
+
+    Attributes:
+        tasks: the tasks by id, in task order.
+        lexicon: the lexicon.
+    """
+
+    tasks: dict[str, Task]
     lexicon: Lexicon
 
     def sample_source(self, task: Task) -> Task:
-        """The task whose samples `task` renders (itself unless it has samples_of)."""
+        """The task whose samples `task` renders.
+
+        Args:
+            task: a task of the catalog.
+
+        Returns:
+            Its `samples_of` task, else the task itself.
+        """
         return self.tasks[task.samples_of] if task.samples_of else task
 
     def transform(self, task: Task, item: str) -> tuple[str, ...]:
+        """The values an item maps to under the task's OV transformation.
+
+        Args:
+            task: the task.
+            item: an item of its pool.
+
+        Returns:
+            The values, as `Lexicon.transform` gives them.
+        """
         return self.lexicon.transform(task.ov_transformation, task.pool.kind, item)
 
     def contrasting(self, task: Task, first: str, second: str) -> bool:
-        """Whether two items set each other off: a list's odd and repeated item, or the odd
-        and the repeated item of a copy not-matching-person line (another class; for
-        adjectives, not opposites)."""
+        """Whether two items set each other off.
+
+        They do as a list's odd and repeated item, or as the odd and the repeated item of a copy
+        not-matching-person line: another class, or for adjectives, not opposites.
+
+        Args:
+            task: the task.
+            first: one item.
+            second: the other.
+
+        Returns:
+            True where the items contrast.
+        """
         if first == second:
             return False
         if task.pool.class_name:
@@ -351,7 +572,18 @@ def _describe(error: Exception) -> str:
 
 
 def load_catalog(path: Path | None = None, lexicon_path: Path | None = None) -> Catalog:
-    """Loads the task catalog (default: catalog.json and lexicon.json in data_dir())."""
+    """Loads the task catalog.
+
+    Args:
+        path: a catalog JSON file; None: catalog.json in `data_dir()`.
+        lexicon_path: a lexicon JSON file; None: lexicon.json in `data_dir()`.
+
+    Returns:
+        The catalog, cached by the two paths.
+
+    Raises:
+        CatalogError: a file cannot be read or is inconsistent, naming the file and the task entry.
+    """
     return _load_catalog_cached(
         Path(path or data_dir() / "catalog.json").resolve(), Path(lexicon_path or data_dir() / "lexicon.json").resolve()
     )

@@ -34,7 +34,12 @@ def _alternatives(surfaces: Iterable[str]) -> str:
 
 
 class LineParser:
-    """Reads a task's plain line (answer not bracketed) back into a Line and its phrasing."""
+    """Reads a task's plain line (answer not bracketed) back into a Line and its phrasing.
+
+    Args:
+        catalog: the task catalog.
+        task: the task whose templates the lines follow.
+    """
 
     def __init__(self, catalog: Catalog, task: Task):
         self.catalog = catalog
@@ -102,6 +107,14 @@ class LineParser:
         return f"(?:{phrasings})" + (" " + prefix if prefix else "")
 
     def parse(self, plain_line: str) -> tuple[Line, Phrasing] | None:
+        """A plain line read back by the task's templates.
+
+        Args:
+            plain_line: one text line, its answer written plain.
+
+        Returns:
+            The line and the phrasing of its question, or None where the line does not follow the templates.
+        """
         match = self.pattern.fullmatch(plain_line)
         if match is None:
             return None
@@ -238,7 +251,16 @@ PATTERN_CHECKS = {
 
 
 def line_problems(catalog: Catalog, task: Task, line: Line) -> list[str]:
-    """What is wrong with a parsed line: items outside the task's pool, QK structure, answer."""
+    """What is wrong with a parsed line: items outside the task's pool, QK structure, answer.
+
+    Args:
+        catalog: the task catalog.
+        task: the line's task.
+        line: the line, from `LineParser.parse`.
+
+    Returns:
+        One message per problem; empty if all is well.
+    """
     problems = [
         f"item {fact.item!r} is not in the item pool {task.pool.name!r}"
         for fact in line.facts
@@ -309,8 +331,17 @@ def _check_record(catalog: Catalog, parsers: dict[str, LineParser], record, line
 
 
 def check_records(records: Iterable[dict], lines: int = LINES_PER_SAMPLE, catalog: Catalog | None = None) -> list[str]:
-    """Problems found in the records, each as 'line N: taskK, text line M: what is wrong'
-    (N counts records from 1, i.e. the line of a JSONL file).  Empty if all is well."""
+    """Problems found in dataset records, checked against the catalog.
+
+    Args:
+        records: {"task_id", "texts"} records, as `read_jsonl` gives them.
+        lines: the text lines each sample must have.
+        catalog: the task catalog; None: the packaged one.
+
+    Returns:
+        One message per problem, each as 'line N: taskK, text line M: what is wrong', N counting records from 1 (the
+        line of a JSONL file); empty if all is well.
+    """
     catalog = catalog or load_catalog()
     parsers: dict[str, LineParser] = {}
     return [

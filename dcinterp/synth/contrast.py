@@ -49,16 +49,29 @@ MAX_DRAWS_PER_PAIR = 50
 
 @dataclass(frozen=True)
 class ContrastPair:
+    """Two prompts of one task that differ in one thing on their last line, and their answers.
+
+    Attributes:
+        task_id: the task, "taskN".
+        kind: "person" or "object", the corruption.
+        clean: the prompt, ending right before the answer.
+        corrupt: the corrupted prompt, ending right before its answer.
+        clean_answer: the clean prompt's answer.
+        corrupt_answer: the corrupted prompt's answer.
+        sample: the generator's sample index the pair was drawn from.
+        clean_source: the clean line's source item, for the tasks that answer from an item (None elsewhere).
+        corrupt_source: the corrupted line's source item (for a person corruption, another person's item of the same
+            line); None where the task does not answer from an item.
+        query_person: the person the clean line asks about; None where the task does not answer from an item.
+    """
+
     task_id: str
     kind: str
-    clean: str  # the prompt, ending right before the answer
+    clean: str
     corrupt: str
     clean_answer: str
     corrupt_answer: str
-    sample: int  # the generator's sample index the pair was drawn from
-    # Where the answers come from, for the tasks that answer from an item (None elsewhere): the clean line's
-    # source item, the corrupted line's (for a person corruption, another person's item of the same line), and
-    # the person the clean line asks about.
+    sample: int
     clean_source: str | None = None
     corrupt_source: str | None = None
     query_person: str | None = None
@@ -75,10 +88,24 @@ def contrast_pairs(
 ) -> list[ContrastPair]:
     """`n` clean/corrupted pairs of one task; each prompt has `shots` answered lines, then the query line.
 
-    tokenizer: a Hugging Face tokenizer (or `model.tokenizer`); the two prompts of a pair then have the same
-    number of tokens and their answers different first tokens (without it: the same number of words).
-    kind: "person", "object" or None (the task's default, see the module docstring). The pairs are those of the
-    first samples that allow one, so the first pairs do not depend on `n`. ValueError names a bad argument.
+    The pairs are those of the first samples that allow one, so the first pairs do not depend on `n`.
+
+    Args:
+        task: the task, "taskN" or N.
+        n: how many pairs.
+        seed: the generator's seed.
+        kind: "person", "object" or None (the task's default, see the module docstring).
+        shots: the answered lines before the query line.
+        tokenizer: a Hugging Face tokenizer (or `model.tokenizer`); the two prompts of a pair then have the same
+            number of tokens and their answers different first tokens. None: the same number of words.
+        catalog: the task catalog; None: the packaged one.
+
+    Returns:
+        The pairs, in sample order.
+
+    Raises:
+        ValueError: an unknown task, a kind that does not apply to it, a bad `n`, `shots` or `seed`, or fewer than
+            `n` pairs found in `n * MAX_DRAWS_PER_PAIR` samples.
     """
     catalog = catalog or load_catalog()
     (task_id,) = known_task_ids([task], catalog)
@@ -123,23 +150,52 @@ def contrast_pairs(
 
 
 def answer_token(tokenizer, prompt: str, answer: str) -> int:
-    """The answer's first token where it follows the prompt (BPE with leading spaces and word-level alike)."""
+    """The answer's first token where it follows the prompt (BPE with leading spaces and word-level alike).
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        prompt: the prompt, ending right before the answer.
+        answer: the answer's text.
+
+    Returns:
+        The token id.
+    """
     return tokenizer(prompt + " " + answer)["input_ids"][len(tokenizer(prompt)["input_ids"])]
 
 
 @dataclass
 class PairTokens:
-    """A batch of pairs as token ids, right-padded; the clean and corrupted prompts of a pair have one length."""
+    """A batch of pairs as token ids, right-padded; the clean and corrupted prompts of a pair have one length.
 
-    clean: Tensor  # [batch, pos]
-    corrupt: Tensor  # [batch, pos]
-    clean_answer: Tensor  # [batch]: the clean answer's first token
-    corrupt_answer: Tensor  # [batch]
-    position: Tensor  # [batch]: each prompt's last token, where the answer is predicted
+    Attributes:
+        clean: the clean prompts [batch, pos].
+        corrupt: the corrupted prompts [batch, pos].
+        clean_answer: the clean answer's first token [batch].
+        corrupt_answer: the corrupted answer's first token [batch].
+        position: each prompt's last token, where the answer is predicted [batch].
+    """
+
+    clean: Tensor
+    corrupt: Tensor
+    clean_answer: Tensor
+    corrupt_answer: Tensor
+    position: Tensor
 
 
 def tokenize_pairs(pairs: list[ContrastPair], tokenizer) -> PairTokens:
-    """Token ids of the pairs; ValueError if a pair's prompts differ in length or its answers start alike."""
+    """Token ids of the pairs, their answers' first tokens and where they are predicted.
+
+    Args:
+        pairs: from `contrast_pairs`.
+        tokenizer: a Hugging Face tokenizer, the one `contrast_pairs` was given.
+
+    Returns:
+        The batch, padded with the tokenizer's pad token (0 without one).
+
+    Raises:
+        ValueError: no pairs, or a pair's prompts differ in length or its answers start alike.
+        TypeError: a pair is not a ContrastPair.
+    """
     import torch
 
     if not pairs:

@@ -61,29 +61,65 @@ class EvalError(ValueError):
 # Samples: read, check their structure, find the answers' characters
 @dataclass(frozen=True)
 class Sample:
-    index: int  # 0-based index in the data file (or in the list of records given)
+    """One record of the data, with where it came from.
+
+    Attributes:
+        index: the 0-based index in the data file, or in the list of records given.
+        task_id: "taskN".
+        texts: the record's texts field.
+        where: "FILE: line N" or "sample N", for error messages.
+    """
+
+    index: int
     task_id: str
     texts: str
-    where: str  # "FILE: line N" or "sample N", for error messages
+    where: str
 
 
 @dataclass(frozen=True)
 class Answer:
+    """One bracketed answer of a sample.
+
+    Attributes:
+        text: the answer.
+        k_shot: the lines before the answer's line (2..7).
+        start: where the answer starts in the plain text, a character index.
+        end: where it ends, exclusive.
+    """
+
     text: str
     k_shot: int
-    start: int  # character span of the answer in the plain text
+    start: int
     end: int
 
 
 @dataclass(frozen=True)
 class ParsedSample:
+    """A sample checked, with its plain text and answers.
+
+    Attributes:
+        sample: the sample.
+        plain_text: the texts with each "[ answer ]" replaced by "answer".
+        answers: the six answers, in order.
+    """
+
     sample: Sample
-    plain_text: str  # the texts with each "[ answer ]" replaced by "answer"
+    plain_text: str
     answers: tuple[Answer, ...]
 
 
 def load_samples(path: str | Path) -> list[Sample]:
-    """The records of a JSON-lines data file, one per line."""
+    """The records of a JSON-lines data file, one per line.
+
+    Args:
+        path: the data file.
+
+    Returns:
+        The samples, numbered by line.
+
+    Raises:
+        EvalError: the file cannot be read or a line is not a record, naming the file and line.
+    """
     try:
         records = read_jsonl(path)
     except DatasetError as error:
@@ -92,7 +128,17 @@ def load_samples(path: str | Path) -> list[Sample]:
 
 
 def as_samples(records) -> list[Sample]:
-    """Samples as they are, or `{"task_id", "texts"}` dicts numbered by their position in the list."""
+    """Records as samples.
+
+    Args:
+        records: Samples, kept as they are, or {"task_id", "texts"} dicts, numbered by their position in the list.
+
+    Returns:
+        The samples.
+
+    Raises:
+        EvalError: a record is neither, naming its position.
+    """
     samples = []
     for i, record in enumerate(records):
         if isinstance(record, Sample):
@@ -105,7 +151,17 @@ def as_samples(records) -> list[Sample]:
 
 
 def parse_sample(sample: Sample) -> ParsedSample:
-    """The plain text and the six answers of a sample; EvalError if it is not 8 lines with answers on lines 3-8."""
+    """The plain text and the six answers of a sample.
+
+    Args:
+        sample: the sample.
+
+    Returns:
+        The parsed sample.
+
+    Raises:
+        EvalError: the sample is not 8 lines with one "[ answer ]" ending each of lines 3-8.
+    """
     n_lines = len(sample_lines(sample.texts))
     if n_lines != LINES_PER_SAMPLE:
         raise EvalError(f"{sample.where}: the sample has {n_lines} lines, expected {LINES_PER_SAMPLE}")
@@ -126,12 +182,34 @@ def parse_sample(sample: Sample) -> ParsedSample:
 # Tokens: find each answer's tokens through the tokenizer's character offsets
 @dataclass(frozen=True)
 class EncodedSample:
+    """A parsed sample as token ids, with where each answer's tokens are.
+
+    Attributes:
+        parsed: the parsed sample.
+        token_ids: the plain text's tokens.
+        answer_tokens: per answer, its token positions [start, end).
+    """
+
     parsed: ParsedSample
     token_ids: list[int]
-    answer_tokens: tuple[tuple[int, int], ...]  # per answer, its token positions [start, end)
+    answer_tokens: tuple[tuple[int, int], ...]
 
 
 def encode_sample(parsed: ParsedSample, model: HookedDCFormer, checkpoint: str) -> EncodedSample:
+    """A parsed sample's tokens and each answer's token positions, found through character offsets.
+
+    Args:
+        parsed: the parsed sample.
+        model: the model, whose tokenizer and context length are used.
+        checkpoint: the checkpoint's name, for error messages.
+
+    Returns:
+        The encoded sample.
+
+    Raises:
+        EvalError: the tokenizer gives no offsets, the sample is longer than the context, a token id is outside the
+            vocabulary, or an answer cannot be located in the tokens.
+    """
     tokenizer = model.tokenizer
     try:
         encoding = tokenizer(parsed.plain_text, return_offsets_mapping=True)
@@ -165,6 +243,18 @@ def locate_answer_tokens(plain_text: str, offsets: list[tuple[int, int]], answer
     """The positions [start, end) of the tokens whose characters overlap the answer's.
 
     A token may reach past the answer only over whitespace (a BPE's " burger" starts at the space).
+
+    Args:
+        plain_text: the sample's plain text.
+        offsets: each token's character span (start, end) in the plain text.
+        answer: the answer.
+
+    Returns:
+        (start, end), token positions.
+
+    Raises:
+        ValueError: no token covers the answer, its tokens are not contiguous or include other text, or it is the
+            first token (nothing predicts it).
     """
     overlapping = [i for i, (start, end) in enumerate(offsets) if start < answer.end and end > answer.start]
     if not overlapping:
@@ -185,14 +275,33 @@ def locate_answer_tokens(plain_text: str, offsets: list[tuple[int, int]], answer
 # Scoring
 @dataclass(frozen=True)
 class AnswerScore:
-    predicted: str  # the argmax tokens at the answer's positions, decoded
+    """How the model did on one answer.
+
+    Attributes:
+        predicted: the argmax tokens at the answer's positions, decoded.
+        correct: every answer token is the argmax.
+        nll: the negative log-likelihood, summed over the answer's tokens.
+        n_tokens: the answer's tokens.
+    """
+
+    predicted: str
     correct: bool
-    nll: float  # summed over the answer's tokens
+    nll: float
     n_tokens: int
 
 
 def score_answer(logits: torch.Tensor, token_ids: list[int], positions: tuple[int, int], tokenizer) -> AnswerScore:
-    """Score the answer at token `positions` [start, end) from logits [pos, vocab]: token i is predicted at i - 1."""
+    """Scores the answer at token `positions` from a sample's logits: token i is predicted at i - 1.
+
+    Args:
+        logits: one sample's logits [pos, vocab].
+        token_ids: the sample's tokens.
+        positions: the answer's token positions [start, end).
+        tokenizer: decodes the predicted tokens.
+
+    Returns:
+        The answer's score.
+    """
     import torch
 
     start, end = positions
@@ -211,11 +320,24 @@ def score_answer(logits: torch.Tensor, token_ids: list[int], positions: tuple[in
 def evaluate(
     model: HookedDCFormer, records, batch_size: int = 8, name: str | None = None, progress: bool = True
 ) -> pd.DataFrame:
-    """One forward pass per sample, in right-padded batches of similar length; one row per answer.
+    """Scores every answer of the records: one forward pass per sample, in right-padded batches of similar length.
 
     Under `torchrun` / `accelerate launch` (an initialised torch.distributed group), each process scores every
-    world_size-th batch and all of them return the whole frame: the batches are the ones a single process
-    forms, so the rows are those one process computes (`dcinterp.distributed`).
+    world_size-th batch and all of them return the whole frame: the batches are the ones a single process forms, so
+    the rows are those one process computes (`dcinterp.distributed`).
+
+    Args:
+        model: the model, with its tokenizer.
+        records: Samples or {"task_id", "texts"} dicts.
+        batch_size: samples per forward pass.
+        name: the checkpoint column's value; None: the model's name.
+        progress: show a progress bar.
+
+    Returns:
+        One row per answer, columns RESULT_COLUMNS.
+
+    Raises:
+        EvalError: the model has no tokenizer, or a sample cannot be scored (`encode_all`).
     """
     import torch
 
@@ -237,20 +359,48 @@ def evaluate(
 
 
 def sample_batches(encoded: list[EncodedSample], batch_size: int) -> list[list[int]]:
-    """The samples' indices in batches of `batch_size`, longest first, so that each batch pads little and a
-    too-large batch fails at once. Every process of a distributed run forms the same batches."""
+    """The samples' indices in batches, longest first.
+
+    So each batch pads little and a too-large batch fails at once. Every process of a distributed run forms the same
+    batches.
+
+    Args:
+        encoded: the encoded samples.
+        batch_size: samples per batch.
+
+    Returns:
+        The batches, each a list of indices into `encoded`.
+    """
     by_length = sorted(range(len(encoded)), key=lambda i: -len(encoded[i].token_ids))
     return [by_length[start : start + batch_size] for start in range(0, len(by_length), batch_size)]
 
 
 def pad_token_id(model: HookedDCFormer) -> int:
+    """The token that pads a batch.
+
+    Args:
+        model: the model, with its tokenizer.
+
+    Returns:
+        The tokenizer's pad token, else 0.
+    """
     return model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
 
 
 def score_batch(
     model: HookedDCFormer, encoded: list[EncodedSample], batch: list[int], logits: torch.Tensor
 ) -> dict[int, list[AnswerScore]]:
-    """Each sample's answers scored from its row of a batch's logits [batch, pos, vocab]."""
+    """Each sample's answers scored from its row of a batch's logits.
+
+    Args:
+        model: the model, whose tokenizer decodes the predictions.
+        encoded: the encoded samples.
+        batch: the indices into `encoded` of the batch's rows.
+        logits: the batch's logits [batch, pos, vocab].
+
+    Returns:
+        Per sample index, its answers' scores.
+    """
     scores = {}
     for row, i in enumerate(batch):
         sample = encoded[i]
@@ -262,7 +412,19 @@ def score_batch(
 
 
 def evaluate_naive(model: HookedDCFormer, records, name: str | None = None) -> pd.DataFrame:
-    """The reference: one forward pass per answer, over the tokens up to the answer's end only."""
+    """The reference for `evaluate`: one forward pass per answer, over the tokens up to the answer's end only.
+
+    Args:
+        model: the model, with its tokenizer.
+        records: Samples or {"task_id", "texts"} dicts.
+        name: the checkpoint column's value; None: the model's name.
+
+    Returns:
+        One row per answer, columns RESULT_COLUMNS.
+
+    Raises:
+        EvalError: as `evaluate`.
+    """
     import torch
 
     name = name or model.cfg.model_name
@@ -280,13 +442,34 @@ def evaluate_naive(model: HookedDCFormer, records, name: str | None = None) -> p
 
 
 def encode_all(model: HookedDCFormer, records, checkpoint: str) -> list[EncodedSample]:
-    """Check every sample and find its answers' tokens, before any forward pass."""
+    """Checks every sample and finds its answers' tokens, before any forward pass.
+
+    Args:
+        model: the model, with its tokenizer.
+        records: Samples or {"task_id", "texts"} dicts.
+        checkpoint: the checkpoint's name, for error messages.
+
+    Returns:
+        The encoded samples, in order.
+
+    Raises:
+        EvalError: the model has no tokenizer, or a sample is malformed or cannot be tokenized.
+    """
     if model.tokenizer is None:
         raise EvalError(f"{checkpoint}: the checkpoint has no tokenizer (tokenizer.json), which evaluation needs")
     return [encode_sample(parse_sample(sample), model, checkpoint) for sample in as_samples(records)]
 
 
 def padded_tokens(sequences: list[list[int]], pad_id: int) -> torch.Tensor:
+    """Token sequences right-padded into one tensor.
+
+    Args:
+        sequences: token ids, one list per sample.
+        pad_id: the padding token.
+
+    Returns:
+        The tokens [batch, pos].
+    """
     import torch
 
     width = max(len(s) for s in sequences)
@@ -294,6 +477,16 @@ def padded_tokens(sequences: list[list[int]], pad_id: int) -> torch.Tensor:
 
 
 def results_frame(checkpoint: str, encoded: list[EncodedSample], scores: list[list[AnswerScore]]) -> pd.DataFrame:
+    """The scores as a frame, one row per answer.
+
+    Args:
+        checkpoint: the checkpoint column's value.
+        encoded: the encoded samples.
+        scores: per sample, its answers' scores, in the order of `encoded`.
+
+    Returns:
+        The rows, columns RESULT_COLUMNS.
+    """
     catalog = load_catalog()
     rows = []
     for sample, sample_scores in zip(encoded, scores, strict=True):
@@ -318,7 +511,15 @@ def results_frame(checkpoint: str, encoded: list[EncodedSample], scores: list[li
 
 
 def task_labels(catalog: Catalog, task_id: str) -> tuple[str, str]:
-    """(QK pattern, OV transformation) of a task; "unknown" for a task the catalog does not have."""
+    """The QK pattern and OV transformation of a task.
+
+    Args:
+        catalog: the task catalog.
+        task_id: "taskN".
+
+    Returns:
+        (qk_pattern, ov_transformation); "unknown" for a task the catalog does not have.
+    """
     task = catalog.tasks.get(task_id)
     return (task.qk_pattern, task.ov_transformation) if task else ("unknown", "unknown")
 
@@ -329,9 +530,19 @@ PPL_POOLINGS = ("token", "answer", "answer-nll")
 
 
 def perplexity(rows: pd.DataFrame, pooling: str = "token") -> float:
-    """Perplexity of the answers in `rows` (columns nll, summed per answer, and n_tokens), pooled over answer
-    tokens ("token"), as the mean of per-answer perplexities ("answer") or as exp of the mean per-answer
-    mean NLL ("answer-nll")."""
+    """Perplexity of the answers in `rows`.
+
+    Args:
+        rows: per-answer results with columns nll (summed per answer) and n_tokens.
+        pooling: "token": pooled over answer tokens; "answer": the mean of per-answer perplexities; "answer-nll": exp
+            of the mean per-answer mean NLL.
+
+    Returns:
+        The perplexity.
+
+    Raises:
+        ValueError: an unknown pooling.
+    """
     if pooling == "token":
         return math.exp(rows["nll"].sum() / rows["n_tokens"].sum())
     per_answer = rows["nll"] / rows["n_tokens"]
@@ -343,8 +554,19 @@ def perplexity(rows: pd.DataFrame, pooling: str = "token") -> float:
 
 
 def summarize(results: pd.DataFrame, ppl_pooling: str = "token") -> dict:
-    """Per checkpoint: accuracy, perplexity (pooled as `ppl_pooling`, and under every pooling), and accuracy by K,
-    task, QK pattern and OV transformation."""
+    """Accuracy and perplexity per checkpoint.
+
+    Args:
+        results: per-answer results, from `evaluate`.
+        ppl_pooling: the pooling of "ppl", one of PPL_POOLINGS.
+
+    Returns:
+        Per checkpoint: accuracy, ppl, ppl_pooling, ppl_by_pooling (every pooling), and accuracy by K, task, QK
+        pattern and OV transformation.
+
+    Raises:
+        ValueError: an unknown pooling.
+    """
     if ppl_pooling not in PPL_POOLINGS:
         raise ValueError(f"ppl pooling must be one of {PPL_POOLINGS}, not {ppl_pooling!r}")
     summary = {}
@@ -363,13 +585,32 @@ def summarize(results: pd.DataFrame, ppl_pooling: str = "token") -> dict:
 
 
 def accuracy_by(rows: pd.DataFrame, column: str) -> dict[str, float]:
-    """Accuracy per value of a column, in the order the values first appear."""
+    """Accuracy per value of a column, in the order the values first appear.
+
+    Args:
+        rows: per-answer results.
+        column: the column to group by.
+
+    Returns:
+        Accuracy by value.
+    """
     return {str(value): float(group["correct"].mean()) for value, group in rows.groupby(column, sort=False)}
 
 
 # --------------------------------------------------------------------------------------------------
 # The data file
 def resolve_data_path(data: str) -> Path:
+    """The data file a command names.
+
+    Args:
+        data: "released" (the packaged dataset) or a path.
+
+    Returns:
+        The file's path.
+
+    Raises:
+        EvalError: no such file.
+    """
     if data == "released":
         return data_dir() / RELEASED_DATA
     path = Path(data).expanduser()

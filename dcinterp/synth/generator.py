@@ -29,28 +29,46 @@ SAMPLES_PER_TASK = 12
 
 @dataclass(frozen=True)
 class Fact:
-    """One fact of a line: a person's item, or an item of a list."""
+    """One fact of a line: a person's item, or an item of a list.
 
-    person: str | None  # None for the items of a list
+    Attributes:
+        person: the person who has the item; None for the items of a list.
+        item: the item.
+    """
+
+    person: str | None
     item: str
 
 
 @dataclass(frozen=True)
 class Line:
-    """What one line says, independent of how its task writes it."""
+    """What one line says, independent of how its task writes it.
+
+    Attributes:
+        facts: the line's facts, in the order written.
+        answer: the answer as the sampling task gives it.
+        query_person: the person the question names, where it names one.
+        query_value: the value the question names, where it names one.
+        source_item: the item whose transformation is the answer, where the answer comes from an item.
+    """
 
     facts: tuple[Fact, ...]
     answer: str
     query_person: str | None = None
     query_value: str | None = None
-    source_item: str | None = None  # the item whose transformation is the answer
+    source_item: str | None = None
 
 
 @dataclass(frozen=True)
 class Sample:
-    """One sample drawn: its lines and the draw that picks the phrasing of its questions."""
+    """One sample drawn: its lines and the draw that picks the phrasing of its questions.
 
-    phrasing_draw: float  # uniform in [0, 1); picks the phrasing by the rendering task's weights
+    Attributes:
+        phrasing_draw: uniform in [0, 1); picks the phrasing by the rendering task's weights.
+        lines: the sample's lines.
+    """
+
+    phrasing_draw: float
     lines: tuple[Line, ...]
 
 
@@ -58,7 +76,12 @@ class Sample:
 
 
 class TaskSampler:
-    """Draws the samples of one task that does not re-render another task's samples."""
+    """Draws the samples of one task that does not re-render another task's samples.
+
+    Args:
+        catalog: the task catalog.
+        task: the task that draws (`catalog.sample_source` of a task that re-renders another's samples).
+    """
 
     def __init__(self, catalog: Catalog, task: Task):
         self.catalog = catalog
@@ -76,6 +99,16 @@ class TaskSampler:
         }[task.qk_pattern]
 
     def sample(self, seed: int, index: int, lines: int = LINES_PER_SAMPLE) -> Sample:
+        """One sample, from its own generator seeded by (seed, task, index).
+
+        Args:
+            seed: the generation's seed.
+            index: the sample's index within the task.
+            lines: how many lines.
+
+        Returns:
+            The sample.
+        """
         rng = random.Random(f"dcinterp.synth:{seed}:{self.task.id}:{index}")
         phrasing_draw = rng.random()
         return Sample(phrasing_draw, tuple(self.draw_line(rng, rng.choice(self.line_pools)) for _ in range(lines)))

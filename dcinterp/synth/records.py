@@ -23,25 +23,55 @@ class DatasetError(ValueError):
 
 
 def join_lines(lines: list[str]) -> str:
+    """The texts field of a record from its lines.
+
+    Args:
+        lines: the sample's lines, without newlines.
+
+    Returns:
+        The lines joined by newlines, with one newline before the first and after the last.
+    """
     return "\n" + "\n".join(lines) + "\n"
 
 
 def sample_lines(texts: str) -> list[str]:
-    """The lines of a texts field, without its framing newlines."""
+    """The lines of a texts field, without its framing newlines.
+
+    Args:
+        texts: a record's texts field.
+
+    Returns:
+        Its lines, in order.
+    """
     return texts.removeprefix("\n").removesuffix("\n").split("\n")
 
 
 def bracket(answer: str) -> str:
+    """An answer as a bracketed line writes it.
+
+    Args:
+        answer: the answer's text.
+
+    Returns:
+        `[ answer ]`.
+    """
     return f"[ {answer} ]"
 
 
 def unbracket(texts: str) -> tuple[str, list[tuple[int, int, str, int]]]:
-    """Removes the answer brackets: returns the plain text and, per answer, (start, end,
-    answer, k_shot) with plain_text[start:end] == answer and k_shot the number of lines
-    before the answer's line (2..7 for lines 3..8).
+    """Removes the answer brackets of a texts field.
 
-    The plain text is what ``texts.replace("[ ", "").replace(" ]", "")`` gives for
-    well-formed texts; a stray or unclosed bracket raises ValueError.
+    The plain text is what ``texts.replace("[ ", "").replace(" ]", "")`` gives for well-formed texts.
+
+    Args:
+        texts: a record's texts field.
+
+    Returns:
+        The plain text and, per answer, (start, end, answer, k_shot) with `plain_text[start:end] == answer` and k_shot
+        the number of lines before the answer's line (2..7 for lines 3..8).
+
+    Raises:
+        ValueError: a stray or unclosed bracket, naming its text line.
     """
     leading_newline = 1 if texts.startswith("\n") else 0
     pieces: list[str] = []
@@ -70,7 +100,18 @@ def _reject_stray_brackets(piece: str, texts: str, offset: int) -> None:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """Reads a dataset file; raises DatasetError naming the file and line of the first problem."""
+    """Reads a dataset file.
+
+    Args:
+        path: a JSON-lines file of {"task_id", "texts"} records.
+
+    Returns:
+        The records, in file order.
+
+    Raises:
+        DatasetError: the file cannot be read, is empty, or a line is not such a record; the message names the file
+            and line of the first problem.
+    """
     try:
         raw_lines = Path(path).read_text(encoding="utf-8").split("\n")
     except (OSError, UnicodeDecodeError) as error:
@@ -96,7 +137,15 @@ def _parse_record(raw: str, path: str | os.PathLike, number: int) -> dict:
 
 
 def write_jsonl(records: list[dict], path: str | os.PathLike) -> None:
-    """Writes records in the released style; the file appears complete or not at all."""
+    """Writes records in the released style; the file appears complete or not at all.
+
+    Args:
+        records: dicts with "task_id" and "texts" (other keys are left out).
+        path: the file to write, replaced if it exists.
+
+    Raises:
+        DatasetError: the file cannot be written.
+    """
     path = Path(path)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
