@@ -12,12 +12,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "docs" / "reference"
 # The share of the public functions, classes and methods with parameters whose docstring has an `Args:` section
-# (issue 59: at least 80%).
+# (at least 80%).
 THRESHOLD = 0.8
 SECTION = re.compile(r"^(\s*)(Args|Arguments|Parameters|Attributes|Returns|Yields|Raises|Examples?|Notes?):\s*$")
 ENTRY = re.compile(r"^(\*{0,2}[A-Za-z_]\w*)(?:\s*\([^)]*\))?:(?:\s|$)")
@@ -170,7 +168,6 @@ def test_documented_arguments_are_parameters():
 
 # Until the other files of issue 59 land, the share is below THRESHOLD; strict: once it is reached, this marker
 # fails the test (XPASS) and must be removed.
-@pytest.mark.xfail(strict=True, reason="issue 59: docstrings of dcmha/, model, plotting, train, synth, qk, study")
 def test_public_functions_document_their_arguments():
     with_parameters = [entry for entry in all_entries() if entry.parameters]
     lacking = [entry.where for entry in with_parameters if not has_args(entry)]
