@@ -348,14 +348,24 @@ def target_inputs(model, transcoders, graph: AttributionGraph, outputs: Replacem
     values, 0 for errors and tokens (sources only)."""
     batch = outputs.logits.shape[0]
     inputs = torch.zeros(batch, graph.adjacency_matrix.shape[0], dtype=outputs.logits.dtype)
-    for i, (layer, pos, feature) in enumerate(graph.active_features.tolist()):
+    for layer, rows, pos, feature in features_by_layer(graph.active_features, graph.n_layers):
         tc = transcoders[layer]
-        x = outputs.mlp_inputs[layer][:, pos].to(tc.W_enc.dtype)
-        inputs[:, i] = (x @ tc.W_enc[:, feature] + tc.b_enc[feature]).to(inputs.dtype).cpu()
+        pre = tc.pre_activation(outputs.mlp_inputs[layer].to(tc.W_enc.dtype))  # [batch, pos, d_transcoder]
+        inputs[:, rows] = pre[:, pos.to(pre.device), feature.to(pre.device)].detach().to(inputs.dtype).cpu()
     vectors, biases = demeaned_unembed(model, graph.logit_tokens.to(model.unembed.W_U.device))
     logit_values = outputs.final[:, -1] @ vectors.T + biases
     inputs[:, graph.logit_index(0) :] = logit_values.detach().to(inputs.dtype).cpu()
     return inputs.detach()
+
+
+def features_by_layer(features: Tensor, n_layers: int) -> list[tuple[int, Tensor, Tensor, Tensor]]:
+    """(layer, node rows, positions, feature ids) of the active features [n, 3], a layer at a time (those with any)."""
+    groups = []
+    for layer in range(n_layers):
+        rows = (features[:, 0] == layer).nonzero().flatten()
+        if len(rows):
+            groups.append((layer, rows, features[rows, 1], features[rows, 2]))
+    return groups
 
 
 def source_columns(model, transcoders, run: ReplacementRun, features: Tensor, grads: list[Tensor]) -> Tensor:
@@ -370,13 +380,13 @@ def source_columns(model, transcoders, run: ReplacementRun, features: Tensor, gr
     """
     g_embed, g_mlp = grads[0], grads[1:]
     feature_cols = torch.zeros(g_embed.shape[0], len(features), dtype=g_embed.dtype, device=g_embed.device)
-    for layer, tc in enumerate(transcoders):
-        rows = (features[:, 0] == layer).nonzero().flatten().to(g_embed.device)
-        if len(rows):
-            pos, feat = features[rows.cpu(), 1].to(g_embed.device), features[rows.cpu(), 2].to(g_embed.device)
-            dec = tc.W_dec[feat].to(g_embed.dtype)  # [k, d]
-            act = run.acts[layer][pos, feat].to(g_embed.dtype)
-            feature_cols[:, rows] = (g_mlp[layer][:, pos] * dec).sum(-1) * act
+    for layer, rows, pos, feature in features_by_layer(features, len(transcoders)):
+        tc = transcoders[layer]
+        pos, feature = pos.to(g_embed.device), feature.to(g_embed.device)
+        along = g_mlp[layer] @ tc.W_dec.T.to(g_embed.dtype)  # [batch, pos, d_transcoder]
+        feature_cols[:, rows.to(g_embed.device)] = along[:, pos, feature] * run.acts[layer][pos, feature].to(
+            g_embed.dtype
+        )
     error_cols = [(g * e.to(g.dtype)).sum(-1) for g, e in zip(g_mlp, run.errors, strict=True)]
     embed = model.embed.W_E[run.tokens.to(g_embed.device)].to(g_embed.dtype)
     return torch.cat([feature_cols, *error_cols, (g_embed * embed).sum(-1)], dim=1)
@@ -426,31 +436,34 @@ def attribution_graph(
     values = torch.stack(run.acts)[tuple(features.T)].cpu()
     n_sources = len(features) + (L + 1) * n
     n_nodes = n_sources + len(logit_tokens)
-    # Targets: (reading layer, pos, vector); layer L reads ln_final's output.
+    # Targets: the layer whose read point they inject at (n_layers: ln_final's output), position, vector.
     vectors, _ = demeaned_unembed(model, logit_tokens.to(model.unembed.W_U.device))
-    targets = [(layer, pos, transcoders[layer].W_enc[:, feat]) for layer, pos, feat in features.tolist()]
-    targets += [(L, n - 1, v) for v in vectors]
-    rows = torch.zeros(len(targets), n_sources, dtype=run.logits.dtype)
-    if targets:
-        outputs = replacement_forward(model, transcoders, run, batch=min(batch_size, len(targets)), requires_grad=True)
+    target_layer = torch.cat([features[:, 0], torch.full((len(logit_tokens),), L)])
+    target_pos = torch.cat([features[:, 1], torch.full((len(logit_tokens),), n - 1)])
+    target_vectors = torch.cat(
+        [*(transcoders[layer].W_enc[:, feat].T for layer, _, _, feat in features_by_layer(features, L)), vectors]
+    ).to(vectors.dtype)
+    n_targets = len(target_layer)
+    rows = torch.zeros(n_targets, n_sources, dtype=run.logits.dtype)
+    if n_targets:
+        outputs = replacement_forward(model, transcoders, run, batch=min(batch_size, n_targets), requires_grad=True)
         reads = [*outputs.mlp_inputs, outputs.final]
         batch = outputs.final.shape[0]
-        for start in range(0, len(targets), batch):
-            chunk = targets[start : start + batch]
+        for start in range(0, n_targets, batch):
+            chunk = torch.arange(start, min(start + batch, n_targets))
             injections = [torch.zeros_like(r) for r in reads]
-            for i, (layer, pos, vector) in enumerate(chunk):
-                injections[layer][i, pos] = vector.to(reads[layer].dtype)
+            for layer, read in enumerate(injections):
+                here = chunk[target_layer[chunk] == layer]
+                read[here - start, target_pos[here].to(read.device)] = target_vectors[here].to(read.dtype)
             grads = torch.autograd.grad(
                 reads,
                 [outputs.embed, *outputs.mlp_outputs],
                 injections,
-                retain_graph=start + batch < len(targets),
+                retain_graph=start + batch < n_targets,
                 allow_unused=True,
                 materialize_grads=True,
             )
-            rows[start : start + len(chunk)] = source_columns(model, transcoders, run, features, grads)[
-                : len(chunk)
-            ].cpu()
+            rows[chunk] = source_columns(model, transcoders, run, features, grads)[: len(chunk)].cpu()
     adjacency = torch.zeros(n_nodes, n_nodes, dtype=rows.dtype)
     adjacency[: len(features), :n_sources] = rows[: len(features)]
     adjacency[n_sources:, :n_sources] = rows[len(features) :]
@@ -530,21 +543,35 @@ def source_vector(model, transcoders, graph: AttributionGraph, source: int) -> t
     raise ValueError(f"edge_parts: node {source} is a logit, not a source")
 
 
-def edge_parts(model, transcoders, graph: AttributionGraph, target: int, source: int) -> pd.DataFrame:
-    """An edge split into its residual part and its parts through attention by (layer, head m, source head n,
-    branch); they sum to `graph.adjacency_matrix[target, source]` (see the module docstring).
+def branch_mask(cfg, run: ReplacementRun, layer: int) -> Tensor:
+    """[branch, source head n, head m]: True where a part can be non-zero: skip, qg, kg at n = m, and qp, kp at every
+    (n, m), for the post-compose branches that are on (MHA: skip alone)."""
+    H = cfg.n_heads
+    mask = torch.zeros(len(BRANCHES), H, H, dtype=torch.bool)
+    mask[0] = torch.eye(H, dtype=torch.bool)
+    for b, branch in enumerate(BRANCHES[1:], 1):
+        if BRANCH_WEIGHT[branch] in run.post_weights[layer]:
+            mask[b] = True if branch in ("qp", "kp") else torch.eye(H, dtype=torch.bool)
+    return mask
+
+
+def edge_parts(model, transcoders, graph: AttributionGraph, target: int, sources: int | list[int]) -> pd.DataFrame:
+    """Edges into one target split into their residual part and their parts through attention by (layer, head m,
+    source head n, branch); each edge's parts sum to `graph.adjacency_matrix[target, source]` (module docstring).
+
+    One backward pass for the target, whatever the number of sources.
 
     Args:
         model: the HookedDCFormer of the graph.
         transcoders: the graph's transcoders.
         graph: the attribution graph.
         target: a feature or logit node's index.
-        source: a feature, error or token node's index.
+        sources: a feature, error or token node's index, or a list of them.
 
     Returns:
-        A frame with columns layer, head, source_head, branch, value: one row `branch == "residual"` (layer, heads
-        -1) for the path that stays at its position, then one row per (layer, m, n, branch) whose term is not
-        structurally zero, in that order.
+        A frame with columns source, layer, head, source_head, branch, value: per source, one row with branch
+        "residual" (layer and heads -1) for the path that stays at its position, then one row per (layer, m, n,
+        branch) that can be non-zero (`branch_mask`), for the attention layers between source and target.
 
     Raises:
         ValueError: a target that is not a feature or logit, or a source that is a logit.
@@ -552,45 +579,43 @@ def edge_parts(model, transcoders, graph: AttributionGraph, target: int, source:
     t_node = graph.node(target)
     if t_node["kind"] not in ("feature", "logit"):
         raise ValueError(f"edge_parts: node {target} is a {t_node['kind']}, which has no incoming edges")
-    first_layer, s, u = source_vector(model, transcoders, graph, source)
     run, cfg = graph.run, model.cfg
     read_layer, t = t_node["layer"], t_node["pos"]
     if t_node["kind"] == "feature":
         vector, norm_name = transcoders[read_layer].W_enc[:, t_node["feature"]], f"blocks.{read_layer}.ln2"
+        last = read_layer - 1 if cfg.parallel_residual else read_layer  # the last attention layer before the read
     else:
         vectors, _ = demeaned_unembed(model, torch.tensor([t_node["token"]], device=model.unembed.W_U.device))
-        vector, norm_name = vectors[0], "ln_final"
+        vector, norm_name, last = vectors[0], "ln_final", cfg.n_layers - 1
     outputs = replacement_forward(model, transcoders, run, requires_grad=True)
     read = outputs.final if t_node["kind"] == "logit" else outputs.mlp_inputs[read_layer]
     injection = torch.zeros_like(read)
     injection[0, t] = vector.to(read.dtype)
     g_z = torch.autograd.grad([read], outputs.z, [injection], allow_unused=True, materialize_grads=True)
-    # A source written after the target reads has no edge (parallel residual: the same layer's MLP included).
-    written_before = first_layer <= read_layer if t_node["kind"] == "feature" else True
-    rows = []
-    residual = 0.0
-    if written_before and s == t:
-        residual = (vector.to(u.dtype) * frozen_norm(model, norm_name, run, t, u)).sum().item()
-    rows.append(dict(layer=-1, head=-1, source_head=-1, branch="residual", value=residual))
-    # Attention layers the path can meet: from the first after the source to the last before the target reads.
-    if t_node["kind"] == "logit":
-        last = cfg.n_layers - 1
-    else:
-        last = read_layer - 1 if cfg.parallel_residual else read_layer
-    for layer in range(first_layer, last + 1):
-        W_V = model.blocks[layer].attn.W_V
-        v = torch.einsum("d,hde->he", frozen_norm(model, f"blocks.{layer}.ln1", run, s, u).to(W_V.dtype), W_V)
-        dots = torch.einsum("the,he->th", g_z[layer][0], v)  # [query t', head m]
-        terms = pattern_terms(model, run, layer)[..., s]  # [branch, n, m, t']
-        parts = torch.einsum("bnmt,tm->bnm", terms, dots.to(terms.dtype))
-        on = ["skip", *(b for b in BRANCHES[1:] if BRANCH_WEIGHT[b] in run.post_weights[layer])]
-        for branch in on:
-            b = BRANCHES.index(branch)
-            for m in range(cfg.n_heads):
-                for n_head in range(cfg.n_heads) if branch in ("qp", "kp") else (m,):
-                    value = parts[b, n_head, m].item()
-                    rows.append(dict(layer=layer, head=m, source_head=n_head, branch=branch, value=value))
-    return pd.DataFrame(rows)
+    terms, masks = {}, {}
+    columns: dict[str, list] = {name: [] for name in ("source", "layer", "head", "source_head", "branch", "value")}
+
+    def add(source, layer, head, source_head, branch, value):
+        for name, column in zip(columns, (source, layer, head, source_head, branch, value), strict=True):
+            columns[name].extend(column)
+
+    for source in [sources] if isinstance(sources, int) else sources:
+        first_layer, s, u = source_vector(model, transcoders, graph, source)
+        residual = 0.0  # a source written after the target reads (same layer, parallel residual included) has none
+        if s == t and (t_node["kind"] == "logit" or first_layer <= read_layer):
+            residual = (vector.to(u.dtype) * frozen_norm(model, norm_name, run, t, u)).sum().item()
+        add([source], [-1], [-1], [-1], ["residual"], [residual])
+        for layer in range(first_layer, last + 1):
+            if layer not in terms:
+                terms[layer], masks[layer] = pattern_terms(model, run, layer), branch_mask(cfg, run, layer)
+            W_V = model.blocks[layer].attn.W_V
+            v = torch.einsum("d,hde->he", frozen_norm(model, f"blocks.{layer}.ln1", run, s, u).to(W_V.dtype), W_V)
+            dots = torch.einsum("the,he->th", g_z[layer][0], v)  # [query t', head m]
+            parts = torch.einsum("bnmt,tm->bnm", terms[layer][..., s], dots.to(terms[layer].dtype))
+            b, n, m = masks[layer].nonzero(as_tuple=True)
+            k = len(b)
+            add([source] * k, [layer] * k, m.tolist(), n.tolist(), [BRANCHES[i] for i in b], parts[b, n, m].tolist())
+    return pd.DataFrame(columns)
 
 
 # ----------------------------------------------------------------------------------------------
