@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -221,7 +222,7 @@ def load_transcoders(directory: str | Path, device=None, dtype: torch.dtype | No
             if activation == "jumprelu":
                 state["threshold"] = tensors["activation_function.threshold"]
             tc.load_state_dict(state)
-        except (OSError, KeyError, RuntimeError, ValueError) as error:
+        except (OSError, KeyError, RuntimeError, ValueError, SafetensorError) as error:
             raise ValueError(f"load_transcoders: {path}: {error}") from None
         transcoders.append(tc.to(device=device, dtype=dtype or tensors["W_enc"].dtype).requires_grad_(False))
     return transcoders
