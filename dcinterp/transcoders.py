@@ -26,6 +26,7 @@ a decoder-norm-weighted L1 penalty (Anthropic's recipe), or TopK ones.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -249,8 +250,10 @@ def read_corpus(path: str | Path, key: str = "text") -> list[str]:
     path = Path(path)
     try:
         lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"read_corpus: {path}: {error}") from None
+    except OSError as error:
+        raise ValueError(f"read_corpus: {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"read_corpus: {path}: not UTF-8 text") from None
     texts = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -472,3 +475,70 @@ def transcoder_metrics(model, transcoders: list[Transcoder], batches: Iterable[T
             )
         )
     return metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m dcinterp.transcoders --checkpoint C --corpus FILE --out DIR [...]`: train one transcoder a layer
+    on a checkpoint's MLP activations over a corpus (text or JSON lines), measure them on `--eval-corpus` (default:
+    the corpus), and write them to DIR (written beside it first, so that a failed run leaves nothing half-written).
+
+    Args:
+        argv: the arguments (default: sys.argv[1:]).
+
+    Returns:
+        The exit status: 0, or 1 after one line on stderr.
+    """
+    import shutil
+    import sys
+    import tempfile
+
+    from .cli import Parser, check_writable_dir
+
+    parser = Parser(prog="python -m dcinterp.transcoders", description=main.__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint folder or an embedded model's name")
+    parser.add_argument("--corpus", required=True, type=Path, help="text (a text a line) or JSON lines ('text')")
+    parser.add_argument("--eval-corpus", type=Path, help="what the metrics are measured on (default: --corpus)")
+    parser.add_argument("--out", required=True, type=Path, help="the folder to write")
+    parser.add_argument("--eval-batches", type=int, default=20, help="token batches the metrics read")
+    parser.add_argument("--device", default="cpu")
+    defaults = TrainConfig()
+    for name, value in defaults.__dict__.items():
+        kind = float if isinstance(value, float) else int if isinstance(value, int) or name == "k" else str
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value)
+    args = parser.parse_args(argv)
+    prog = parser.prog
+    try:
+        from . import HookedDCFormer
+
+        check_writable_dir(args.out, "--out")
+        config = TrainConfig(**{name: getattr(args, name) for name in defaults.__dict__})
+        Transcoder(1, 1, 0, config.activation, config.k)  # the activation's settings, checked before any work
+        texts = read_corpus(args.corpus)
+        eval_texts = read_corpus(args.eval_corpus) if args.eval_corpus else texts
+        model = HookedDCFormer.from_pretrained(args.checkpoint, device=args.device).eval().requires_grad_(False)
+        log = lambda step, losses: print(f"step {step}: loss " + ", ".join(f"{v:.4g}" for v in losses.values()))  # noqa: E731
+        transcoders = train_transcoders(model, texts, config, log=log)
+        batches = itertools.islice(
+            token_batches(model, eval_texts, config.batch_size, config.seq_len), args.eval_batches
+        )
+        metrics = transcoder_metrics(model, transcoders, batches)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{args.out.name}.", dir=args.out.parent))
+        save_transcoders(transcoders, staging, metrics)
+        if args.out.exists():
+            shutil.rmtree(args.out)
+        staging.rename(args.out)
+    except (ValueError, OSError) as error:
+        print(f"{prog}: {error}", file=sys.stderr)
+        return 1
+    for m in metrics:
+        print(f"layer {m['layer']}: fvu {m['fvu']:.4f}, l0 {m['l0']:.2f}, dead {m['dead']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

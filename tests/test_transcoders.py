@@ -18,6 +18,7 @@ from dcinterp.transcoders import (
     Transcoder,
     init_transcoder,
     load_transcoders,
+    main,
     mlp_activations,
     random_transcoders,
     read_corpus,
@@ -143,3 +144,19 @@ def test_metrics_of_the_mean_are_one(model):
     tc.b_dec.data.copy_(outputs.mean(0))
     (metrics,) = transcoder_metrics(model, [tc], batches)
     assert metrics["fvu"] == pytest.approx(1.0, rel=1e-5) and metrics["l0"] == 0 and metrics["dead"] == 1
+
+
+def test_command_line(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(CORPUS))
+    out = tmp_path / "transcoders"
+    common = ["--checkpoint", "dcpythia-synth", "--out", str(out), "--batch-size", "2", "--seq-len", "32"]
+    assert main([*common, "--corpus", str(tmp_path / "missing.txt")]) == 1
+    assert capsys.readouterr().err.strip().endswith("missing.txt: No such file or directory") and not out.exists()
+    assert main([*common, "--corpus", str(corpus), "--activation", "topk"]) == 1
+    assert "needs k > 0" in capsys.readouterr().err and not out.exists()
+    assert main([*common, "--corpus", str(corpus), "--steps", "3", "--d-transcoder", "16", "--eval-batches", "1"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in printed] == ["layer 0", "layer 1", "layer 2"]
+    assert [tc.d_transcoder for tc in load_transcoders(out)] == [16, 16, 16]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # the staging folder is gone
