@@ -337,8 +337,9 @@ def salient_logits(logits: Tensor, max_n_logits: int = 10, desired_logit_prob: f
 
 
 def demeaned_unembed(model, tokens: Tensor) -> tuple[Tensor, Tensor]:
-    """(W_U[:, k] - mean_j W_U[:, j] [n, d_model], b_U[k] - mean b_U [n]) for the token ids k: a logit minus the
-    mean logit is the final normed stream times the first, plus the second."""
+    """For token ids k (n of them): the demeaned unembedding vectors `W_U[:, k] - mean_j W_U[:, j]`, shape
+    [n, d_model], and biases `b_U[k] - mean b_U`, shape [n]. A logit minus the mean logit is the final normed stream
+    times the first, plus the second."""
     W_U, b_U = model.unembed.W_U, model.unembed.b_U
     return (W_U[:, tokens] - W_U.mean(1, keepdim=True)).T, b_U[tokens] - b_U.mean()
 

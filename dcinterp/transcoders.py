@@ -39,6 +39,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from .loading import EMBEDDED_DIR
+
 FEATURE_INPUT_HOOK = "ln2.hook_normalized"  # under blocks.{l}: what the MLP reads
 FEATURE_OUTPUT_HOOK = "hook_mlp_out"  # under blocks.{l}: what the MLP writes
 ACTIVATIONS = ("relu", "jumprelu", "topk")
@@ -190,7 +192,8 @@ def load_transcoders(directory: str | Path, device=None, dtype: torch.dtype | No
     """Read transcoders that `save_transcoders` wrote.
 
     Args:
-        directory: the folder with `config.yaml` and the layer files.
+        directory: the folder with `config.yaml` and the layer files, or an embedded model's name
+            (`dcpythia-synth`, `pythia-synth`: the transcoders shipped beside it).
         device: where to put them (default: the CPU).
         dtype: their dtype (default: as stored).
 
@@ -201,6 +204,8 @@ def load_transcoders(directory: str | Path, device=None, dtype: torch.dtype | No
         ValueError: a missing or unreadable config or layer file, or a key missing from one (the file named).
     """
     directory = Path(directory)
+    if not directory.is_dir() and (EMBEDDED_DIR / str(directory) / "transcoders").is_dir():
+        directory = EMBEDDED_DIR / str(directory) / "transcoders"
     config_path = directory / "config.yaml"
     try:
         config = json.loads(config_path.read_text())
