@@ -334,7 +334,7 @@ class TrainConfig:
         d_transcoder: features a layer.
         activation: "relu" (with the L1 penalty) or "topk".
         k: features a token for "topk".
-        l1_coefficient: weight of sum_i |a_i| ||W_dec[i]|| per token against the squared error (relu).
+        l1_coefficient: weight of the sparsity penalty (relu; see `transcoder_loss`).
         lr: Adam's learning rate.
         batch_size: rows of tokens a step.
         seq_len: tokens a row.
@@ -369,12 +369,26 @@ def init_transcoder(layer: int, inputs: Tensor, outputs: Tensor, config: TrainCo
 
 
 def transcoder_loss(tc: Transcoder, inputs: Tensor, outputs: Tensor, l1_coefficient: float) -> tuple[Tensor, Tensor]:
-    """(loss, acts): mean squared error per token (summed over d_model) plus, for ReLU, the L1 penalty."""
+    """(loss, acts) on a batch of tokens: the squared error over the outputs' variance (the batch's fraction of
+    variance unexplained), plus, for ReLU, `l1_coefficient` times the mean over tokens of sum_i a_i ||W_dec[i]||
+    over the outputs' standard deviation. Both terms are unchanged when the outputs are scaled, so one coefficient
+    fits every layer.
+
+    Args:
+        tc: the transcoder.
+        inputs: MLP inputs [tokens, d_model].
+        outputs: MLP outputs [tokens, d_model].
+        l1_coefficient: the sparsity penalty's weight.
+
+    Returns:
+        (the loss, the feature activations [tokens, d_transcoder]).
+    """
     acts = tc.encode(inputs)
-    error = (tc.decode(acts) - outputs).pow(2).sum(-1).mean()
+    variance = (outputs - outputs.mean(0)).pow(2).sum(-1).mean().clamp_min(1e-12)
+    loss = (tc.decode(acts) - outputs).pow(2).sum(-1).mean() / variance
     if tc.activation == "relu" and l1_coefficient:
-        error = error + l1_coefficient * (acts * tc.W_dec.norm(dim=1)).sum(-1).mean()
-    return error, acts
+        loss = loss + l1_coefficient * (acts * tc.W_dec.norm(dim=1)).sum(-1).mean() / variance.sqrt()
+    return loss, acts
 
 
 def train_transcoders(
