@@ -369,25 +369,32 @@ def features_by_layer(features: Tensor, n_layers: int) -> list[tuple[int, Tensor
     return groups
 
 
-def source_columns(model, transcoders, run: ReplacementRun, features: Tensor, grads: list[Tensor]) -> Tensor:
+def scaled_decoders(transcoders, run: ReplacementRun, features: Tensor) -> list[tuple[int, Tensor, Tensor, Tensor]]:
+    """Per layer with active features: (layer, their node rows, positions, activation x decoder vectors [k, d_model]):
+    what each feature writes into the stream."""
+    groups = []
+    for layer, rows, pos, feature in features_by_layer(features, len(transcoders)):
+        dec = transcoders[layer].W_dec[feature.to(run.acts[layer].device)]
+        act = run.acts[layer][pos.to(dec.device), feature.to(dec.device)]
+        groups.append((layer, rows, pos, act[:, None].to(dec.dtype) * dec))
+    return groups
+
+
+def source_columns(model, run: ReplacementRun, n_features: int, decoders: list, grads: list[Tensor]) -> Tensor:
     """Edge rows from gradients at the sources' write points: [batch, n_features + (n_layers + 1) n_pos].
 
     Args:
         model: the HookedDCFormer.
-        transcoders: one per layer.
         run: the prompt's frozen values.
-        features: [n_features, 3] (layer, pos, feature) of the active features.
+        n_features: the number of active features.
+        decoders: `scaled_decoders` of the active features.
         grads: the gradients at the embeddings, then at each layer's MLP output [batch, pos, d_model].
     """
     g_embed, g_mlp = grads[0], grads[1:]
-    feature_cols = torch.zeros(g_embed.shape[0], len(features), dtype=g_embed.dtype, device=g_embed.device)
-    for layer, rows, pos, feature in features_by_layer(features, len(transcoders)):
-        tc = transcoders[layer]
-        pos, feature = pos.to(g_embed.device), feature.to(g_embed.device)
-        along = g_mlp[layer] @ tc.W_dec.T.to(g_embed.dtype)  # [batch, pos, d_transcoder]
-        feature_cols[:, rows.to(g_embed.device)] = along[:, pos, feature] * run.acts[layer][pos, feature].to(
-            g_embed.dtype
-        )
+    feature_cols = torch.zeros(g_embed.shape[0], n_features, dtype=g_embed.dtype, device=g_embed.device)
+    for layer, rows, pos, written in decoders:
+        along = torch.einsum("bkd,kd->bk", g_mlp[layer][:, pos.to(g_embed.device)], written.to(g_embed.dtype))
+        feature_cols[:, rows.to(g_embed.device)] = along
     error_cols = [(g * e.to(g.dtype)).sum(-1) for g, e in zip(g_mlp, run.errors, strict=True)]
     embed = model.embed.W_E[run.tokens.to(g_embed.device)].to(g_embed.dtype)
     return torch.cat([feature_cols, *error_cols, (g_embed * embed).sum(-1)], dim=1)
@@ -449,6 +456,7 @@ def attribution_graph(
     if n_targets:
         outputs = replacement_forward(model, transcoders, run, batch=min(batch_size, n_targets), requires_grad=True)
         reads = [*outputs.mlp_inputs, outputs.final]
+        decoders = scaled_decoders(transcoders, run, features)
         batch = outputs.final.shape[0]
         for start in range(0, n_targets, batch):
             chunk = torch.arange(start, min(start + batch, n_targets))
@@ -464,7 +472,7 @@ def attribution_graph(
                 allow_unused=True,
                 materialize_grads=True,
             )
-            rows[chunk] = source_columns(model, transcoders, run, features, grads)[: len(chunk)].cpu()
+            rows[chunk] = source_columns(model, run, len(features), decoders, grads)[: len(chunk)].cpu()
     adjacency = torch.zeros(n_nodes, n_nodes, dtype=rows.dtype)
     adjacency[: len(features), :n_sources] = rows[: len(features)]
     adjacency[n_sources:, :n_sources] = rows[len(features) :]
