@@ -27,60 +27,28 @@ def cantor_pairing(x: int, y: int) -> int:
 def node_json(graph: AttributionGraph, index: int, influence: float, token_str) -> dict:
     """One node as circuit-tracer's `Node` (feature, error, embedding or logit)."""
     node = graph.node(index)
-    pos = node["pos"]
-    common = dict(ctx_idx=pos, token_prob=0.0, is_target_logit=False, run_idx=0, reverse_ctx_idx=0, clerp="")
-    if node["kind"] == "feature":
-        layer, feature = node["layer"], node["feature"]
-        activation = graph.activation_values[index].item()
-        return dict(
-            common,
-            node_id=f"{layer}_{feature}_{pos}",
-            feature=cantor_pairing(layer, feature),
-            layer=str(layer),
-            feature_type="cross layer transcoder",
-            jsNodeId=f"{layer}_{feature}-0",
-            influence=influence,
-            activation=activation,
-        )
-    if node["kind"] == "error":
-        layer = node["layer"]
-        return dict(
-            common,
-            node_id=f"0_{layer}_{pos}",
-            feature=-1,
-            layer=str(layer),
-            feature_type="mlp reconstruction error",
-            jsNodeId=f"{layer}_{pos}-0",
-            influence=influence,
-            activation=None,
-        )
-    if node["kind"] == "token":
+    kind, pos, layer = node["kind"], node["pos"], node["layer"]
+    entry = dict(ctx_idx=pos, token_prob=0.0, is_target_logit=False, run_idx=0, reverse_ctx_idx=0, clerp="")
+    entry.update(influence=influence, activation=None)
+    if kind == "feature":
+        feature = node["feature"]
+        entry.update(node_id=f"{layer}_{feature}_{pos}", feature=cantor_pairing(layer, feature), layer=str(layer))
+        entry.update(feature_type="cross layer transcoder", jsNodeId=f"{layer}_{feature}-0")
+        entry.update(activation=graph.activation_values[index].item())
+    elif kind == "error":
+        entry.update(node_id=f"0_{layer}_{pos}", feature=-1, layer=str(layer), feature_type="mlp reconstruction error")
+        entry.update(jsNodeId=f"{layer}_{pos}-0")
+    elif kind == "token":
         token = node["token"]
-        return dict(
-            common,
-            node_id=f"E_{token}_{pos}",
-            feature=pos,
-            layer="E",
-            feature_type="embedding",
-            jsNodeId=f"E_{token}-{pos}",
-            influence=influence,
-            activation=None,
-        )
-    i = index - graph.logit_index(0)
-    token, prob, layer = node["token"], graph.logit_probabilities[i].item(), str(graph.n_layers + 1)
-    return dict(
-        common,
-        node_id=f"{layer}_{token}_{pos}",
-        feature=token,
-        layer=layer,
-        feature_type="logit",
-        token_prob=prob,
-        is_target_logit=i == 0,
-        jsNodeId=f"L_{token}-{pos}",
-        clerp=f'Output "{token_str(token)}" (p={prob:.3f})',
-        influence=None,
-        activation=None,
-    )
+        entry.update(node_id=f"E_{token}_{pos}", feature=pos, layer="E", feature_type="embedding")
+        entry.update(jsNodeId=f"E_{token}-{pos}")
+    else:
+        i, token, top = index - graph.logit_index(0), node["token"], str(graph.n_layers + 1)
+        prob = graph.logit_probabilities[i].item()
+        entry.update(node_id=f"{top}_{token}_{pos}", feature=token, layer=top, feature_type="logit", influence=None)
+        entry.update(token_prob=prob, is_target_logit=i == 0, jsNodeId=f"L_{token}-{pos}")
+        entry.update(clerp=f'Output "{token_str(token)}" (p={prob:.3f})')
+    return entry
 
 
 def graph_json(

@@ -56,15 +56,13 @@ def test_nodes_and_links(exported):
     assert with_parts > 0
 
 
+# circuit-tracer's node ids (its frontend.graph_models.Node constructors), by node kind
+NODE_IDS = {"feature": "{layer}_{feature}_{pos}", "error": "0_{layer}_{pos}", "token": "E_{token}_{pos}"}
+
+
 def graph_node_id(graph, index: int) -> str:
     node = graph.node(index)
-    if node["kind"] == "feature":
-        return f"{node['layer']}_{node['feature']}_{node['pos']}"
-    if node["kind"] == "error":
-        return f"0_{node['layer']}_{node['pos']}"
-    if node["kind"] == "token":
-        return f"E_{node['token']}_{node['pos']}"
-    return f"{graph.n_layers + 1}_{node['token']}_{node['pos']}"
+    return NODE_IDS.get(node["kind"], "{top}_{token}_{pos}").format(**node, top=graph.n_layers + 1)
 
 
 def test_graph_metadata_lists_each_graph_once(exported):
