@@ -93,7 +93,7 @@ def plot_attribution_graph(
     token_labels: list[str] | None = None,
     labels: dict[tuple[int, int], str] | None = None,
     title: str | None = None,
-    max_labels: int = 12,
+    max_labels: int = 8,
 ) -> Figure:
     """A pruned graph as a matplotlib figure.
 
@@ -121,9 +121,10 @@ def plot_attribution_graph(
     for index, (x, y) in layout.items():
         ax.scatter([x], [y], s=28, color=colours[graph.node(index)["kind"]], zorder=3)
     strongest = sorted(((abs(w), t, s) for t, s, w in edges if labels and (t, s) in labels), reverse=True)
-    for _, t, s in strongest[:max_labels]:
+    for rank, (_, t, s) in enumerate(strongest[:max_labels]):
         (x0, y0), (x1, y1) = layout[s], layout[t]
-        ax.annotate(labels[(t, s)], ((x0 + x1) / 2, (y0 + y1) / 2), fontsize=6, ha="center", color="0.15")
+        f = 0.2 + 0.6 * rank / max(1, min(max_labels, len(strongest)) - 1)  # staggered along the edges: no pile-up
+        ax.annotate(labels[(t, s)], (x0 + f * (x1 - x0), y0 + f * (y1 - y0)), fontsize=6, ha="center", color="0.15")
     tokens = token_labels or [str(t) for t in graph.run.tokens.tolist()]
     ax.set_xticks(range(graph.n_pos), [str(t).replace("\n", "\\n") for t in tokens], rotation=90, fontsize=7)
     rows = ["tokens", *(f"layer {layer}" for layer in range(graph.n_layers)), "logits"]

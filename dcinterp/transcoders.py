@@ -137,13 +137,16 @@ def random_transcoders(
     return transcoders
 
 
-def save_transcoders(transcoders: list[Transcoder], directory: str | Path, metrics: list[dict] | None = None) -> Path:
+def save_transcoders(
+    transcoders: list[Transcoder], directory: str | Path, metrics: list[dict] | None = None, info: dict | None = None
+) -> Path:
     """Write transcoders in circuit-tracer's `transcoder_set` layout (see the module docstring).
 
     Args:
         transcoders: one per layer, layer 0 first.
         directory: the folder to write (created; files in it of the same names are replaced).
         metrics: per layer, what `transcoder_metrics` gives, stored in the config.
+        info: how they were made (corpus, settings), stored in the config as it is.
 
     Returns:
         The path of the config file.
@@ -182,6 +185,7 @@ def save_transcoders(transcoders: list[Transcoder], directory: str | Path, metri
         "d_model": first.d_model,
         "d_transcoder": first.d_transcoder,
         "metrics": metrics,
+        "info": info,
     }
     path = directory / "config.yaml"
     path.write_text(json.dumps(config, indent=1) + "\n")
