@@ -21,7 +21,7 @@ from dcinterp.attribution_graph import (
     salient_logits,
     target_inputs,
 )
-from dcinterp.transcoders import random_transcoders
+from dcinterp.transcoders import load_transcoders, random_transcoders
 from tests.numerics import assert_as_exact_as, float64_copy
 from tests.test_qk import SHAPES, tiny
 
@@ -240,3 +240,40 @@ def test_pruned_graph_keeps_tokens_and_logits(case):
     assert not edge_mask[~node_mask].any() and not edge_mask[:, ~node_mask].any()
     replacement, completeness = graph_scores(graph)
     assert 0 < replacement < 1 and 0 < completeness < 1
+
+
+CASE_STUDY = (  # docs/attribution-graphs.md's prompt: the case study's person lookup
+    "\n< Ruth has a sweater. Steven has a taxi. Brian has a dog. >. Steven owns a kind of vehicle"
+    "\n< Brian has a violin. Barbara has a pistol. Nancy has a banana. >. Nancy owns a kind of fruit"
+    "\n< Michelle has a burger. Helen has a papaya. Carol has a cannon. >. Michelle owns a kind of"
+)
+DOCUMENTED = {  # features, kept nodes, kept edges, replacement, completeness, strongest edge into the logit
+    "dcpythia-synth": (2288, 83, 27, 0.83, 0.93, 5.87),
+    "pythia-synth": (2207, 83, 38, 0.79, 0.91, 5.60),
+}
+
+
+@pytest.mark.parametrize("name", list(DOCUMENTED))
+def test_the_documented_person_lookup_graphs(name):
+    model = HookedDCFormer.from_pretrained(name).eval().requires_grad_(False)
+    transcoders = load_transcoders(name)
+    tokens = model.to_tokens(CASE_STUDY)[0]
+    graph = attribution_graph(model, transcoders, tokens)
+    node_mask, edge_mask, _ = prune_graph(graph)
+    features, nodes, edges, replacement, completeness, strongest = DOCUMENTED[name]
+    assert model.tokenizer.decode(graph.logit_tokens.tolist()) == "food"
+    assert (graph.n_features, int(node_mask.sum()), int(edge_mask.sum())) == (features, nodes, edges)
+    assert [round(score, 2) for score in graph_scores(graph)] == [replacement, completeness]
+    logit = graph.logit_index(0)
+    top = int(graph.adjacency_matrix[logit].abs().argmax())
+    assert graph.node(top) == dict(kind="token", layer=-1, pos=55, token=model.to_single_token("burger"))
+    assert round(graph.adjacency_matrix[logit, top].item(), 2) == strongest
+    parts = edge_parts(model, transcoders, graph, logit, edge_mask[logit].nonzero().flatten().tolist())
+    attention = parts[parts.branch != "residual"]
+    share = attention.groupby("branch").value.apply(lambda v: v.abs().sum()) / attention.value.abs().sum()
+    cross = attention[attention["head"] != attention["source_head"]].value.abs().sum() / attention.value.abs().sum()
+    if model.cfg.use_dcmha:  # the page's shares: skip 32%, qp 20%, kp 20%, qg 15%, kg 13%; 30% across heads
+        assert share.round(2).to_dict() == {"kg": 0.13, "kp": 0.2, "qg": 0.15, "qp": 0.2, "skip": 0.32}
+        assert round(cross, 2) == 0.3
+    else:
+        assert share.to_dict() == {"skip": 1.0} and cross == 0
