@@ -627,6 +627,38 @@ def edge_parts(model, transcoders, graph: AttributionGraph, target: int, sources
     return pd.DataFrame(columns)
 
 
+def live_removal(model, transcoders, graph: AttributionGraph, source: int) -> Tensor:
+    """How much the model's own prediction moves when a source is removed with nothing frozen: its written vector
+    (a feature's activation x decoder row, an error vector, a token's embedding) subtracted where it is written, and
+    the patterns, the compose, the norms and the MLPs all recomputed. The estimate beside it is the source's
+    direct edge into each logit (`graph.adjacency_matrix[logit, source]`, with P' and the norms frozen and every
+    other node held).
+
+    Args:
+        model: the HookedDCFormer of the graph.
+        transcoders: the graph's transcoders.
+        graph: the graph.
+        source: a feature, error or token node's index.
+
+    Returns:
+        [n_logits]: the change of each explained logit's demeaned value (removed minus original).
+    """
+    _, pos, u = source_vector(model, transcoders, graph, source)
+    node = graph.node(source)
+    name = "hook_embed" if node["kind"] == "token" else f"blocks.{node['layer']}.{FEATURE_OUTPUT_HOOK}"
+
+    def remove(x, hook):
+        x = x.clone()
+        x[:, pos] -= u.to(x.dtype)
+        return x
+
+    with torch.no_grad():
+        before = model(graph.run.tokens[None].to(model.input_device))[0, -1]
+        after = model.run_with_hooks(graph.run.tokens[None].to(model.input_device), fwd_hooks=[(name, remove)])[0, -1]
+    tokens = graph.logit_tokens.to(before.device)
+    return ((after[tokens] - after.mean()) - (before[tokens] - before.mean())).double().cpu()
+
+
 # ----------------------------------------------------------------------------------------------
 # Pruning and scores (circuit-tracer 0.5's definitions)
 

@@ -15,6 +15,7 @@ from dcinterp.attribution_graph import (
     attribution_graph,
     edge_parts,
     graph_scores,
+    live_removal,
     pattern_terms,
     prune_graph,
     replacement_forward,
@@ -247,9 +248,10 @@ CASE_STUDY = (  # docs/attribution-graphs.md's prompt: the case study's person l
     "\n< Brian has a violin. Barbara has a pistol. Nancy has a banana. >. Nancy owns a kind of fruit"
     "\n< Michelle has a burger. Helen has a papaya. Carol has a cannon. >. Michelle owns a kind of"
 )
-DOCUMENTED = {  # features, kept nodes, kept edges, replacement, completeness, strongest edge into the logit
-    "dcpythia-synth": (2288, 83, 27, 0.83, 0.93, 5.87),
-    "pythia-synth": (2207, 83, 38, 0.79, 0.91, 5.60),
+DOCUMENTED = {  # features, kept nodes, kept edges, replacement, completeness, strongest edge into the logit, and
+    # for the feature with the strongest edge: minus its edge, and its live removal's change of the logit
+    "dcpythia-synth": (2288, 83, 27, 0.83, 0.93, 5.87, (-2.820, -0.366)),
+    "pythia-synth": (2207, 83, 38, 0.79, 0.91, 5.60, (-1.170, -1.207)),
 }
 
 
@@ -260,7 +262,7 @@ def test_the_documented_person_lookup_graphs(name):
     tokens = model.to_tokens(CASE_STUDY)[0]
     graph = attribution_graph(model, transcoders, tokens)
     node_mask, edge_mask, _ = prune_graph(graph)
-    features, nodes, edges, replacement, completeness, strongest = DOCUMENTED[name]
+    features, nodes, edges, replacement, completeness, strongest, live = DOCUMENTED[name]
     assert model.tokenizer.decode(graph.logit_tokens.tolist()) == "food"
     assert (graph.n_features, int(node_mask.sum()), int(edge_mask.sum())) == (features, nodes, edges)
     assert [round(score, 2) for score in graph_scores(graph)] == [replacement, completeness]
@@ -272,8 +274,32 @@ def test_the_documented_person_lookup_graphs(name):
     attention = parts[parts.branch != "residual"]
     share = attention.groupby("branch").value.apply(lambda v: v.abs().sum()) / attention.value.abs().sum()
     cross = attention[attention["head"] != attention["source_head"]].value.abs().sum() / attention.value.abs().sum()
+    feature = int(graph.adjacency_matrix[logit, : graph.n_features].abs().argmax())
+    removal = (
+        round(-graph.adjacency_matrix[logit, feature].item(), 3),
+        round(live_removal(model, transcoders, graph, feature)[0].item(), 3),
+    )
+    assert removal == live
     if model.cfg.use_dcmha:  # the page's shares: skip 32%, qp 20%, kp 20%, qg 15%, kg 13%; 30% across heads
         assert share.round(2).to_dict() == {"kg": 0.13, "kp": 0.2, "qg": 0.15, "qp": 0.2, "skip": 0.32}
         assert round(cross, 2) == 0.3
     else:
         assert share.to_dict() == {"skip": 1.0} and cross == 0
+
+
+def test_live_removal_is_the_model_run_without_the_source(case):
+    """With nothing frozen, removing a token's embedding is the model run on embeddings without it (an independent
+    route: `start_at_layer=0`); removing a feature moves the prediction."""
+    model, graph = case["model64"], case["g64"]
+    source = graph.token_index(graph.n_pos - 2)
+    moved = live_removal(model, case["tc64"], graph, source)
+    embed = model.embed.W_E[graph.run.tokens][None].clone()
+    embed[0, -2] = 0
+    with torch.no_grad():
+        before = model(graph.run.tokens[None])[0, -1]
+        after = model(embed, start_at_layer=0)[0, -1]
+    tokens = graph.logit_tokens
+    expected = (after[tokens] - after.mean()) - (before[tokens] - before.mean())
+    assert (moved - expected).abs().max() <= 1e-12 * max(1.0, expected.abs().max())
+    feature = int(graph.adjacency_matrix[graph.logit_index(0), : graph.n_features].abs().argmax())
+    assert live_removal(model, case["tc64"], graph, feature).abs().max() > 0
