@@ -769,3 +769,34 @@ def graph_scores(graph: AttributionGraph) -> tuple[float, float]:
     output_influence = influence + weights
     completeness = (non_error * output_influence).sum() / output_influence.sum()
     return replacement.item(), completeness.item()
+
+
+def edge_labels(model, transcoders, graph: AttributionGraph, edge_mask: Tensor) -> dict[tuple[int, int], str]:
+    """For each kept edge that moves between positions: its largest part through attention, as
+    `L1 H2<-H0 qp (62%)` (layer, head m, source head n, branch, its share of the edge).
+
+    Args:
+        model: the HookedDCFormer of the graph.
+        transcoders: the graph's transcoders.
+        graph: the graph.
+        edge_mask: [n_nodes, n_nodes] the edges to label (`prune_graph`'s).
+
+    Returns:
+        {(target, source): label}.
+    """
+    labels = {}
+    targets, sources = edge_mask.nonzero(as_tuple=True)
+    by_target: dict[int, list[int]] = {}
+    for target, source in zip(targets.tolist(), sources.tolist(), strict=True):
+        if graph.node(target)["pos"] != graph.node(source)["pos"]:
+            by_target.setdefault(target, []).append(source)
+    for target, kept in by_target.items():
+        frame = edge_parts(model, transcoders, graph, target, kept)
+        frame = frame[frame.branch != "residual"]
+        for source, rows in frame.groupby("source"):
+            top = rows.loc[rows.value.abs().idxmax()]
+            share = top.value / graph.adjacency_matrix[target, source].item()
+            labels[(target, int(source))] = (
+                f"L{top.layer} H{top['head']}<-H{top.source_head} {top.branch} ({share:.0%})"
+            )
+    return labels

@@ -1,4 +1,4 @@
-"""A pruned attribution graph drawn (dcinterp.graph_plot): every kept node placed in its position's column and its
+"""A pruned attribution graph drawn (dcinterp.plotting.graph): every kept node placed in its position's column and its
 layer's row, attention edges labelled with their largest part, and an interactive page that needs no network."""
 
 import re
@@ -6,8 +6,8 @@ import re
 import pytest
 
 from dcinterp import HookedDCFormer
-from dcinterp.attribution_graph import attribution_graph, edge_parts, prune_graph
-from dcinterp.graph_plot import edge_labels, node_layout, plot_attribution_graph, write_graph_html
+from dcinterp.attribution_graph import attribution_graph, edge_labels, edge_parts, prune_graph
+from dcinterp.plotting.graph import node_layout, plot_attribution_graph, write_graph_html
 from dcinterp.transcoders import random_transcoders
 from tests.test_graph import PROMPT
 

@@ -57,6 +57,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "dcinterp.views",
         "dcinterp.synth.evaluate",
         "dcinterp.synth.accuracy",
+        "dcinterp.transcoders",
+        "dcinterp.attribution_graph",
+        "dcinterp.graph_export",
     ),
     "plotting": ("dcinterp.plotting",),
     "applications": (

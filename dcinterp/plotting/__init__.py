@@ -1,5 +1,6 @@
 """Figures for the results of `attribution`, `composition`, `qk`, `circuits`, `patching`, `discovery`, the synthetic
-evaluation and the study: one module per analysis family, every name importable from `dcinterp.plotting`.
+evaluation, the study and attribution graphs: one module per analysis family, every name importable from
+`dcinterp.plotting`.
 
 Every function takes results (tensors, dataclasses, DataFrames), never a model, and returns a figure
 (`matplotlib.figure.Figure`, or `plotly.graph_objects.Figure` for the `*_plotly` ones); nothing is shown.
@@ -38,6 +39,8 @@ what its figure shows, and `caption=` draws a line under the figure where one is
                   plot_study_held_out               each seed's twins on the held-out combinations
                   plot_study_head_diversity         Fig. 5's curves of every run, per architecture
                   plot_study_learning_curves        probe accuracy against the step, the shared start marked
+    graph         plot_attribution_graph            a pruned attribution graph: tokens, features by layer, logits
+                  write_graph_html                  the same as an offline interactive page
 """
 
 from .attribution import plot_head_attribution, plot_head_attribution_plotly
@@ -50,6 +53,7 @@ from .composition import (
     plot_composition_maps,
 )
 from .discovery import BRANCH_COLORS, INPUT_COLORS, plot_circuit, plot_faithfulness
+from .graph import plot_attribution_graph, write_graph_html
 from .patching import plot_ablation_table, plot_patching, plot_patching_agreement
 from .qk import plot_qk_attribution, plot_qk_keys_plotly
 from .study import (
@@ -83,6 +87,7 @@ __all__ = [
     "STUDY_ARCHES",
     "diversity_verdict",
     "plot_ablation_table",
+    "plot_attribution_graph",
     "plot_attention_distributions",
     "plot_circuit",
     "plot_compose_breakdown",
@@ -103,5 +108,6 @@ __all__ = [
     "plot_study_learning_curves",
     "plot_synthetic_eval",
     "token_label",
+    "write_graph_html",
     "write_plotly_page",
 ]

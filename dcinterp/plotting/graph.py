@@ -1,8 +1,8 @@
 """A pruned attribution graph drawn: a matplotlib figure and a self-contained plotly page (plotly.js inlined: it opens
 offline). Token embeddings along the bottom, features and error nodes of each layer in a row above, the logits at the
 top; one column per prompt position. Edges are drawn with a width by |weight| (blue positive, red negative); an edge
-that moves between positions went through attention, and `edge_labels` names the head, source head and branch of its
-largest part (`dcinterp.attribution_graph.edge_parts`).
+that moves between positions went through attention, and `dcinterp.attribution_graph.edge_labels` names the head,
+source head and branch of its largest part.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from .attribution_graph import AttributionGraph, edge_parts
+from ..attribution_graph import AttributionGraph
 
 
 def node_layout(graph: AttributionGraph, node_mask: Tensor) -> dict[int, tuple[float, float]]:
@@ -46,37 +46,6 @@ def node_label(graph: AttributionGraph, index: int, token_str=str) -> str:
     return f"logit {token_str(node['token'])!r}"
 
 
-def edge_labels(model, transcoders, graph: AttributionGraph, edge_mask: Tensor) -> dict[tuple[int, int], str]:
-    """For each kept edge that moves between positions: its largest part through attention, as
-    `L1 H2<-H0 qp (62%)` (layer, head m, source head n, branch, its share of the edge).
-
-    Args:
-        model: the HookedDCFormer of the graph.
-        transcoders: the graph's transcoders.
-        graph: the graph.
-        edge_mask: [n_nodes, n_nodes] the edges to label (`prune_graph`'s).
-
-    Returns:
-        {(target, source): label}.
-    """
-    labels = {}
-    targets, sources = edge_mask.nonzero(as_tuple=True)
-    by_target: dict[int, list[int]] = {}
-    for target, source in zip(targets.tolist(), sources.tolist(), strict=True):
-        if graph.node(target)["pos"] != graph.node(source)["pos"]:
-            by_target.setdefault(target, []).append(source)
-    for target, kept in by_target.items():
-        frame = edge_parts(model, transcoders, graph, target, kept)
-        frame = frame[frame.branch != "residual"]
-        for source, rows in frame.groupby("source"):
-            top = rows.loc[rows.value.abs().idxmax()]
-            share = top.value / graph.adjacency_matrix[target, source].item()
-            labels[(target, int(source))] = (
-                f"L{top.layer} H{top['head']}<-H{top.source_head} {top.branch} ({share:.0%})"
-            )
-    return labels
-
-
 def _edges(graph: AttributionGraph, edge_mask: Tensor, layout: dict) -> list[tuple[int, int, float]]:
     targets, sources = edge_mask.nonzero(as_tuple=True)
     return [
@@ -102,7 +71,7 @@ def plot_attribution_graph(
         node_mask: the nodes kept (`prune_graph`).
         edge_mask: the edges kept (`prune_graph`).
         token_labels: the prompt's tokens, for the x axis (default: their ids).
-        labels: `edge_labels`, shown on the strongest labelled edges.
+        labels: `attribution_graph.edge_labels`, shown on the strongest labelled edges.
         title: the figure's title.
         max_labels: how many edge labels at most.
 
@@ -152,7 +121,7 @@ def write_graph_html(
         edge_mask: the edges kept (`prune_graph`).
         path: the HTML file to write.
         token_labels: the prompt's tokens (default: their ids).
-        labels: `edge_labels`.
+        labels: `attribution_graph.edge_labels`.
         title: the page's title.
 
     Returns:
