@@ -59,7 +59,8 @@ def main(argv: list[str]) -> int:
         cmd = [PYTHON, "-m", "dcinterp.synth", "eval", *rest]
     elif command == "test":
         # The whole suite: a pytest-xdist worker a core, each test file kept on one worker (its module fixtures
-        # built once); each worker's torch runs one thread (tests/conftest.py). With arguments, pytest as told.
+        # built once) but for the Triton files, spread test by test; each worker's torch runs one thread (both in
+        # tests/conftest.py). With arguments, pytest as told.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         workers = ["-n", str(min(4, cores)), "--dist", "loadfile"] if not rest and cores > 1 else []
         cmd = [PYTHON, "-m", "pytest", "-q", *workers, *rest]

@@ -52,3 +52,29 @@ def fixed_random_state():
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)
+
+
+# Under `python3 dev.py test` (pytest-xdist, --dist loadfile) each test file runs whole on one worker, its module
+# fixtures built once, but for these: their tests run Triton's kernels under the interpreter, up to minutes each, and
+# share no costly fixture, so they spread over the workers test by test (a file of them would pin one worker).
+SPREAD_OVER_WORKERS = {
+    "tests/test_dcmha_dispatch.py",
+    "tests/test_triton_dcmha.py",
+    "tests/test_triton_decoding.py",
+    "tests/test_triton_dynamic_weights.py",
+}
+
+
+@pytest.hookimpl(optionalhook=True)  # an environment without pytest-xdist has no such hook
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile's scheduler, each test of SPREAD_OVER_WORKERS a unit of work of its own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SpreadingTheTritonFiles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::")[0]
+            return nodeid if path in SPREAD_OVER_WORKERS else path
+
+    return SpreadingTheTritonFiles(config, log)
