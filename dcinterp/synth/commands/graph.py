@@ -224,7 +224,7 @@ def explain(args: argparse.Namespace, model, transcoders, slug: str, prompt: str
     node_mask, edge_mask, _ = prune_graph(graph, args.node_threshold, args.edge_threshold)
     labels = edge_labels(model, transcoders, graph, edge_mask)
     str_tokens = model.to_str_tokens(tokens)
-    top = data["metadata"]["dcinterp"]
+    scores = data["metadata"]["dcinterp"]
     figure = plot_attribution_graph(
         graph,
         node_mask,
@@ -232,7 +232,7 @@ def explain(args: argparse.Namespace, model, transcoders, slug: str, prompt: str
         str_tokens,
         labels,
         title=f"{slug}: {len(data['nodes'])} nodes, {len(data['links'])} links (replacement score "
-        f"{top['replacement_score']:.2f}, completeness {top['completeness_score']:.2f})",
+        f"{scores['replacement_score']:.2f}, completeness {scores['completeness_score']:.2f})",
     )
     return dict(
         data=data,
