@@ -1,5 +1,6 @@
 """What the command lines share: a parser whose errors are one line, the argument types (`positive_int`,
-`non_negative_int`), the check that an output can be written, and the one line that says a GPU ran out of memory.
+`non_negative_int`, `fraction`), the check that an output can be written, and the one line that says a GPU ran out
+of memory.
 
 Light on purpose (no torch, no transformer_lens), so that parsing arguments and `--help` stay fast.
 """
@@ -7,6 +8,7 @@ Light on purpose (no torch, no transformer_lens), so that parsing arguments and 
 from __future__ import annotations
 
 import argparse
+import math
 import tempfile
 from pathlib import Path
 
@@ -129,4 +131,25 @@ def _int_at_least(text: str, minimum: int, what: str) -> int:
         value = minimum - 1
     if value < minimum:
         raise argparse.ArgumentTypeError(f"expected {what}, not {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number from 0 to 1, as argparse reads an option's value (a threshold, a probability).
+
+    Args:
+        text: The value as typed.
+
+    Returns:
+        The number.
+
+    Raises:
+        argparse.ArgumentTypeError: Not a number, or outside [0, 1] (argparse prints the one line and exits 2).
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, not {text!r}")
     return value

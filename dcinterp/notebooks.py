@@ -397,6 +397,7 @@ SITE_PARAMETERS = {
     "head_diversity": {},
     "branch_analysis": {"tasks": "2,10", "pairs_per_task": 2, "ablation_samples": 12},
     "circuit_discovery": {"tasks": "2", "pairs_per_task": 2, "n_steps": 2, "exact_top": 6},
+    "attribution_graph": {},
 }
 _FIGURES_SHOWN_AS = "figures"  # the figures folder, as the site's copies name it (the run's is a temporary one)
 

@@ -368,6 +368,7 @@ def test_a_failing_cell_is_one_line_and_exit_1(tmp_path, capsys, monkeypatch):
         ("dcinterp.synth", ["generate", "--help"]),
         ("dcinterp.synth", ["check", "--help"]),
         ("dcinterp.synth", ["attribute", "--help"]),
+        ("dcinterp.synth", ["graph", "--help"]),
         ("dcinterp.notebooks", ["--help"]),
         ("dcinterp.notebooks", ["run", "--help"]),
         ("dcinterp.train", ["--help"]),

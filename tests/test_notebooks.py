@@ -51,6 +51,12 @@ FIGURES = {
         "circuit_faithfulness_pythia-synth.png",
         "circuit_edge_terms_dcpythia-synth.png",
     ],
+    "attribution_graph": [
+        "attribution_graph_dcpythia-synth.png",
+        "attribution_graph_dcpythia-synth.html",
+        "attribution_graph_pythia-synth.png",
+        "attribution_graph_pythia-synth.html",
+    ],
 }
 
 

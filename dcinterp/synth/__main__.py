@@ -9,6 +9,7 @@
     python -m dcinterp.synth circuit [--checkpoint PATH] [--tasks IDS] [--pairs N] [--method eap|eap-ig] --out DIR
     python -m dcinterp.synth qk --layer L --head H [--checkpoint PATH] [--tasks IDS] [--query WORD --key WORD] --out DIR
     python -m dcinterp.synth attribute [--checkpoint PATH] [--tasks IDS] [--prompts N] [--n-steps K] --out DIR
+    python -m dcinterp.synth graph [--checkpoint PATH] [--transcoders DIR] [--prompt TEXT | --tasks IDS] --out DIR
 
 Under `torchrun --nproc-per-node N`, eval, ablate, circuit and attribute share their batches between the N
 processes; rank 0 writes what one process writes, and records world_size (`dcinterp.distributed`).
@@ -152,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_attribute_arguments(attribute_parser)
     attribute_parser.set_defaults(run=_run_attribute)
+
+    graph_parser = commands.add_parser(
+        "graph", help="attribution graphs: transcoder features, errors and tokens to logits, edges split by head"
+    )
+    _add_graph_arguments(graph_parser)
+    graph_parser.set_defaults(run=_run_graph)
     return parser
 
 
@@ -202,6 +209,18 @@ def _run_attribute(args: argparse.Namespace) -> int:
     from .commands.attribute import run_attribute
 
     return run_attribute(args)
+
+
+def _add_graph_arguments(parser: argparse.ArgumentParser) -> None:
+    from .commands.graph import add_graph_arguments
+
+    add_graph_arguments(parser)
+
+
+def _run_graph(args: argparse.Namespace) -> int:
+    from .commands.graph import run_graph
+
+    return run_graph(args)
 
 
 def main(argv: list[str] | None = None) -> int:
