@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import dcinterp.dcmha as dcmha
-from dcinterp import DCFormerConfig, HookedDCFormer, memory
+from dcinterp import DCFormerConfig, HookedDCFormer, devices
 from dcinterp.dcmha import materialised
 from dcinterp.kv_cache import DCFormerKeyValueCache
 from dcinterp.model import attention_mask
@@ -69,7 +69,7 @@ def kernels(monkeypatch):
 
 @pytest.fixture
 def card_memory(monkeypatch):
-    """The card's free memory as `dcinterp.memory.free_memory` gives it (80 GiB unless a test sets `.free`), only ever
+    """The card's free memory as `dcinterp.devices.free_memory` gives it (80 GiB unless a test sets `.free`), only ever
     asked of CUDA; `.asked` counts the calls."""
     card = types.SimpleNamespace(free=80 * GiB, asked=0)
 
@@ -78,7 +78,7 @@ def card_memory(monkeypatch):
         card.asked += 1
         return card.free
 
-    monkeypatch.setattr(memory, "free_memory", free_memory)
+    monkeypatch.setattr(devices, "free_memory", free_memory)
     return card
 
 

@@ -51,7 +51,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .. import memory
+from .. import devices
 from . import materialised
 
 Path = Literal["materialised", "few_queries", "blocked", "triton", "sdpa"]
@@ -178,7 +178,7 @@ def choose_path(
 
 def _too_large_for_memory(nbytes: int, device: torch.device) -> bool:
     """Whether `nbytes` would take more than MATERIALISED_MEMORY_FRACTION of the device's free memory."""
-    return nbytes > 0 and nbytes > MATERIALISED_MEMORY_FRACTION * memory.free_memory(device)
+    return nbytes > 0 and nbytes > MATERIALISED_MEMORY_FRACTION * devices.free_memory(device)
 
 
 def dynamic_weights_path(
