@@ -50,7 +50,7 @@ import torch
 
 import dcinterp.dcmha as dcmha
 from dcinterp import DCFormerConfig, HookedDCFormer
-from dcinterp.dcmha import triton_kernels
+from dcinterp.dcmha import few_queries, triton_kernels
 from dcinterp.kv_cache import DCFormerKeyValueCache
 from dcinterp.model import attention_mask
 
@@ -114,11 +114,12 @@ def four_models(dc: HookedDCFormer, mha: HookedDCFormer) -> dict[str, tuple]:
 
 class Paths:
     """The paths the attention calls took (dcinterp.dcmha.choose_path) and, for a decoding step's pattern, which way
-    it was computed ("pattern by triton" or "by torch", dcinterp.dcmha.decoding_pattern_path), while recording."""
+    it was computed ("pattern by triton" or "by torch", dcinterp.dcmha.few_queries.decoding_pattern_path), while
+    recording."""
 
     def __init__(self):
         self.seen: list[str] = []
-        self.choose, self.choose_pattern = dcmha.choose_path, dcmha.decoding_pattern_path
+        self.choose, self.choose_pattern = dcmha.choose_path, few_queries.decoding_pattern_path
 
     def __enter__(self):
         def spy(**facts):
@@ -130,11 +131,11 @@ class Paths:
             self.seen.append(f"pattern by {path}")
             return path
 
-        dcmha.choose_path, dcmha.decoding_pattern_path = spy, pattern_spy
+        dcmha.choose_path, few_queries.decoding_pattern_path = spy, pattern_spy
         return self
 
     def __exit__(self, *exc):
-        dcmha.choose_path, dcmha.decoding_pattern_path = self.choose, self.choose_pattern
+        dcmha.choose_path, few_queries.decoding_pattern_path = self.choose, self.choose_pattern
 
 
 class Clock:
@@ -245,12 +246,12 @@ def decode_steps(model, prompt: torch.Tensor, steps: int):
 @contextmanager
 def torch_pattern():
     """A decoding step's pattern by torch's ops (`dcinterp.dcmha.decoding`), as before its kernels."""
-    choose = dcmha.decoding_pattern_path
-    dcmha.decoding_pattern_path = lambda **facts: "torch"
+    choose = few_queries.decoding_pattern_path
+    few_queries.decoding_pattern_path = lambda **facts: "torch"
     try:
         yield
     finally:
-        dcmha.decoding_pattern_path = choose
+        few_queries.decoding_pattern_path = choose
 
 
 def attention_call(model, x, mask, backward: bool) -> None:

@@ -28,6 +28,7 @@ from dcinterp.dcmha import materialised
 from dcinterp.kv_cache import DCFormerKeyValueCache
 from dcinterp.model import attention_mask
 from tests.numerics import assert_as_exact_as, float64_copy, hessian_vector_product
+from tests.told_cuda import forget_refusals
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -62,8 +63,7 @@ def kernels(monkeypatch):
     module.fused_dcmha = fused_dcmha
     monkeypatch.setitem(sys.modules, "dcinterp.dcmha.triton_kernels", module)
     monkeypatch.setattr(dcmha, "triton_kernels", module, raising=False)
-    monkeypatch.setattr(dcmha, "_warned", set())
-    monkeypatch.setattr(dcmha, "_refused", {})
+    forget_refusals(monkeypatch)
     return module
 
 
@@ -199,8 +199,7 @@ def test_kernels_that_cannot_run_give_one_warning_per_reason_and_the_materialise
 def test_kernels_that_cannot_be_imported_are_not_available(monkeypatch):
     monkeypatch.setitem(sys.modules, "dcinterp.dcmha.triton_kernels", None)  # an import of it raises ImportError
     monkeypatch.delattr(dcmha, "triton_kernels", raising=False)
-    monkeypatch.setattr(dcmha, "_warned", set())
-    monkeypatch.setattr(dcmha, "_refused", {})
+    forget_refusals(monkeypatch)
     assert dcmha.triton_unavailable(CUDA).startswith("the Triton kernels cannot be imported")
     with pytest.warns(UserWarning, match="DCMHA on cuda takes the materialised path: the Triton kernels cannot be"):
         assert dcmha.choose_path(dcmha=True, device=CUDA, square_tensor_read=False) == "materialised"

@@ -35,6 +35,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from .inputs import AttentionInputs
+
 TILE_ELEMENTS = 1 << 19  # a block's (query, head, key) entries, at most (2 MiB in float32)
 MIN_BLOCK, MAX_BLOCK = 16, 512  # queries per block
 
@@ -93,13 +95,6 @@ def query_map(qw1: Tensor | None, qw2: Tensor | None, qg: Tensor | None, n_heads
     if qw1 is not None:
         W = W + torch.einsum("btrm,btrn->btmn", qw2, qw1)
     return W
-
-
-def key_last(w: Tensor | None) -> Tensor | None:
-    """Key-side weights from the hooks' layout ([b, s, r, h] or [b, s, h]) to key-last ([b, r, h, s], [b, h, s])."""
-    if w is None:
-        return None
-    return (w.permute(0, 2, 3, 1) if w.ndim == 4 else w.transpose(1, 2)).contiguous()
 
 
 def compose(
@@ -333,3 +328,26 @@ def blocked_dcmha(
     else:
         z = _forward(qh, kh, vh, mask, pre, post, plan)
     return z.transpose(1, 2).to(q.dtype)
+
+
+def blocked_z(inputs: AttentionInputs) -> Float[Tensor, "b t h e"]:
+    """z of DCMHA a block of queries at a time: the blocked path.
+
+    Args:
+        inputs: the call's inputs; each stage's query side becomes one map per query (`query_map`), its key side
+            is taken key-last.
+
+    Returns:
+        z [b, t, h, e] in q's dtype, equal to the materialised path's up to float rounding.
+    """
+    n_heads, d_head = inputs.q.shape[2:]
+    stages = []
+    for stage in inputs.stages(key_last=True):
+        if stage is None:
+            stages.append((None, None, None, None))
+            continue
+        qw1, qw2, kw1, kw2, qg, kg = stage
+        W = query_map(qw1, qw2, qg, n_heads)
+        stages.append((W, *(None if w is None else w.contiguous() for w in (kw1, kw2, kg))))
+    schedule = plan(n_heads, d_head, inputs.past, inputs.window, inputs.official)
+    return blocked_dcmha(inputs.q, inputs.k, inputs.v, inputs.mask, stages[0], stages[1], schedule)
