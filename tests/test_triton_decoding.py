@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from dcinterp.dcmha import decoding, families, few_queries
 from dcinterp.dcmha.decoding import fused_decoding_pattern, torch_decoding_pattern
-from dcinterp.dcmha.triton_kernels import available
+from dcinterp.dcmha.jit import available
 from tests.numerics import EPS32, assert_as_exact_as, float64_copy
 from tests.test_decode_step import CASES, CHUNKS, cached_steps, every_square_tensor_hooked, load
 from tests.told_cuda import CUDA, told_cuda

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 from dcinterp import HookedDCFormer, dcmha
 from dcinterp.dcmha import dynamic_weights, families
 from dcinterp.dcmha.dynamic_weights import fused_dynamic_weights, torch_dynamic_weights
-from dcinterp.dcmha.triton_kernels import available
+from dcinterp.dcmha.jit import available
 from tests.numerics import float64_copy
 from tests.told_cuda import CUDA, told_cuda
 from tests.uninitialised import allocate_nan

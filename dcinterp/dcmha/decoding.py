@@ -23,9 +23,7 @@ them with no hook attached).
 The kernels have no backward: `dcinterp.dcmha.decoding_pattern_path` takes them only where no gradient is needed.
 Not yet timed on a card.
 
-Triton decides when a kernel is decorated whether it runs natively or under its CPU interpreter (`TRITON_INTERPRET=1`),
-so the kernels are decorated at their first use, not when dcinterp is imported (Triton's own functions, tl.sum and the
-like, are decorated when triton is imported: the variable must be set before that).
+The kernels are jitted at their first call (`dcinterp.dcmha.jit`).
 
 Index names: b batch, t queries, s keys, h/m/n heads, r rank.
 """
@@ -37,13 +35,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from . import materialised
-from ._grids import cdiv, checked_once, next_power_of_2, signature
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # dcinterp runs without triton; dcinterp.dcmha.triton_unavailable says why the kernels cannot
-    triton = tl = None
+from .jit import LateJit, cdiv, checked_once, next_power_of_2, signature, tl
 
 # A program's [heads, keys] tile holds this many numbers (keys a program: this over the heads padded to a power of two,
 # at least 16). Compiled for an H100 (sm_90, bfloat16, every branch on, 4 warps), 32 heads by 64 keys take 168
@@ -70,7 +62,7 @@ def torch_decoding_pattern(
     return pattern
 
 
-# --- the kernels (plain functions, decorated by `_decorate` at first use) ------------------------------------------
+# --- the kernels (plain functions, jitted by `jit` at first use) ---------------------------------------------------
 # (the kernels' long argument lists packed, not one a line)
 # fmt: off
 
@@ -172,17 +164,9 @@ def _decoding_pattern_kernel(
 
 # fmt: on
 
-_decorated = False
-
-
-def _decorate() -> None:
-    """Decorate the kernels with triton.jit, once (natively, or under the interpreter if TRITON_INTERPRET=1 now)."""
-    global _decorated, _compose, _program_block, _finite, _decoding_logits_kernel, _decoding_pattern_kernel
-    if not _decorated:
-        _compose, _program_block, _finite = triton.jit(_compose), triton.jit(_program_block), triton.jit(_finite)
-        _decoding_logits_kernel = triton.jit(_decoding_logits_kernel)
-        _decoding_pattern_kernel = triton.jit(_decoding_pattern_kernel)
-        _decorated = True
+jit = LateJit(
+    globals(), ("_compose", "_program_block", "_finite", "_decoding_logits_kernel", "_decoding_pattern_kernel")
+)
 
 
 def fused_decoding_pattern(
@@ -193,7 +177,7 @@ def fused_decoding_pattern(
     (the cache's key side is one)."""
     arguments = signature(scores, mask, *(pre or (None,) * 6), *(post or (None,) * 6))
     rank = checked_once(_ranks, arguments, lambda: _check(scores, mask, pre, post))
-    _decorate()
+    jit()
     batch, heads, queries, keys = scores.shape
     if scores.stride(3) != 1:
         scores = scores.contiguous()
@@ -255,7 +239,7 @@ def _alike(a: Tensor, b: Tensor) -> bool:
     return a.shape == b.shape and a.stride() == b.stride()
 
 
-_ranks: dict[tuple, int] = {}  # the rank of each signature (`_grids.signature`) of arguments already checked
+_ranks: dict[tuple, int] = {}  # the rank of each signature (`jit.signature`) of arguments already checked
 
 
 def _check(scores: Tensor, mask: Tensor, pre: Stage, post: Stage) -> int:

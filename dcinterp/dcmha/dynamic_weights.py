@@ -25,16 +25,13 @@ recomputes the hidden units and w1 before its norm from it, and gives the gradie
 inputs, dpre [p, 4, K] and dgate [p, 4, H]; then x's is two matmuls, dpre W_in^T + dgate W_gate^T (the weights'
 gradients, where they require grad, are matmuls and sums of the same). Not timed on a card yet.
 
-Triton decides when a kernel is decorated whether it runs natively or under its CPU interpreter (`TRITON_INTERPRET=1`),
-so the kernel is decorated at its first use, not when dcinterp is imported (Triton's own functions, tl.sum and the like,
-are decorated when triton is imported: the variable must be set before that).
+The kernels are jitted at their first call (`dcinterp.dcmha.jit`).
 
 Index names: p positions (batch and sequence flattened), d model dim, c branch, k hidden unit, r rank, h head.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -42,17 +39,10 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
-from ._grids import cdiv, checked_once, next_power_of_2, signature
+from .families import compile_refusals
+from .jit import LateJit, cdiv, checked_once, next_power_of_2, signature, tl
 
-try:
-    import triton
-    import triton.language as tl
-    from triton.compiler.errors import CompilationError
-    from triton.runtime.errors import OutOfResources
-
-    _REFUSALS = (OutOfResources, CompilationError)  # Triton cannot build a kernel for the card at hand
-except ImportError:  # dcinterp runs without triton; dcinterp.dcmha.triton_unavailable says why the kernel cannot
-    triton = tl = None
+_INTERPRETED = False  # the kernel's constant: whether it runs under Triton's interpreter (set by `jit`)
 
 BLOCK_POSITIONS = 16  # positions per program (tl.dot's smallest tile)
 BLOCK_DIM = 64  # a chunk of the model dim, summed over in turn
@@ -77,7 +67,7 @@ def torch_dynamic_weights(x: Float[Tensor, "b p d"], W_in, b_in, W_out, W_gate, 
     return w1, w2, gates
 
 
-# --- the kernel (a plain function, decorated by `_decorate` at first use) ------------------------------------------
+# --- the kernels (plain functions, jitted by `jit` at first use) ---------------------------------------------------
 # (the kernel's long argument list packed, not one a line)
 # fmt: off
 
@@ -192,21 +182,10 @@ def _dynamic_weights_backward_kernel(
 
 # fmt: on
 
-_decorated = False
-_INTERPRETED = False  # the kernel's constant, set by _decorate
-
-
-def _decorate() -> None:
-    """Decorate the kernels with triton.jit, once (natively, or under the interpreter if TRITON_INTERPRET=1 now)."""
-    global _decorated, _dynamic_weights_kernel, _dynamic_weights_backward_kernel, _dot, _gelu, _gelu_slope
-    global _program_indices, _INTERPRETED
-    if not _decorated:
-        _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
-        _dot, _gelu, _gelu_slope = triton.jit(_dot), triton.jit(_gelu), triton.jit(_gelu_slope)
-        _program_indices = triton.jit(_program_indices)
-        _dynamic_weights_kernel = triton.jit(_dynamic_weights_kernel)
-        _dynamic_weights_backward_kernel = triton.jit(_dynamic_weights_backward_kernel)
-        _decorated = True
+jit = LateJit(
+    globals(),
+    ("_dot", "_gelu", "_gelu_slope", "_program_indices", "_dynamic_weights_kernel", "_dynamic_weights_backward_kernel"),
+)
 
 
 def fused_dynamic_weights(
@@ -224,7 +203,7 @@ def fused_dynamic_weights(
     (without it, it is raised)."""
     arguments = (x, W_in, b_in, W_out, W_gate, b_gate)
     checked_once(_checked, signature(*arguments), lambda: _check(*arguments))
-    _decorate()
+    jit()
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in arguments):
         w1, w2, gates = FusedDynamicWeights.apply(on_refusal, *arguments)
     else:
@@ -279,7 +258,7 @@ class FusedDynamicWeights(torch.autograd.Function):
             return None, *_torch_gradients(inputs, needed, (dw1, dw2, dgates))
         try:
             return None, *_backward(inputs, needed, pre, gates, dw1, dw2, dgates)
-        except _REFUSALS as refusal:
+        except compile_refusals() as refusal:
             if ctx.on_refusal is None:
                 raise
             ctx.on_refusal(refusal)
@@ -356,7 +335,7 @@ def _promoted(*tensors) -> torch.dtype:
     return dtype
 
 
-_checked: dict[tuple, None] = {}  # the signatures (`_grids.signature`) of the arguments already checked
+_checked: dict[tuple, None] = {}  # the signatures (`jit.signature`) of the arguments already checked
 
 
 def _check(x, W_in, b_in, W_out, W_gate, b_gate) -> None:

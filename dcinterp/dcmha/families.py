@@ -1,6 +1,6 @@
 """Whether a family of Triton kernels can run on a device, and the refusals a card gave, each said once.
 
-Three families: `FUSED` (the attention's forward and backward, `dcinterp.dcmha.triton_kernels`), `DYNAMIC_WEIGHTS`
+Three families: `FUSED` (the attention's forward and backward, `dcinterp.dcmha.maps`), `DYNAMIC_WEIGHTS`
 (`dcinterp.dcmha.dynamic_weights`) and `DECODING` (a decoding step's pattern, `dcinterp.dcmha.decoding`). A family
 cannot run where Triton is missing or too old, where TRITON_INTERPRET changed after triton was imported, on a device
 other than CUDA (or a CPU under the interpreter), or on a device where Triton refused to build one of its kernels at
@@ -33,10 +33,10 @@ def triton_unavailable(device: torch.device) -> str | None:
         None where they can run, else the reason in one line.
     """
     try:
-        from . import triton_kernels
+        from . import maps
     except ImportError as error:
         return f"the Triton kernels cannot be imported ({error})"
-    return triton_kernels.available(device)
+    return maps.available(device)
 
 
 def compile_refusals() -> tuple[type[Exception], ...]:

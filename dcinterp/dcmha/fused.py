@@ -1,4 +1,4 @@
-"""The Triton path: z by the fused kernels (`dcinterp.dcmha.triton_kernels.fused_dcmha`), never a [b, h, t, s] tensor.
+"""The Triton path: z by the fused kernels (`dcinterp.dcmha.maps.fused_dcmha`), never a [b, h, t, s] tensor.
 
 Where the kernels cannot give a result, the materialised formula (`dcinterp.dcmha.materialised.attend`) does: Triton
 refusing to build them for the card at their first launch (forward or backward: said once, and the device's later
@@ -26,7 +26,7 @@ def triton_z(inputs: AttentionInputs) -> Float[Tensor, "b t h e"]:
     Returns:
         z [b, t, h, e], differentiable in q, k, v and every dynamic weight.
     """
-    from . import triton_kernels
+    from . import maps
 
     q, k, v, mask = inputs.q, inputs.k, inputs.v, inputs.mask
     pre, post = inputs.stages(key_last=False)
@@ -42,7 +42,7 @@ def triton_z(inputs: AttentionInputs) -> Float[Tensor, "b t h e"]:
         return [next(grads) if x is not None and x.requires_grad else None for x in inputs]
 
     def kernels():
-        return triton_kernels.fused_dcmha(
+        return maps.fused_dcmha(
             q, k, v, pre, post, window=inputs.window, official=inputs.official, past=inputs.past, real=inputs.real,
             fallback=fallback,
         )  # fmt: skip
