@@ -18,7 +18,8 @@ The dynamic weights (qw1, qw2, kw1, kw2, qg, kg for each stage) are computed fro
 Both score hooks hold the dtype's minimum at the keys a query may not see (future keys, keys outside a local
 window), as TransformerLens does. docs/hooks.md maps every hook to the paper's equations.
 How a layer computes this (every tensor above materialised, or a block of queries at a time on the CPU, or the fused
-Triton kernels on CUDA, ...) is chosen per call by `dcinterp.dcmha.choose_path`: `Attention.forward` dispatches.
+Triton kernels on CUDA, ...) is chosen per call by `dcinterp.dcmha.choose_path`: `Attention.forward` computes z by its
+hooked `materialised_z`, or by `dcinterp.dcmha.attend` on every other path.
 """
 
 from __future__ import annotations
@@ -251,6 +252,13 @@ def project_heads(x: Float[Tensor, "b p d"], W: Float[Tensor, "h d e"]) -> Float
 
 
 class Attention(nn.Module):
+    """One attention layer: DCMHA (Eqs. 4-8 of the module docstring, every tensor behind its hook) or plain MHA.
+
+    Args:
+        cfg: the model's configuration.
+        layer: the layer's index, which sets its window (`cfg.layer_window`).
+    """
+
     def __init__(self, cfg: DCFormerConfig, layer: int):
         super().__init__()
         self.cfg = cfg
@@ -325,6 +333,13 @@ class Attention(nn.Module):
         into the compose as 0, and with no hook attached the mask is skipped (the entries it hides are never
         used: the composed scores are masked again before the softmax). When a hook or the cache shows the
         pre-compose branch outputs, they are 0 at hidden keys.
+
+        Args:
+            scores: the scaled scores A [b, h, t, s].
+            mask: the additive mask, [t, s] or [b, 1, t, s].
+
+        Returns:
+            What the pre-compose takes: the scores, 0 at hidden keys where anything reads them.
         """
         if _hooked(self.hook_attn_scores):
             scores = self.hook_attn_scores(scores + mask)
@@ -342,13 +357,24 @@ class Attention(nn.Module):
         real: Bool[Tensor, "b s"] | None = None,
         rotary: tuple[Tensor, Tensor] | None = None,
     ) -> Float[Tensor, "b p d"]:
-        """`x`: the normed input; `mask`: 0 where a query sees a key, else the dtype's minimum (`attention_mask`).
-        `qkv_input`: per-head normed inputs [b, p, h, d] of q, k and v, when split (cfg.use_split_qkv_input);
-        the dynamic compose weights still read `x`. `positions`: rotary positions of x's tokens (default 0, 1, ...).
-        `past_kv_cache_entry`: this layer's `DCFormerKeyValueCacheEntry`; the keys are then the cached ones and x's.
-        `real` [b, s]: False at padded keys, of every key (cached ones first), as `mask` hides them; None: no padding
-        beyond what a [t, s] mask says. The fused kernels read it in place of the mask. `rotary`: the rotary tables of
-        these positions (`model_rotary_tables`), which the model computes once for all layers; None: computed here."""
+        """q, k, v (Eq. 4 and rotary), then z by the path `path_for` picks, then the output projection.
+
+        Args:
+            x: the normed input [b, p, d].
+            mask: 0 where a query sees a key, else the dtype's minimum (`attention_mask`), [t, s] or [b, 1, t, s].
+            qkv_input: per-head normed inputs [b, p, h, d] of q, k and v, when split (cfg.use_split_qkv_input);
+                the dynamic compose weights still read `x`.
+            positions: rotary positions of x's tokens; None: 0, 1, ...
+            past_kv_cache_entry: this layer's `DCFormerKeyValueCacheEntry`; the keys are then the cached ones and
+                x's.
+            real: [b, s], False at padded keys, of every key (cached ones first), as `mask` hides them; None: no
+                padding beyond what a [t, s] mask says. The fused kernels read it in place of the mask.
+            rotary: the rotary tables of these positions (`model_rotary_tables`), which the model computes once for
+                all layers; None: computed here.
+
+        Returns:
+            The layer's output [b, p, d].
+        """
         cfg = self.cfg
         if qkv_input is None:
             q, k, v = project_heads(x, self.W_Q), project_heads(x, self.W_K), project_heads(x, self.W_V)
@@ -382,9 +408,21 @@ class Attention(nn.Module):
     def path_for(
         self, x: Tensor, mask: Tensor, n_queries: int, past_kv_cache_entry=None, real: Tensor | None = None
     ) -> dcmha.Path:
-        """Which path computes this call's z (`dcinterp.dcmha.choose_path`, whose docstring has the rules): the
-        materialised one when anything reads or sets a [b, h, t, s] tensor of this layer (a hook, a cache or an
-        nnsight trace on the scores, the patterns or a branch output) or a functorch transform is active."""
+        """Which path computes this call's z, by `dcinterp.dcmha.choose_path`'s rules.
+
+        The materialised one when anything reads or sets a [b, h, t, s] tensor of this layer (a hook, a cache or an
+        nnsight trace on the scores, the patterns or a branch output) or a functorch transform is active.
+
+        Args:
+            x: the normed input [b, p, d].
+            mask: the additive mask, [t, s] or [b, 1, t, s].
+            n_queries: t.
+            past_kv_cache_entry: this layer's cache entry, or None.
+            real: [b, s], False at padded keys; None without padding beyond the mask.
+
+        Returns:
+            The path's name.
+        """
         square_read = _hooked(self.hook_attn_scores) or _hooked(self.hook_pattern)
         if self.cfg.use_dcmha:
             square_read = square_read or _hooked(self.hook_composed_scores) or _hooked(self.hook_composed_pattern)
@@ -458,7 +496,19 @@ class Attention(nn.Module):
         return stages
 
     def materialised_z(self, x, q, k, v, mask, past_kv_cache_entry=None) -> Float[Tensor, "b t h e"]:
-        """z with every [b, h, t, s] tensor of the layer computed and passed through its hook."""
+        """z with every [b, h, t, s] tensor of the layer computed and passed through its hook (Eqs. 4-8).
+
+        Args:
+            x: the normed input [b, p, d], from which the dynamic weights are computed.
+            q: the queries [b, t, h, e] after rotary.
+            k: the keys [b, s, h, e] of every key.
+            v: the values [b, s, h, e].
+            mask: the additive mask, [t, s] or [b, 1, t, s].
+            past_kv_cache_entry: this layer's cache entry, where the new key side is stored; or None.
+
+        Returns:
+            z [b, t, h, e].
+        """
         cfg = self.cfg
         scores = torch.einsum("bthe,bshe->bhts", q, k) / math.sqrt(cfg.d_head)
         mask = mask.to(scores.dtype)
@@ -738,7 +788,7 @@ class HookedDCFormer(TransformerLensAPI, HookedRootModule):
                 positions = (real.cumsum(1) - 1).clamp_min(0)[:, past:]
         masks = {}
         rotary = model_rotary_tables(self.cfg, n, resid.device, positions)  # every layer's
-        for layer in range(len(self.blocks))[start_at_layer:stop_at_layer]:  # a ModuleList's slice costs 3 µs a block
+        for layer in range(len(self.blocks))[start_at_layer:stop_at_layer]:  # a ModuleList's slice builds a new list
             block = self.blocks[layer]
             window = block.attn.window
             if window not in masks:

@@ -20,7 +20,7 @@ of the pre-compose (`pre_gradient_maps_kernel`), and each head's query side (`he
 side (`head_key_gradient_kernel`). The backward recomputes what the forward computed, in the same order, so that the
 row statistics the forward saved fit its recomputed scores bit for bit.
 
-The maps, and in the backward their gradients, take at most `maps_room(q)` bytes, 4 times the queries' own: a longer
+The maps, and in the backward their gradients, take at most `maps_room(q)` bytes, a multiple of the queries': a longer
 prompt goes a chunk of queries at a time, so that memory grows with the prompt, not with its square, nor with the
 heads. Nothing is summed by atomics and every loop runs in a fixed order, so the same inputs give the same bits.
 float32 inputs multiply by 3xTF32 (about float32's precision, on the tensor cores), float16 / bfloat16 ones in their
@@ -110,7 +110,14 @@ class _Launch:
 
 
 def key_gradient_kernels(d_head: int) -> dict:
-    """The key side's launch settings at this head dim."""
+    """The key side's launch settings at a head dim.
+
+    Args:
+        d_head: e.
+
+    Returns:
+        A copy of `KEY_GRADIENT_KERNELS`, or above 128 of `KEY_GRADIENT_KERNELS_WIDE_HEADS`.
+    """
     return dict(KEY_GRADIENT_KERNELS_WIDE_HEADS if d_head > 128 else KEY_GRADIENT_KERNELS)
 
 
@@ -144,8 +151,14 @@ def _chunk_of_queries(launch: _Launch, q: Tensor, buffers: int) -> int:
 
 
 def maps_room(q: Tensor) -> int:
-    """The bytes of maps (and, in the backward, of their gradients) the kernels through the maps hold at a time, for
-    a call on the queries q: MAPS_TIMES_QUERIES times q's bytes, within MAPS_MIN_BYTES..MAPS_BYTES."""
+    """The bytes of maps (and, in the backward, of their gradients) the kernels hold at a time.
+
+    Args:
+        q: the call's queries.
+
+    Returns:
+        MAPS_TIMES_QUERIES times q's bytes, within MAPS_MIN_BYTES..MAPS_BYTES.
+    """
     return min(MAPS_BYTES, max(MAPS_MIN_BYTES, MAPS_TIMES_QUERIES * q.numel() * q.element_size()))
 
 
@@ -328,7 +341,7 @@ def _maps_backward_launches(
 
 
 class FusedDCMHA(torch.autograd.Function):
-    """z of DCMHA whose backward is the fused kernels': the forward saves the inputs and the row statistics only.
+    """z of DCMHA whose backward is the kernels': the forward saves the inputs and the row statistics only.
     Where the kernels cannot give the gradients (second derivatives; Triton refusing to build the backward's kernels
     for the card) the backward calls `fallback` (`fused_dcmha`'s), or raises without one."""
 

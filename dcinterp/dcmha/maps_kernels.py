@@ -101,8 +101,8 @@ def _store_statistics(row_max, row_sum, running_max, running_sum, row, h_idx, h_
 def _head_dot(a, b, HALF: tl.constexpr):
     """One head's [1, m, k] @ [1, k, n] tiles, as a 2D product: half tiles as `_dot` takes them, float32 ones by
     3xTF32 (`_tf32x3_dot`), on the tensor cores. In IEEE float32 (FMA, no tensor core) the kernels through the maps
-    need so many registers that ptxas keeps seven of eight to 32 and spills 8.6-35 KB a thread (Triton 3.6 and 3.9,
-    sm_90, 32 heads of 128: benchmarks/kernel_resources.py --dtype float32); by 3xTF32, none, 0.06-3.3 KB."""
+    need so many registers that ptxas keeps most of them to 32 and spills kilobytes a thread; by 3xTF32 they do not
+    (benchmarks/kernel_resources.py --dtype float32)."""
     a, b = tl.reshape(a, (a.shape[1], a.shape[2])), tl.reshape(b, (b.shape[1], b.shape[2]))
     if HALF:
         product = _dot(a, b, HALF)
@@ -808,8 +808,8 @@ def head_key_gradient_kernel(
     v_rows = _head_rows(v, row, s_idx, s_ok, h_idx, h_ok, S, H, E, EP)
     d_keys = tl.zeros((1, BK, EP), dtype=tl.float32)
     d_values = tl.zeros((1, BK, EP), dtype=tl.float32)
-    # the weights' gradients as products of the tiles' shape, summed over the queries once after the loop: per
-    # iteration, a sum across the rows of a tile (spread over the warps) took most of the loop's instructions
+    # the weights' gradients as products of the tiles' shape, summed over the queries once after the loop: a sum
+    # across the rows of a tile (spread over the warps) at every iteration would be most of the loop's instructions
     d_pre_gate = tl.zeros((1, BQ, BK), dtype=tl.float32)
     d_post_gate = tl.zeros((1, BQ, BK), dtype=tl.float32)
     d_pre_w1 = tl.zeros((RP, BQ, BK), dtype=tl.float32)
