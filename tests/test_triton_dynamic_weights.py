@@ -196,7 +196,7 @@ def test_a_card_refusing_the_backward_kernel_takes_torchs_ops(monkeypatch):
 
             return launch
 
-    dynamic_weights._decorate()
+    dynamic_weights.jit()
     monkeypatch.setattr(dynamic_weights, "_dynamic_weights_backward_kernel", Refused())
     told = []
 
