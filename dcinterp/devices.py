@@ -57,10 +57,18 @@ def check_device(name: str | None) -> str:
 
 
 def free_memory(device) -> int:
-    """Bytes free on a device: for a GPU, what its driver has free (`torch.cuda.mem_get_info`) and what torch's
-    caching allocator holds unused (reserved, not allocated: freed tensors it keeps for the next), within the
-    process's cap where `torch.cuda.set_per_process_memory_fraction` set one; for the CPU, the OS's available
-    memory."""
+    """Bytes free on a device.
+
+    For a GPU, what its driver has free (`torch.cuda.mem_get_info`) and what torch's caching allocator holds unused
+    (reserved, not allocated: freed tensors it keeps for the next), within the process's cap where
+    `torch.cuda.set_per_process_memory_fraction` set one; for the CPU, the OS's available memory.
+
+    Args:
+        device: a torch device, or its name.
+
+    Returns:
+        The bytes.
+    """
     import torch
 
     device = torch.device(device)
