@@ -8,7 +8,7 @@ At one new token a GPU step costs the operations launched (each ~5-20 us of Pyth
 This counts them on the CPU, where the same torch ops run, except two that CUDA replaces with Triton kernels: the
 dynamic weights (one launch instead of torch's dozen, `dcinterp.dcmha.dynamic_weights_path`) and the step's pattern
 between the two matmuls, its compose, mask and softmax (two launches instead of about twenty,
-`dcinterp.dcmha.decoding_pattern_path`); the table's "as on CUDA" row counts those as CUDA takes them.
+`dcinterp.dcmha.few_queries.decoding_pattern_path`); the table's "as on CUDA" row counts those as CUDA takes them.
 
 Counting rule (the same for both models): every ATen op that reaches the backend (a `TorchDispatchMode` sees each
 op after autograd and after composite ops such as `einsum` or `matmul` decomposed into what runs: `bmm`, `view`,

@@ -26,7 +26,8 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import dcinterp.dcmha as dcmha  # noqa: E402
-from dcinterp import DCFormerConfig, HookedDCFormer, memory  # noqa: E402
+from dcinterp import DCFormerConfig, HookedDCFormer, devices  # noqa: E402
+from dcinterp.dcmha import families, few_queries  # noqa: E402
 from dcinterp.kv_cache import DCFormerKeyValueCache  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -102,13 +103,14 @@ def as_on_cuda() -> None:
     """The dispatch's device checks see CUDA; where the kernels can run is judged on this CPU (the interpreter), and
     the card's free memory, which the dispatch asks with gradients, is this CPU's, read once (on a card, a driver
     call and torch's allocator statistics)."""
-    choose, weights_path, pattern_path = dcmha.choose_path, dcmha.dynamic_weights_path, dcmha.decoding_pattern_path
-    unavailable, available = dcmha.triton_unavailable, memory.free_memory("cpu")
-    memory.free_memory = lambda device: available
+    choose, weights_path = dcmha.choose_path, dcmha.dynamic_weights_path
+    pattern_path = few_queries.decoding_pattern_path
+    unavailable, available = families.triton_unavailable, devices.free_memory("cpu")
+    devices.free_memory = lambda device: available
     dcmha.choose_path = lambda **facts: choose(**{**facts, "device": CUDA})
     dcmha.dynamic_weights_path = lambda **facts: weights_path(**{**facts, "device": CUDA})
-    dcmha.decoding_pattern_path = lambda **facts: pattern_path(**{**facts, "device": CUDA})
-    dcmha.triton_unavailable = lambda device: unavailable(torch.device("cpu"))
+    few_queries.decoding_pattern_path = lambda **facts: pattern_path(**{**facts, "device": CUDA})
+    families.triton_unavailable = lambda device: unavailable(torch.device("cpu"))
 
 
 def small_model(use_dcmha: bool, layers: int) -> HookedDCFormer:

@@ -4,10 +4,9 @@
     python benchmarks/bench_gpu_attention.py --quick    # 2,048 tokens and one decoding step only
 
 One attention layer at DCPythia-6.9B's width (32 heads of 128, rank 2, every branch of both stages), bfloat16, batch 1,
-causal: the fused Triton kernels (`dcinterp.dcmha.triton_kernels.fused_dcmha`: the forward through the cross-head maps
-without gradients; with them the tiles forward and backward, "fused", and the forward and backward through the maps,
-"fused maps"), the materialised path's arithmetic
-with every [b, h, t, s] tensor (`dcinterp.dcmha.materialised.attend`: no hook), and plain attention by
+causal: the fused Triton kernels (`dcinterp.dcmha.maps.fused_dcmha`: the forward, and with gradients the forward and
+backward, through the cross-head maps), the materialised path's arithmetic with every [b, h, t, s] tensor
+(`dcinterp.dcmha.materialised.attend`: no hook), and plain attention by
 `scaled_dot_product_attention` (SDPA) on the same q, k, v. Forward; forward + backward to q, k, v (and to every
 dynamic weight for DCMHA); one decoding step (1 new query against a cache). Medians of 10 timed runs after warm-up (CUDA
 events); peak memory above the inputs. The dynamic weights' projections and the rest of the model are not in these
@@ -164,17 +163,14 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_gpu_attention: no CUDA device: no GPU number is measured here")
         return 2
-    kernels, materialised = load("triton_kernels"), load("materialised")
+    kernels, materialised = load("maps"), load("materialised")
     reason = kernels.available(torch.device("cuda"))
     if reason:
         print(f"bench_gpu_attention: the fused kernels cannot run: {reason}")
         return 2
 
-    def fused(q, k, v, pre, post, past=0, backward="tiles"):
-        return kernels.fused_dcmha(q, k, v, pre, post, window=None, official=False, past=past, backward=backward)
-
-    def fused_maps(q, k, v, pre, post, past=0):  # with gradients, the forward and backward through the maps
-        return fused(q, k, v, pre, post, past, backward="maps")
+    def fused(q, k, v, pre, post, past=0):
+        return kernels.fused_dcmha(q, k, v, pre, post, window=None, official=False, past=past)
 
     def materialised_path(q, k, v, pre, post, past=0):  # what dcinterp's materialised path computes, without hooks
         t, s = q.shape[1], k.shape[1]
@@ -186,17 +182,16 @@ def main(argv=None) -> int:
     checks = [(torch.float32, 2, 77, 6, 64, 2, 0), (torch.float32, 1, 200, 32, 128, 2, 0),
               (torch.float32, 2, 5, 4, 64, 1, 300), (torch.bfloat16, 1, 300, 32, 128, 2, 0)]  # fmt: skip
     for dtype, b, t, h, e, rank, past in checks:
-        for name, fn in (("fused", fused), ("fused maps", fused_maps)) if past == 0 else (("fused", fused),):
-            ratio = check(fn, dtype, b, t, h, e, rank, past)
-            shape = dict(dtype=str(dtype).split(".")[1], batch=b, tokens=t, heads=h, head_dim=e, rank=rank, past=past)
-            print(json.dumps(dict(check=f"{name} vs formulas, judged by float64", **shape, ratio=round(ratio, 3),
-                                  passed=ratio <= 1)))  # fmt: skip
+        ratio = check(fused, dtype, b, t, h, e, rank, past)
+        shape = dict(dtype=str(dtype).split(".")[1], batch=b, tokens=t, heads=h, head_dim=e, rank=rank, past=past)
+        print(json.dumps(dict(check="fused vs formulas, judged by float64", **shape, ratio=round(ratio, 3),
+                              passed=ratio <= 1)))  # fmt: skip
     rows = []
     prompts = [2048] if args.quick else [1024, 2048, 4096, 8192]
     for tokens in prompts:
         for backward in (False, True):
             models = [("fused", fused), ("materialised", materialised_path), ("sdpa", sdpa)]
-            for name, fn in models + ([("fused maps", fused_maps)] if backward else []):
+            for name, fn in models:
                 rows.append(measure(name, fn, tokens, 0, backward))
                 print(json.dumps(rows[-1]), flush=True)
     for past in [1024] if args.quick else [1024, 4096]:

@@ -3,7 +3,7 @@ MHA and the SDPA twin, in one run (issue 37's table).
 
     python benchmarks/bench_gpu_dcmha.py [--quick] [--tokens 128,512,...] [--shapes 6.9b-wide,d1024]
                                          [--repeats 10] [--json OUT.jsonl] [--cpu] [--maps-mib 256]
-                                         [--backward tiles|maps] [--fused-min-keys N] [--kernels]
+                                         [--fused-min-keys N] [--kernels]
                                          [--dtype bfloat16|float16|float32]
 
 Random DCPythia-style models (LayerNorm, parallel residual, GELU MLP, QK-norm, rotary on a quarter of each head,
@@ -27,8 +27,8 @@ forward under torch's profiler gives the card's kernels: `device_ms`, how long t
 time the card waited on the host), and `kernel_ms`, the ten longest (the profiler may slow what runs after it: take
 the times from a run without `--kernels`). With gradients the fused model takes the kernels from `FUSED_MIN_KEYS`
 keys on (2,048), the materialised path below: `--fused-min-keys 0` times the kernels' forward + backward at every
-length, `--backward maps` through the other fused backward. Each measurement
-is a JSON line (with the path every layer took: a "fused" model without the kernels says "materialised"); a
+length. Each measurement is a JSON line (with the path every layer took: a "fused" model without the kernels says
+"materialised"); a
 markdown table of the medians and the ratios to the SDPA twin ends the run, then one line for each of issue 37's aims
 at the 6.9B width (`AIMS`): met, not met, or not measured in the run. A measurement that runs out of GPU memory is
 reported as such and the run goes on.
@@ -50,7 +50,7 @@ import torch
 
 import dcinterp.dcmha as dcmha
 from dcinterp import DCFormerConfig, HookedDCFormer
-from dcinterp.dcmha import triton_kernels
+from dcinterp.dcmha import few_queries, maps
 from dcinterp.kv_cache import DCFormerKeyValueCache
 from dcinterp.model import attention_mask
 
@@ -114,11 +114,12 @@ def four_models(dc: HookedDCFormer, mha: HookedDCFormer) -> dict[str, tuple]:
 
 class Paths:
     """The paths the attention calls took (dcinterp.dcmha.choose_path) and, for a decoding step's pattern, which way
-    it was computed ("pattern by triton" or "by torch", dcinterp.dcmha.decoding_pattern_path), while recording."""
+    it was computed ("pattern by triton" or "by torch", dcinterp.dcmha.few_queries.decoding_pattern_path), while
+    recording."""
 
     def __init__(self):
         self.seen: list[str] = []
-        self.choose, self.choose_pattern = dcmha.choose_path, dcmha.decoding_pattern_path
+        self.choose, self.choose_pattern = dcmha.choose_path, few_queries.decoding_pattern_path
 
     def __enter__(self):
         def spy(**facts):
@@ -130,11 +131,11 @@ class Paths:
             self.seen.append(f"pattern by {path}")
             return path
 
-        dcmha.choose_path, dcmha.decoding_pattern_path = spy, pattern_spy
+        dcmha.choose_path, few_queries.decoding_pattern_path = spy, pattern_spy
         return self
 
     def __exit__(self, *exc):
-        dcmha.choose_path, dcmha.decoding_pattern_path = self.choose, self.choose_pattern
+        dcmha.choose_path, few_queries.decoding_pattern_path = self.choose, self.choose_pattern
 
 
 class Clock:
@@ -245,12 +246,12 @@ def decode_steps(model, prompt: torch.Tensor, steps: int):
 @contextmanager
 def torch_pattern():
     """A decoding step's pattern by torch's ops (`dcinterp.dcmha.decoding`), as before its kernels."""
-    choose = dcmha.decoding_pattern_path
-    dcmha.decoding_pattern_path = lambda **facts: "torch"
+    choose = few_queries.decoding_pattern_path
+    few_queries.decoding_pattern_path = lambda **facts: "torch"
     try:
         yield
     finally:
-        dcmha.decoding_pattern_path = choose
+        few_queries.decoding_pattern_path = choose
 
 
 def attention_call(model, x, mask, backward: bool) -> None:
@@ -303,7 +304,7 @@ def main() -> None:
         "--maps-mib",
         type=positive_int,
         help="the kernels through the maps hold this many MiB of maps at a time, whatever the prompt (default: "
-        "dcinterp.dcmha.triton_kernels.maps_room, 4 times the queries' bytes within 32-256 MiB; 256 is the rule "
+        "dcinterp.dcmha.maps.maps_room, 4 times the queries' bytes within 32-256 MiB; 256 is the rule "
         "before that); less memory, more launches",
     )
     parser.add_argument(
@@ -311,11 +312,6 @@ def main() -> None:
         action="store_true",
         help="also one call of each layer's attention forward under torch's profiler: the card's kernels, their sum "
         "against the wall time (the profiler may slow what runs after it)",
-    )
-    parser.add_argument(
-        "--backward",
-        choices=("tiles", "maps"),
-        help="the fused kernels that take the gradients (default: dcinterp.dcmha.triton_kernels.BACKWARD)",
     )
     parser.add_argument(
         "--fused-min-keys",
@@ -334,9 +330,7 @@ def main() -> None:
     if args.fused_min_keys is not None:
         dcmha.FUSED_MIN_KEYS = args.fused_min_keys
     if args.maps_mib is not None:
-        triton_kernels.MAPS_BYTES = triton_kernels.MAPS_MIN_BYTES = args.maps_mib * 2**20
-    if args.backward is not None:
-        triton_kernels.BACKWARD = args.backward
+        maps.MAPS_BYTES = maps.MAPS_MIN_BYTES = args.maps_mib * 2**20
 
     smoke = args.cpu or not torch.cuda.is_available()
     device = torch.device("cpu" if smoke else "cuda")
@@ -357,9 +351,9 @@ def main() -> None:
             f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, batch 1, medians of "
             f"{repeats}; "
             f"Triton kernels: {'available' if reason is None else 'NOT available: ' + reason}; "
-            f"maps held {triton_kernels.MAPS_TIMES_QUERIES}x the queries' bytes within "
-            f"{triton_kernels.MAPS_MIN_BYTES / 2**20:g}-{triton_kernels.MAPS_BYTES / 2**20:g} MiB; "
-            f"gradients through the {triton_kernels.BACKWARD} from {dcmha.FUSED_MIN_KEYS} keys",
+            f"maps held {maps.MAPS_TIMES_QUERIES}x the queries' bytes within "
+            f"{maps.MAPS_MIN_BYTES / 2**20:g}-{maps.MAPS_BYTES / 2**20:g} MiB; "
+            f"gradients through the maps from {dcmha.FUSED_MIN_KEYS} keys",
             flush=True,
         )
     if args.tokens:

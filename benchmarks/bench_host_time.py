@@ -4,7 +4,7 @@ prompts most analyses use, and in decoding, a GPU waits on the host, which spend
 dispatching ops).
 
     python benchmarks/bench_host_time.py [--tokens 16] [--layers 2] [--runs 300] [--decode]
-    python benchmarks/bench_host_time.py --gradients [--fused-min-keys N] [--backward tiles|maps]
+    python benchmarks/bench_host_time.py --gradients [--fused-min-keys N]
 
 The models are told they are on CUDA (as in `bench_forward_launches.py`), so each call takes the path it takes on a
 card, and every Triton launch is replaced by a no-op that counts it. What is timed is dcinterp's Python and torch's
@@ -14,9 +14,8 @@ attention module (its projections, rotary, dynamic weights and path included) an
 models taking turns at every run; the ratio DCMHA / twin. With --gradients, the call is a forward and a backward to the
 input embeddings (an integrated-gradients step, the weights frozen), and the attention row times the modules'
 forward only; the gradients take the path CUDA gives them: the materialised one below `dcinterp.dcmha.
-FUSED_MIN_KEYS` keys (2,048), the fused kernels' from there (`--fused-min-keys 0`: at every length; `--backward`
-names which kernels, as `bench_gpu_dcmha.py`'s does). Their no-op launches leave the outputs as allocated: the
-gradients are meaningless, their host time is not.
+FUSED_MIN_KEYS` keys (2,048), the fused kernels' from there (`--fused-min-keys 0`: at every length). Their no-op
+launches leave the outputs as allocated: the gradients are meaningless, their host time is not.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 import torch  # noqa: E402
 
 import dcinterp.dcmha as dcmha  # noqa: E402
-from dcinterp.dcmha import triton_kernels  # noqa: E402
 from dcinterp.kv_cache import DCFormerKeyValueCache  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -99,20 +97,17 @@ def main() -> None:
         metavar="N",
         help="with --gradients, the fused kernels from N keys on (default: dcinterp.dcmha.FUSED_MIN_KEYS; 0: always)",
     )
-    parser.add_argument("--backward", choices=("tiles", "maps"), help="with --gradients, the fused kernels' backward")
     args = parser.parse_args()
     if min(args.tokens, args.layers, args.runs) < 1:
         parser.error("--tokens, --layers and --runs must be at least 1")
     if args.decode and args.gradients:
         parser.error("--decode and --gradients time different calls: give one")
-    if (args.fused_min_keys is not None or args.backward) and not args.gradients:
-        parser.error("--fused-min-keys and --backward choose the gradients' path: give --gradients too")
+    if args.fused_min_keys is not None and not args.gradients:
+        parser.error("--fused-min-keys chooses the gradients' path: give --gradients too")
     if args.fused_min_keys is not None and args.fused_min_keys < 0:
         parser.error("--fused-min-keys must be at least 0")
     if args.fused_min_keys is not None:
         dcmha.FUSED_MIN_KEYS = args.fused_min_keys
-    if args.backward:
-        triton_kernels.BACKWARD = args.backward
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)  # the no-op launches leave their outputs as allocated: no slow denormals
     as_on_cuda()
@@ -137,7 +132,7 @@ def main() -> None:
         what = f"a cached step of one token after {args.tokens} tokens"
     elif args.gradients:
         fused = args.tokens >= dcmha.FUSED_MIN_KEYS
-        path = f"the fused kernels ({triton_kernels.BACKWARD} backward)" if fused else "the materialised path"
+        path = "the fused kernels" if fused else "the materialised path"
         what = f"a forward and backward to the input of {args.tokens} tokens, through {path}"
     print(f"Host time, no hook, {what}, {args.layers} layer(s), on CUDA's paths with Triton's launches not run")
     print(f"(medians of {args.runs}; d_model 64, 4 heads of 16; torch {torch.__version__}, 1 thread):")

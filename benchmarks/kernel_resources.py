@@ -8,9 +8,9 @@ fits the card.
 Each kernel is built by Triton's compiler as a launch builds it (`triton.compile` for the target: pointers aligned
 and every size divisible by 16 specialised, as at 4,096 tokens; every branch of both stages on, rank 2; no padding
 unless --padding), with the launch settings the model takes (`MAPS_KERNELS`, `HEAD_KERNELS`, `GRADIENT_KERNELS`,
-`KEY_GRADIENT_KERNELS` for the kernels through the maps; blocks of 16 x 16 for the tiles kernels). A kernel through
-the maps that needs more shared memory than the card's block may take is built again unpipelined (num_stages=1), as
-its launch does (`triton_kernels._run`): "unpipelined" in the table. Registers and spills are ptxas' report (the
+`KEY_GRADIENT_KERNELS` for the kernels through the maps). A kernel through the maps that needs more shared memory
+than the card's block may take is built again unpipelined (num_stages=1), as
+its launch does (`dcinterp.dcmha.maps`): "unpipelined" in the table. Registers and spills are ptxas' report (the
 ptxas Triton ships; "n/a" where it cannot run): a thread holds at most 255 registers, and what does not fit spills
 to local memory, slow on every card. The main loop (`main_loop`: the kernel's longest, over key or query blocks, or
 over the heads of a tile) is read in the binary by the nvdisasm Triton ships: a warp's instructions an iteration,
@@ -37,21 +37,20 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, 
 # the shared memory a block may take (opt-in) on each architecture, in bytes
 SHARED_MEMORY = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
 CARDS = {80: "A100", 86: "RTX 3090, A5000, A10", 89: "RTX 4090, L4", 90: "H100, H200"}
-TILES = ("_forward_kernel", "_backward_query_kernel", "_backward_key_kernel")
 # the kernels whose blocks seen whole take a loop of their own, without masks (the shorter of their two loops)
 UNMASKED = (
-    "_row_statistics_kernel", "_head_output_kernel", "_row_gradient_kernel", "_head_query_gradient_kernel",
-    "_head_key_gradient_kernel",
+    "row_statistics_kernel", "head_output_kernel", "row_gradient_kernel", "head_query_gradient_kernel",
+    "head_key_gradient_kernel",
 )  # fmt: skip
 MAPS = {
-    "_product_maps_kernel": "MAPS_KERNELS",
-    "_row_statistics_kernel": "HEAD_KERNELS",
-    "_post_maps_kernel": "MAPS_KERNELS",
-    "_head_output_kernel": "HEAD_KERNELS",
-    "_row_gradient_kernel": "GRADIENT_KERNELS",
-    "_pre_gradient_maps_kernel": "GRADIENT_KERNELS",
-    "_head_query_gradient_kernel": "GRADIENT_KERNELS",
-    "_head_key_gradient_kernel": "key_gradient_kernels",  # (of the head dim)
+    "product_maps_kernel": "MAPS_KERNELS",
+    "row_statistics_kernel": "HEAD_KERNELS",
+    "post_maps_kernel": "MAPS_KERNELS",
+    "head_output_kernel": "HEAD_KERNELS",
+    "row_gradient_kernel": "GRADIENT_KERNELS",
+    "pre_gradient_maps_kernel": "GRADIENT_KERNELS",
+    "head_query_gradient_kernel": "GRADIENT_KERNELS",
+    "head_key_gradient_kernel": "key_gradient_kernels",  # (of the head dim)
 }
 # the pointers in the inputs' dtype (the rest float32, `real` int8)
 BACKWARD_STRIDES = ("dw1_c", "dw1_p", "dw2_c", "dw2_p", "dgates_c", "dgates_p")  # the dynamic weights' backward's
@@ -152,13 +151,13 @@ OPCODE = re.compile(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
 def kernels(head_dim: int, heads: int, dtype: str, padding: bool = False):
     """(name, kernel, signature, constants, options) of every kernel, as the model launches them."""
-    from dcinterp.dcmha import decoding, dynamic_weights, triton_kernels
+    from dcinterp.dcmha import decoding, dynamic_weights, maps, maps_kernels
 
-    for module in (triton_kernels, dynamic_weights, decoding):
-        module._decorate()
+    for module in (maps_kernels, dynamic_weights, decoding):
+        module.jit()
     pointer = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}[dtype]
     half = dtype != "float32"
-    every = dict(HP=heads, BQ=16, BK=16, BE=32, PADDING=padding, HALF=half, R=2, RP=2, EP=max(16, head_dim), FIRST=0)
+    every = dict(HP=heads, PADDING=padding, HALF=half, R=2, RP=2, EP=max(16, head_dim), FIRST=0)
     every.update(QP=True, KP=True, QG=True, KG=True)
     every.update({f"{stage}_{branch}": True for stage in ("PRE", "POST") for branch in ("QP", "KP", "QG", "KG")})
     scalars = dict(T="i32", S="i32", H="i32", E="i32", R="i32", past="i32", span="i32", scale="fp32")
@@ -170,16 +169,13 @@ def kernels(head_dim: int, heads: int, dtype: str, padding: bool = False):
             for name in kernel.arg_names
         }  # fmt: skip
 
-    for name in TILES + tuple(MAPS):
-        kernel = getattr(triton_kernels, name)
+    for name in MAPS:
+        kernel = getattr(maps_kernels, name)
         constants = {arg: value for arg, value in every.items() if arg in kernel.arg_names}
-        if name in MAPS:
-            settings = getattr(triton_kernels, MAPS[name])
-            settings = settings(head_dim) if callable(settings) else settings
-            constants.update({key: value for key, value in settings.items() if key in kernel.arg_names})
-            options = {key: value for key, value in settings.items() if key.startswith("num_")}
-        else:
-            options = dict(num_warps=triton_kernels._num_warps(heads), num_stages=1)
+        settings = getattr(maps, MAPS[name])
+        settings = settings(head_dim) if callable(settings) else settings
+        constants.update({key: value for key, value in settings.items() if key in kernel.arg_names})
+        options = {key: value for key, value in settings.items() if key.startswith("num_")}
         yield name, kernel, signature(kernel, constants), constants, options
     kernel = dynamic_weights._dynamic_weights_kernel
     constants = dict(BP=dynamic_weights.BLOCK_POSITIONS, BD=dynamic_weights.BLOCK_DIM, KP=4 * heads, HP=heads,
@@ -247,7 +243,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help=f"the card's sm_ number, one of {sorted(SHARED_MEMORY)}")
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=32, help="a power of two (the padded heads of the tiles kernels)")
+    parser.add_argument(
+        "--heads", type=int, default=32, help="a power of two (the padded heads of the [heads, keys] tiles)"
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--padding", action="store_true", help="build the kernels for a batch with padding")
     parser.add_argument("--json", type=Path, help="also write the rows, one JSON line each, to this file")

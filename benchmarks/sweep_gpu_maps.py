@@ -9,13 +9,12 @@ First it checks the kernels on the card against DCMHA's formulas in float64 (flo
 formulas' error plus 8 float32 units of the scale; half dtypes: at most 2 times the half formulas'): without
 --backward z, with it z and every gradient. Then, at 4,096 tokens, it times each set of launch settings and reads
 each kernel's time from torch's profiler:
-- the forward, no gradient (the no-gradient forward of `dcinterp.dcmha.triton_kernels`): `MAPS_KERNELS` for the
+- the forward, no gradient (`dcinterp.dcmha.maps.fused_dcmha` under no_grad): `MAPS_KERNELS` for the
   two kernels that sum the maps over the heads, `HEAD_KERNELS` for the two of one head a program;
-- with --backward, the forward and backward to every input through the maps (`backward="maps"`):
+- with --backward, the forward and backward to every input through the maps:
   `GRADIENT_KERNELS` for the three gradient kernels of the query side, `KEY_GRADIENT_KERNELS` for the key side's.
-It keeps the fastest settings of each group of kernels and times the whole with them against SDPA's (and, with
---backward, against the tiles' backward, `BACKWARD = "tiles"`, the one the model takes today) from 512 to 8,192
-tokens. JSON lines; the chosen settings are the ones to put in triton_kernels.py.
+It keeps the fastest settings of each group of kernels and times the whole with them against SDPA's from 512 to 8,192
+tokens. JSON lines; the chosen settings are the ones to put in dcinterp/dcmha/maps.py.
 """
 
 from __future__ import annotations
@@ -43,12 +42,12 @@ BACKWARD_SETTINGS = {
 }
 # the kernels each group launches, as torch's profiler names them
 FORWARD_KERNELS = {
-    "MAPS_KERNELS": ("_product_maps_kernel", "_post_maps_kernel"),
-    "HEAD_KERNELS": ("_row_statistics_kernel", "_head_output_kernel"),
+    "MAPS_KERNELS": ("product_maps_kernel", "post_maps_kernel"),
+    "HEAD_KERNELS": ("row_statistics_kernel", "head_output_kernel"),
 }
 BACKWARD_KERNELS = {
-    "GRADIENT_KERNELS": ("_row_gradient_kernel", "_pre_gradient_maps_kernel", "_head_query_gradient_kernel"),
-    "KEY_GRADIENT_KERNELS": ("_head_key_gradient_kernel",),
+    "GRADIENT_KERNELS": ("row_gradient_kernel", "pre_gradient_maps_kernel", "head_query_gradient_kernel"),
+    "KEY_GRADIENT_KERNELS": ("head_key_gradient_kernel",),
 }
 CHECKS = [(torch.float32, 2, 77, 6, 64, 2, 0), (torch.float32, 1, 200, 32, 128, 2, 0),
           (torch.float32, 2, 5, 4, 64, 1, 300), (torch.bfloat16, 1, 300, 32, 128, 2, 0),
@@ -63,7 +62,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("sweep_gpu_maps: no CUDA device: no GPU number is measured here")
         return 2
-    kernels = bench.load("triton_kernels")
+    kernels = bench.load("maps")
     log = args.json.open("w") if args.json else None
 
     def emit(**row):
@@ -72,15 +71,9 @@ def main(argv=None) -> int:
             log.write(json.dumps(row) + "\n")
             log.flush()  # each line kept, should the run be cut
 
-    def through(backward: str):
-        def fused(q, k, v, pre, post, past=0):
-            return kernels.fused_dcmha(
-                q, k, v, pre, post, window=None, official=False, past=past, forward="maps", backward=backward
-            )
+    def maps(q, k, v, pre, post, past=0):
+        return kernels.fused_dcmha(q, k, v, pre, post, window=None, official=False, past=past)
 
-        return fused
-
-    maps, tiles = through("maps"), through("tiles")
     start = time.time()
     emit(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=sys.modules["triton"].__version__)
     what = "z and every gradient through the maps" if args.backward else "forward through the maps"
@@ -110,11 +103,7 @@ def main(argv=None) -> int:
     chosen = sweep(kernels, settings, groups, step, emit)
     emit(chosen=chosen, seconds=round(time.time() - start, 1))
 
-    compared = (
-        (("maps", maps), ("tiles", tiles), ("sdpa", bench.sdpa))
-        if args.backward
-        else (("maps", maps), ("sdpa", bench.sdpa))
-    )
+    compared = (("maps", maps), ("sdpa", bench.sdpa))
     for tokens in (512, 1024, 2048, 4096, 8192):
         rows = {name: bench.measure(name, fn, tokens, 0, args.backward) for name, fn in compared}
         for row in rows.values():

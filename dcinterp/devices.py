@@ -54,3 +54,33 @@ def check_device(name: str | None) -> str:
             f"device {name!r} is not available on this machine ({build}); available: {', '.join(available)}"
         )
     return name
+
+
+def free_memory(device) -> int:
+    """Bytes free on a device.
+
+    For a GPU, what its driver has free (`torch.cuda.mem_get_info`) and what torch's caching allocator holds unused
+    (reserved, not allocated: freed tensors it keeps for the next), within the process's cap where
+    `torch.cuda.set_per_process_memory_fraction` set one; for the CPU, the OS's available memory.
+
+    Args:
+        device: a torch device, or its name.
+
+    Returns:
+        The bytes.
+    """
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        driver_free, total = torch.cuda.mem_get_info(device)
+        stats = torch.cuda.memory_stats_as_nested_dict(device)  # {} before torch's first allocation there
+        reserved, allocated = (
+            stats[key]["all"]["current"] if stats else 0 for key in ("reserved_bytes", "allocated_bytes")
+        )
+        free = driver_free + reserved - allocated
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # not in every torch
+        return free if fraction is None else min(free, int(fraction(device) * total) - allocated)
+    import psutil
+
+    return psutil.virtual_memory().available

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .devices import free_memory  # noqa: F401 (re-exported: check_cache_fits and users read it here)
 from .loading import module_device
 
 GiB = 2**30
@@ -202,34 +203,6 @@ def hook_device(model, name: str) -> str:
             return str(device)
         return str(model.cfg.device or "cpu")
     return str(model.input_device)
-
-
-def free_memory(device: str | torch.device) -> int:
-    """Bytes free on a device.
-
-    For a GPU, what its driver has free (`torch.cuda.mem_get_info`) and what torch's caching allocator holds unused
-    (reserved, not allocated: freed tensors it keeps for the next), within the process's cap where
-    `torch.cuda.set_per_process_memory_fraction` set one; for the CPU, the OS's available memory.
-
-    Args:
-        device: the device.
-
-    Returns:
-        Free bytes.
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        driver_free, total = torch.cuda.mem_get_info(device)
-        stats = torch.cuda.memory_stats_as_nested_dict(device)  # {} before torch's first allocation there
-        reserved, allocated = (
-            stats[key]["all"]["current"] if stats else 0 for key in ("reserved_bytes", "allocated_bytes")
-        )
-        free = driver_free + reserved - allocated
-        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # not in every torch
-        return free if fraction is None else min(free, int(fraction(device) * total) - allocated)
-    import psutil
-
-    return psutil.virtual_memory().available
 
 
 class CacheTooLarge(MemoryError):

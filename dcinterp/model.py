@@ -18,12 +18,12 @@ The dynamic weights (qw1, qw2, kw1, kw2, qg, kg for each stage) are computed fro
 Both score hooks hold the dtype's minimum at the keys a query may not see (future keys, keys outside a local
 window), as TransformerLens does. docs/hooks.md maps every hook to the paper's equations.
 How a layer computes this (every tensor above materialised, or a block of queries at a time on the CPU, or the fused
-Triton kernels on CUDA, ...) is chosen per call by `dcinterp.dcmha.choose_path`: `Attention.forward` dispatches.
+Triton kernels on CUDA, ...) is chosen per call by `dcinterp.dcmha.choose_path`: `Attention.forward` computes z by its
+hooked `materialised_z`, or by `dcinterp.dcmha.attend` on every other path.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import warnings
@@ -34,13 +34,12 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformer_lens import HookedRootModule
 from transformer_lens.hook_points import HookPoint
 
 from . import dcmha
 from .config import DCFormerConfig
-from .dcmha import blocked, materialised
+from .dcmha import materialised
 from .kv_cache import DCFormerKeyValueCache
 from .loading import dispatch, load_tokenizer, open_checkpoint, stream_weights
 from .loading import save_pretrained as save_checkpoint
@@ -51,8 +50,6 @@ from .tl_api import TransformerLensAPI
 DCMHA_ACT_NAMES = ("composed_scores", "composed_pattern")
 COMPOSE_ACT_NAMES = ("qw1", "qw2", "kw1", "kw2", "qg", "kg", "o_qp", "o_kp", "o_qg", "o_kg")
 
-# Plain MHA's backends for a step with cached keys, named rather than left to torch's default choice (see sdpa_z)
-SDPA_BACKENDS_WITH_CACHE = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 BRANCH_DYN_INDEX = {"pre": (0, 1), "post": (2, 3)}  # dynamic-weight branches c: [pre q, pre k, post q, post k]
 
 
@@ -257,6 +254,13 @@ def project_heads(x: Float[Tensor, "b p d"], W: Float[Tensor, "h d e"]) -> Float
 
 
 class Attention(nn.Module):
+    """One attention layer: DCMHA (Eqs. 4-8 of the module docstring, every tensor behind its hook) or plain MHA.
+
+    Args:
+        cfg: the model's configuration.
+        layer: the layer's index, which sets its window (`cfg.layer_window`).
+    """
+
     def __init__(self, cfg: DCFormerConfig, layer: int):
         super().__init__()
         self.cfg = cfg
@@ -308,18 +312,16 @@ class Attention(nn.Module):
         self.hook_result = HookPoint()  # [batch, pos, head, d_model], only with cfg.use_attn_result
 
     def dynamic_weights(self, x: Float[Tensor, "b p d"]) -> dict[str, tuple[Tensor, ...]]:
-        """Per stage: (qw1, qw2, kw1, kw2 [b, p, rank, head], qg, kg [b, p, head]), computed from x: by torch's ops, or
-        on CUDA at up to 1,024 positions by one fused Triton kernel (`dcinterp.dcmha.dynamic_weights_path` says
-        which)."""
+        """The dynamic weights of Eqs. (5)-(6), before their hooks (`dcinterp.dcmha.compute_dynamic_weights`).
+
+        Args:
+            x: the layer's normed input.
+
+        Returns:
+            Per stage ("pre", "post"): (qw1, qw2, kw1, kw2 [b, p, rank, head], qg, kg [b, p, head]).
+        """
         params = (self.W_dyn_in, self.b_dyn_in, self.W_dyn_out, self.W_dyn_gate, self.b_dyn_gate)
-        inputs = [t for t in (x, *params) if t is not None]
-        path = dcmha.dynamic_weights_path(
-            device=x.device,
-            dtypes={t.dtype for t in inputs},
-            positions=x.shape[0] * x.shape[1],
-            functorch_active=torch._C._are_functorch_transforms_active(),
-        )
-        w1, w2, gates = (w.unbind(2) for w in dcmha.compute_dynamic_weights(path, x, *params))  # per branch c
+        w1, w2, gates = (w.unbind(2) for w in dcmha.compute_dynamic_weights(x, *params))  # per branch c
         weights = {}
         for stage, (cq, ck) in BRANCH_DYN_INDEX.items():
             weights[stage] = (w1[cq], w2[cq], w1[ck], w2[ck], gates[cq], gates[ck])
@@ -333,6 +335,13 @@ class Attention(nn.Module):
         into the compose as 0, and with no hook attached the mask is skipped (the entries it hides are never
         used: the composed scores are masked again before the softmax). When a hook or the cache shows the
         pre-compose branch outputs, they are 0 at hidden keys.
+
+        Args:
+            scores: the scaled scores A [b, h, t, s].
+            mask: the additive mask, [t, s] or [b, 1, t, s].
+
+        Returns:
+            What the pre-compose takes: the scores, 0 at hidden keys where anything reads them.
         """
         if _hooked(self.hook_attn_scores):
             scores = self.hook_attn_scores(scores + mask)
@@ -350,13 +359,24 @@ class Attention(nn.Module):
         real: Bool[Tensor, "b s"] | None = None,
         rotary: tuple[Tensor, Tensor] | None = None,
     ) -> Float[Tensor, "b p d"]:
-        """`x`: the normed input; `mask`: 0 where a query sees a key, else the dtype's minimum (`attention_mask`).
-        `qkv_input`: per-head normed inputs [b, p, h, d] of q, k and v, when split (cfg.use_split_qkv_input);
-        the dynamic compose weights still read `x`. `positions`: rotary positions of x's tokens (default 0, 1, ...).
-        `past_kv_cache_entry`: this layer's `DCFormerKeyValueCacheEntry`; the keys are then the cached ones and x's.
-        `real` [b, s]: False at padded keys, of every key (cached ones first), as `mask` hides them; None: no padding
-        beyond what a [t, s] mask says. The fused kernels read it in place of the mask. `rotary`: the rotary tables of
-        these positions (`model_rotary_tables`), which the model computes once for all layers; None: computed here."""
+        """q, k, v (Eq. 4 and rotary), then z by the path `path_for` picks, then the output projection.
+
+        Args:
+            x: the normed input [b, p, d].
+            mask: 0 where a query sees a key, else the dtype's minimum (`attention_mask`), [t, s] or [b, 1, t, s].
+            qkv_input: per-head normed inputs [b, p, h, d] of q, k and v, when split (cfg.use_split_qkv_input);
+                the dynamic compose weights still read `x`.
+            positions: rotary positions of x's tokens; None: 0, 1, ...
+            past_kv_cache_entry: this layer's `DCFormerKeyValueCacheEntry`; the keys are then the cached ones and
+                x's.
+            real: [b, s], False at padded keys, of every key (cached ones first), as `mask` hides them; None: no
+                padding beyond what a [t, s] mask says. The fused kernels read it in place of the mask.
+            rotary: the rotary tables of these positions (`model_rotary_tables`), which the model computes once for
+                all layers; None: computed here.
+
+        Returns:
+            The layer's output [b, p, d].
+        """
         cfg = self.cfg
         if qkv_input is None:
             q, k, v = project_heads(x, self.W_Q), project_heads(x, self.W_K), project_heads(x, self.W_V)
@@ -376,16 +396,10 @@ class Attention(nn.Module):
         path = self.path_for(x, mask, q.shape[1], past_kv_cache_entry, real)
         if past_kv_cache_entry is not None:
             k, v = past_kv_cache_entry.append(k, v)
-        if path == "sdpa":
-            z = self.sdpa_z(q, k, v, mask)
-        elif path == "blocked":
-            z = self.blocked_z(q, k, v, mask, self.composed_weights(x, past_kv_cache_entry))
-        elif path == "triton":
-            z = self.triton_z(q, k, v, mask, self.composed_weights(x, past_kv_cache_entry), real)
-        elif path == "few_queries":
-            z = self.few_queries_z(q, k, v, mask, self.composed_weights(x, past_kv_cache_entry, key_last=True))
-        else:
+        if path == "materialised":  # Eqs. (4)-(8) with every [b, h, t, s] tensor through its hook
             z = self.materialised_z(x, q, k, v, mask, past_kv_cache_entry)
+        else:
+            z = dcmha.attend(path, self.attention_inputs(x, q, k, v, mask, past_kv_cache_entry, real))
         z = self.hook_z(z)
         if cfg.use_attn_result:
             out = self.hook_result(torch.einsum("bthe,hed->bthd", z, self.W_O)).sum(2)
@@ -396,9 +410,21 @@ class Attention(nn.Module):
     def path_for(
         self, x: Tensor, mask: Tensor, n_queries: int, past_kv_cache_entry=None, real: Tensor | None = None
     ) -> dcmha.Path:
-        """Which path computes this call's z (`dcinterp.dcmha.choose_path`, whose docstring has the rules): the
-        materialised one when anything reads or sets a [b, h, t, s] tensor of this layer (a hook, a cache or an
-        nnsight trace on the scores, the patterns or a branch output) or a functorch transform is active."""
+        """Which path computes this call's z, by `dcinterp.dcmha.choose_path`'s rules.
+
+        The materialised one when anything reads or sets a [b, h, t, s] tensor of this layer (a hook, a cache or an
+        nnsight trace on the scores, the patterns or a branch output) or a functorch transform is active.
+
+        Args:
+            x: the normed input [b, p, d].
+            mask: the additive mask, [t, s] or [b, 1, t, s].
+            n_queries: t.
+            past_kv_cache_entry: this layer's cache entry, or None.
+            real: [b, s], False at padded keys; None without padding beyond the mask.
+
+        Returns:
+            The path's name.
+        """
         square_read = _hooked(self.hook_attn_scores) or _hooked(self.hook_pattern)
         if self.cfg.use_dcmha:
             square_read = square_read or _hooked(self.hook_composed_scores) or _hooked(self.hook_composed_pattern)
@@ -424,13 +450,41 @@ class Attention(nn.Module):
             dtype=x.dtype,
         )
 
-    def composed_weights(
-        self, x: Float[Tensor, "b p d"], past_kv_cache_entry=None, key_last: bool = False
-    ) -> list[tuple | None]:
-        """Per stage (pre, post): its dynamic weights (qw1, qw2, kw1, kw2, qg, kg) after their hooks, None for a
-        branch or stage that is off. The key side is every key's (the cache's first, where the new ones are
-        stored), in the hooks' layout: kw1, kw2 [b, s, rank, head], kg [b, s, head]; or, with a cache and
-        `key_last`, as the cache holds it: kw1, kw2 [b, rank, head, s], kg [b, head, s]."""
+    def attention_inputs(
+        self, x: Float[Tensor, "b p d"], q, k, v, mask, past_kv_cache_entry=None, real: Tensor | None = None
+    ) -> dcmha.AttentionInputs:
+        """What `dcinterp.dcmha.attend` takes: q, k, v of every key, the mask, and each stage's dynamic weights.
+
+        Args:
+            x: the layer's normed input, from which the dynamic weights are computed.
+            q: the queries [b, t, h, e] after rotary.
+            k: the keys [b, s, h, e] of every key (the cache's first).
+            v: the values [b, s, h, e], the same.
+            mask: the additive mask, [t, s] or [b, 1, t, s].
+            past_kv_cache_entry: this layer's cache entry, where the new key side is stored.
+            real: [b, s], False at padded keys; None without padding beyond the mask.
+
+        Returns:
+            The inputs; with a cache, the key side as it holds it (key-last).
+        """
+        stages = self.composed_weights(x, past_kv_cache_entry) if self.cfg.use_dcmha else [None, None]
+        official = self.cfg.window == "official-inference"
+        return dcmha.AttentionInputs(
+            q, k, v, mask, *stages, self.window, official, real, key_last=past_kv_cache_entry is not None
+        )
+
+    def composed_weights(self, x: Float[Tensor, "b p d"], past_kv_cache_entry=None) -> list[tuple | None]:
+        """Each stage's dynamic weights after their hooks, the key side of every key.
+
+        Args:
+            x: the layer's normed input.
+            past_kv_cache_entry: this layer's cache entry: the new key side is stored there, and every key's read.
+
+        Returns:
+            Per stage (pre, post): (qw1, qw2, kw1, kw2, qg, kg), None for a branch or stage that is off. The key side
+            in the hooks' layout (kw1, kw2 [b, s, rank, head], kg [b, s, head]); with a cache, as it holds it
+            (kw1, kw2 [b, rank, head, s], kg [b, head, s]).
+        """
         dyn = self.dynamic_weights(x)
         stages = []
         for compose in (self.pre_compose, self.post_compose):
@@ -440,75 +494,23 @@ class Attention(nn.Module):
             qw1, qw2, kw1, kw2, qg, kg = compose.dynamic_weights(*dyn[compose.stage])
             if past_kv_cache_entry is not None:
                 kw1, kw2, kg = past_kv_cache_entry.append_key_compose(compose.stage, kw1, kw2, kg)
-                if not key_last:
-                    kw1, kw2, kg = (None if w is None else w.movedim(-1, 1) for w in (kw1, kw2, kg))
             stages.append((qw1, qw2, kw1, kw2, qg, kg))
         return stages
 
-    def blocked_z(self, q, k, v, mask, stages: list[tuple | None]) -> Float[Tensor, "b t h e"]:
-        """z of DCMHA by `dcinterp.dcmha.blocked`: equal to `materialised_z`'s up to float rounding."""
-        cfg = self.cfg
-        blocked_stages = []
-        for stage in stages:
-            if stage is None:
-                blocked_stages.append((None, None, None, None))
-                continue
-            qw1, qw2, kw1, kw2, qg, kg = stage
-            W = blocked.query_map(qw1, qw2, qg, cfg.n_heads)
-            blocked_stages.append((W, blocked.key_last(kw1), blocked.key_last(kw2), blocked.key_last(kg)))
-        past, official = k.shape[1] - q.shape[1], cfg.window == "official-inference"
-        plan = blocked.plan(cfg.n_heads, cfg.d_head, past, self.window, official)
-        return blocked.blocked_dcmha(q, k, v, mask, blocked_stages[0], blocked_stages[1], plan)
-
-    def triton_z(self, q, k, v, mask, stages: list[tuple | None], real: Tensor | None) -> Float[Tensor, "b t h e"]:
-        """z of DCMHA by the fused Triton kernels (`dcinterp.dcmha.triton_z`), decoding steps included."""
-        return dcmha.triton_z(
-            q,
-            k,
-            v,
-            mask,
-            *stages,
-            window=self.window,
-            official=self.cfg.window == "official-inference",
-            past=k.shape[1] - q.shape[1],
-            real=real,
-        )
-
-    def sdpa_z(self, q, k, v, mask) -> Float[Tensor, "b t h e"]:
-        """z of plain MHA by torch's `scaled_dot_product_attention`; a prompt with causal masking alone says so
-        (`is_causal`), which lets the GPU take its flash kernel. A step with cached keys (a new key length each
-        decoding step, an additive mask) names its backends: on an NVIDIA H100 with torch 2.11, torch's default choice
-        took a median 45 ms a call over 20 such steps of 32 heads of 128 (up to 1.1 s), the named ones 0.17 ms."""
-        causal_only = mask.ndim == 2 and self.window is None and k.shape[1] == q.shape[1]
-        cached = k.shape[1] != q.shape[1]
-        with sdpa_kernel(SDPA_BACKENDS_WITH_CACHE) if cached and q.is_cuda else contextlib.nullcontext():
-            z = F.scaled_dot_product_attention(
-                q.transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                attn_mask=None if causal_only else mask.to(q.dtype),
-                is_causal=causal_only,
-            )
-        return z.transpose(1, 2)
-
-    def few_queries_z(self, q, k, v, mask, stages: list[tuple | None]) -> Float[Tensor, "b t h e"]:
-        """z of a cached step of a few queries when nothing reads a [b, h, t, s] tensor: `materialised_z`'s arithmetic
-        in fewer operations (on a GPU each launches a kernel, and launches are what a decoding step costs): the
-        scores, the pattern between them (`dcinterp.dcmha.decoding`: by torch's ops, or on CUDA without gradients by
-        two Triton launches, as `dcinterp.dcmha.decoding_pattern_path` says) and P' V. `stages`: `composed_weights`
-        with the key side key-last."""
-        scores = q.transpose(1, 2) @ k.permute(0, 2, 3, 1)  # [b, h, t, s]
-        weights = [w for stage in stages if stage is not None for w in stage if w is not None]
-        path = dcmha.decoding_pattern_path(
-            device=q.device,
-            dtypes={scores.dtype, mask.dtype, *(w.dtype for w in weights)},
-            gradient_needed=_gradient_needed((scores, *weights)),
-        )
-        pattern = dcmha.compute_decoding_pattern(path, scores, mask, *stages, scale=1 / math.sqrt(self.cfg.d_head))
-        return (pattern @ v.transpose(1, 2)).transpose(1, 2)
-
     def materialised_z(self, x, q, k, v, mask, past_kv_cache_entry=None) -> Float[Tensor, "b t h e"]:
-        """z with every [b, h, t, s] tensor of the layer computed and passed through its hook."""
+        """z with every [b, h, t, s] tensor of the layer computed and passed through its hook (Eqs. 4-8).
+
+        Args:
+            x: the normed input [b, p, d], from which the dynamic weights are computed.
+            q: the queries [b, t, h, e] after rotary.
+            k: the keys [b, s, h, e] of every key.
+            v: the values [b, s, h, e].
+            mask: the additive mask, [t, s] or [b, 1, t, s].
+            past_kv_cache_entry: this layer's cache entry, where the new key side is stored; or None.
+
+        Returns:
+            z [b, t, h, e].
+        """
         cfg = self.cfg
         scores = torch.einsum("bthe,bshe->bhts", q, k) / math.sqrt(cfg.d_head)
         mask = mask.to(scores.dtype)
@@ -788,7 +790,7 @@ class HookedDCFormer(TransformerLensAPI, HookedRootModule):
                 positions = (real.cumsum(1) - 1).clamp_min(0)[:, past:]
         masks = {}
         rotary = model_rotary_tables(self.cfg, n, resid.device, positions)  # every layer's
-        for layer in range(len(self.blocks))[start_at_layer:stop_at_layer]:  # a ModuleList's slice costs 3 µs a block
+        for layer in range(len(self.blocks))[start_at_layer:stop_at_layer]:  # a ModuleList's slice builds a new list
             block = self.blocks[layer]
             window = block.attn.window
             if window not in masks:

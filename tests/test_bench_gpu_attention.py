@@ -17,7 +17,7 @@ bench = pytest.importorskip("bench_gpu_attention")
 @pytest.fixture
 def kernels(monkeypatch):
     """The kernels' module where they run here (natively or under the interpreter), the check's inputs on its device."""
-    module = bench.load("triton_kernels")
+    module = bench.load("maps")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if module.available(device) is not None:
         pytest.skip(module.available(device))
@@ -29,12 +29,9 @@ def off_by_a_rounding(fused):
     return lambda q, k, v, pre, post, past=0: fused(q, k, v, pre, post, past) * (1 + 1e-5)
 
 
-@pytest.mark.parametrize("backward", ["tiles", "maps"])
-def test_the_cards_check_is_the_float64_rule_and_fails_a_wrong_kernel(kernels, backward):
+def test_the_cards_check_is_the_float64_rule_and_fails_a_wrong_kernel(kernels):
     def fused(q, k, v, pre, post, past=0):
-        blocks = dict(blocks=(16, 16, 16), map_blocks=(16, 16))
-        return kernels.fused_dcmha(q, k, v, pre, post, window=None, official=False, past=past, backward=backward,
-                                   **blocks)  # fmt: skip
+        return kernels.fused_dcmha(q, k, v, pre, post, window=None, official=False, past=past, blocks=(16, 16))
 
     assert bench.check(fused, torch.float32, 2, 21, 3, 16, 2) <= 1
     assert bench.check(fused, torch.float32, 1, 3, 3, 16, 1, past=20) <= 1
@@ -45,7 +42,7 @@ def test_the_no_gradient_check_holds_the_forward_through_the_maps_to_the_rule(ke
     """benchmarks/sweep_gpu_maps.py checks the forward through the maps with `check(..., with_gradients=False)`."""
 
     def fused(q, k, v, pre, post, past=0):
-        return kernels.fused_dcmha(q, k, v, pre, post, window=None, official=False, past=past, map_blocks=(16, 16))
+        return kernels.fused_dcmha(q, k, v, pre, post, window=None, official=False, past=past, blocks=(16, 16))
 
     assert bench.check(fused, torch.float32, 2, 21, 3, 16, 2, with_gradients=False) <= 1
     assert bench.check(fused, torch.float32, 1, 3, 3, 16, 1, past=20) <= 1

@@ -67,9 +67,8 @@ def test_a_decoding_steps_count_takes_the_pattern_as_two_kernels_on_cuda():
         (["--gradients"], 2, "attention module's forward"),
         # and the forward through the maps (four), its backward (the maps again, their gradients, D, both sides: seven)
         (["--gradients", "--fused-min-keys", "0"], 13, "attention module's forward"),
-        (["--gradients", "--fused-min-keys", "0", "--backward", "tiles"], 5, "attention module's forward"),
     ],
-    ids=["forward", "decoding-step", "gradients", "gradients-through-the-maps", "gradients-through-the-tiles"],
+    ids=["forward", "decoding-step", "gradients", "gradients-through-the-maps"],
 )
 def test_the_host_time_benchmark_times_both_models_on_cudas_paths(mode, kernels, module):
     out = run("bench_host_time.py", "--runs", "3", "--layers", "2", "--tokens", "20", *mode)
@@ -84,7 +83,7 @@ def test_the_host_time_benchmark_times_both_models_on_cudas_paths(mode, kernels,
     [
         (["--runs", "0"], "--tokens, --layers and --runs must be at least 1"),
         (["--decode", "--gradients"], "--decode and --gradients time different calls: give one"),
-        (["--backward", "maps"], "--fused-min-keys and --backward choose the gradients' path: give --gradients too"),
+        (["--fused-min-keys", "0"], "--fused-min-keys chooses the gradients' path: give --gradients too"),
         (["--gradients", "--fused-min-keys", "-1"], "--fused-min-keys must be at least 0"),
     ],
 )

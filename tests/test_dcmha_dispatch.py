@@ -3,10 +3,10 @@
 - the rules, one case each: a hook on each square tensor, a functorch transform, a cached decoding step, CPU and
   CUDA (a device object: no GPU is needed to choose), the Triton kernels available or not (one warning per reason);
 - through the model: the path each layer took (`Attention.path_for`, recorded at the dispatch);
-- the Triton path's plumbing on this CPU: a stand-in `triton_kernels` whose `fused_dcmha` is the float64-checked
-  materialised formula built from the kernel's own arguments (window, semantics, past, real), with a backward
-  that refuses `create_graph`, as the real kernels' does; the model on "CUDA" then equals the materialised path,
-  forward, gradients, padding, the cache, and second derivatives (which fall back on `materialised.attend`);
+- the Triton path's plumbing on this CPU: a stand-in `maps` (the fused kernels' module) whose `fused_dcmha` is the
+  float64-checked materialised formula built from the kernel's own arguments (window, semantics, past, real), with
+  a backward that refuses `create_graph`, as the real kernels' does; the model on "CUDA" then equals the materialised
+  path, forward, gradients, padding, the cache, and second derivatives (which fall back on `materialised.attend`);
 - plain MHA by `scaled_dot_product_attention` against the einsum-softmax path: causal, local windows of both
   semantics, left padding, the key-value cache in chunks, float32 judged by float64 (tests/numerics.py).
 """
@@ -23,11 +23,12 @@ import pytest
 import torch
 
 import dcinterp.dcmha as dcmha
-from dcinterp import DCFormerConfig, HookedDCFormer, memory
+from dcinterp import DCFormerConfig, HookedDCFormer, devices
 from dcinterp.dcmha import materialised
 from dcinterp.kv_cache import DCFormerKeyValueCache
 from dcinterp.model import attention_mask
 from tests.numerics import assert_as_exact_as, float64_copy, hessian_vector_product
+from tests.told_cuda import forget_refusals
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -44,9 +45,9 @@ SQUARE_HOOKS = [
 
 @pytest.fixture
 def kernels(monkeypatch):
-    """A stand-in triton_kernels module: available (its `reason` None) or not, its `fused_dcmha` the materialised
-    formula. Its calls are recorded."""
-    module = types.ModuleType("dcinterp.dcmha.triton_kernels")
+    """A stand-in for the fused kernels' module, dcinterp.dcmha.maps: available (its `reason` None) or not, its
+    `fused_dcmha` the materialised formula. Its calls are recorded."""
+    module = types.ModuleType("dcinterp.dcmha.maps")
     module.reason = None
     module.calls = []
     module.available = lambda device: module.reason
@@ -60,16 +61,15 @@ def kernels(monkeypatch):
 
     module.refusal = None  # an error the stand-in's backward takes as Triton refusing the backward's kernels
     module.fused_dcmha = fused_dcmha
-    monkeypatch.setitem(sys.modules, "dcinterp.dcmha.triton_kernels", module)
-    monkeypatch.setattr(dcmha, "triton_kernels", module, raising=False)
-    monkeypatch.setattr(dcmha, "_warned", set())
-    monkeypatch.setattr(dcmha, "_refused", {})
+    monkeypatch.setitem(sys.modules, "dcinterp.dcmha.maps", module)
+    monkeypatch.setattr(dcmha, "maps", module, raising=False)
+    forget_refusals(monkeypatch)
     return module
 
 
 @pytest.fixture
 def card_memory(monkeypatch):
-    """The card's free memory as `dcinterp.memory.free_memory` gives it (80 GiB unless a test sets `.free`), only ever
+    """The card's free memory as `dcinterp.devices.free_memory` gives it (80 GiB unless a test sets `.free`), only ever
     asked of CUDA; `.asked` counts the calls."""
     card = types.SimpleNamespace(free=80 * GiB, asked=0)
 
@@ -78,7 +78,7 @@ def card_memory(monkeypatch):
         card.asked += 1
         return card.free
 
-    monkeypatch.setattr(memory, "free_memory", free_memory)
+    monkeypatch.setattr(devices, "free_memory", free_memory)
     return card
 
 
@@ -197,10 +197,9 @@ def test_kernels_that_cannot_run_give_one_warning_per_reason_and_the_materialise
 
 
 def test_kernels_that_cannot_be_imported_are_not_available(monkeypatch):
-    monkeypatch.setitem(sys.modules, "dcinterp.dcmha.triton_kernels", None)  # an import of it raises ImportError
-    monkeypatch.delattr(dcmha, "triton_kernels", raising=False)
-    monkeypatch.setattr(dcmha, "_warned", set())
-    monkeypatch.setattr(dcmha, "_refused", {})
+    monkeypatch.setitem(sys.modules, "dcinterp.dcmha.maps", None)  # an import of it raises ImportError
+    monkeypatch.delattr(dcmha, "maps", raising=False)
+    forget_refusals(monkeypatch)
     assert dcmha.triton_unavailable(CUDA).startswith("the Triton kernels cannot be imported")
     with pytest.warns(UserWarning, match="DCMHA on cuda takes the materialised path: the Triton kernels cannot be"):
         assert dcmha.choose_path(dcmha=True, device=CUDA, square_tensor_read=False) == "materialised"
@@ -425,24 +424,18 @@ def test_the_triton_path_equals_the_materialised_path(model, model64, kernels, o
 def real_kernels(monkeypatch):
     """The Triton kernels themselves: natively with CUDA, else under Triton's interpreter (when TRITON_INTERPRET=1 was
     set before triton was imported, as tests/conftest.py sets it for the whole run on a machine without CUDA)."""
-    triton_kernels = pytest.importorskip("dcinterp.dcmha.triton_kernels")
-    reason = triton_kernels.available(CUDA if torch.cuda.is_available() else CPU)
+    maps = pytest.importorskip("dcinterp.dcmha.maps")
+    reason = maps.available(CUDA if torch.cuda.is_available() else CPU)
     if reason is not None:
         pytest.skip(reason)
     monkeypatch.setattr(dcmha, "triton_unavailable", lambda device: None)
-    return triton_kernels
+    return maps
 
 
-@pytest.mark.parametrize(
-    "case, backward", [("prompt, left padding", "tiles"), ("cache", "tiles"), ("prompt, left padding", "maps")]
-)
-def test_the_real_kernels_through_the_model_equal_the_materialised_path(
-    model, model64, real_kernels, on_cuda, case, backward, monkeypatch
-):
-    """The model on the Triton path with the real kernels (not the stand-in): logits and every gradient, by each
-    fused backward. With CUDA the model runs on the GPU (natively compiled kernels), else on this CPU under the
-    interpreter."""
-    monkeypatch.setattr(real_kernels, "BACKWARD", backward)
+@pytest.mark.parametrize("case", ["prompt, left padding", "cache"])
+def test_the_real_kernels_through_the_model_equal_the_materialised_path(model, model64, real_kernels, on_cuda, case):
+    """The model on the Triton path with the real kernels (not the stand-in): logits and every gradient. With CUDA
+    the model runs on the GPU (natively compiled kernels), else on this CPU under the interpreter."""
     device = CUDA if torch.cuda.is_available() else CPU
     on_device = copy.deepcopy(model).to(device)
     tokens = tokens_for(model, length=20)

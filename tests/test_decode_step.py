@@ -109,8 +109,6 @@ def test_a_batched_step_copies_nothing_of_the_cache(monkeypatch):
     more than one (a clone a matmul, found by counting a step's operations)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from dcinterp.model import Attention
-
     class Ops(TorchDispatchMode):
         def __init__(self):
             super().__init__()
@@ -120,15 +118,15 @@ def test_a_batched_step_copies_nothing_of_the_cache(monkeypatch):
             self.names.append(func._schema.name)
             return func(*args, **(kwargs or {}))
 
-    seen, few_queries_z = [], Attention.few_queries_z
+    seen, few_queries_z = [], dcmha.PATHS["few_queries"]
 
-    def recorded(self, *args, **kwargs):
+    def recorded(inputs):
         with Ops() as ops:
-            z = few_queries_z(self, *args, **kwargs)
+            z = few_queries_z(inputs)
         seen.append(ops.names)
         return z
 
-    monkeypatch.setattr(Attention, "few_queries_z", recorded)
+    monkeypatch.setitem(dcmha.PATHS, "few_queries", recorded)
     model = load("dcpythia-tiny")
     tokens = torch.randint(3, model.cfg.d_vocab, (3, 24), generator=torch.Generator().manual_seed(0))
     cache = DCFormerKeyValueCache.init_cache(model.cfg, "cpu", batch_size=3)

@@ -1,8 +1,8 @@
-"""The host's grid arithmetic (dcinterp.dcmha._grids) gives what Triton's own constexpr functions give."""
+"""The host's grid arithmetic (dcinterp.dcmha.jit) gives what Triton's own constexpr functions give."""
 
 import pytest
 
-from dcinterp.dcmha._grids import cdiv, next_power_of_2
+from dcinterp.dcmha.jit import cdiv, next_power_of_2
 
 triton = pytest.importorskip("triton")
 

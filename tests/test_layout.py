@@ -73,11 +73,6 @@ LAYERS: dict[str, tuple[str, ...]] = {
     ),
 }
 
-# Upward imports and circles that other branches of issue #59 remove; each pair is (importer, imported).
-PENDING_HELPER_A = {  # dcmha stops importing memory (free_memory moves to devices)
-    ("dcinterp.dcmha", "dcinterp.memory"),
-}
-
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
@@ -162,17 +157,13 @@ def import_graph() -> dict[str, set[str]]:
     return {name: {m for m in imports_of(path) if m in modules and m != name} for name, path in modules.items()}
 
 
-def pending(importer: str, imported: str) -> bool:
-    return (importer, imported) in PENDING_HELPER_A
-
-
 def test_every_module_has_a_layer_and_imports_only_from_its_layer_and_below():
     names = list(LAYERS)
     upward = [
         f"{module} ({names[layer_of(module)]}) imports {imported} ({names[layer_of(imported)]})"
         for module, imports in sorted(import_graph().items())
         for imported in sorted(imports)
-        if layer_of(imported) > layer_of(module) and not pending(module, imported)
+        if layer_of(imported) > layer_of(module)
     ]
     assert not upward, "imports that point up the layers:\n" + "\n".join(upward)
 
@@ -210,8 +201,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_circle_of_imports():
-    graph = {m: {i for i in imports if not pending(m, i)} for m, imports in import_graph().items()}
-    found = circles(graph)
+    found = circles(import_graph())
     assert not found, "modules that import each other (functions included):\n" + "\n".join(
         " <-> ".join(component) for component in found
     )

@@ -1,4 +1,4 @@
-"""The fused Triton DCMHA (dcinterp/dcmha/triton_kernels.py) against DCMHA's formulas in float64.
+"""The fused Triton DCMHA through the cross-head maps (dcinterp/dcmha/maps.py) against DCMHA's formulas in float64.
 
 On a machine without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py
 before triton is first imported); with CUDA, natively.
@@ -25,15 +25,14 @@ import triton  # (after the skip)
 import triton.language as tl
 
 from dcinterp import HookedDCFormer
-from dcinterp.dcmha import triton_kernels
-from dcinterp.dcmha.triton_kernels import BRANCHES, available, fused_dcmha
+from dcinterp.dcmha import maps, maps_kernels
+from dcinterp.dcmha.maps import BRANCHES, available, fused_dcmha
 from tests.numerics import assert_as_exact_as
 from tests.uninitialised import allocate_nan
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-BLOCKS = (16, 16, 16)  # the smallest tiles: several query and key blocks, and head-dim chunks, at tiny shapes
-MAP_BLOCKS = (16, 16)  # likewise for the forward through the maps
+BLOCKS = (16, 16)  # the smallest tiles: several query and key blocks at tiny shapes
 TIMES_REFERENCE_ERROR = 4  # the fused float32 error, at most this multiple of the float32 reference's
 
 pytestmark = pytest.mark.skipif(available(DEVICE) is not None, reason=str(available(DEVICE)))
@@ -141,16 +140,12 @@ def check(
     gradients=True,
     blocks=BLOCKS,
     dtype=torch.float32,
-    backwards=("tiles", "maps"),
-    map_blocks=MAP_BLOCKS,
 ):
     """The fused forward and the gradients of every input (for a random dz) against the float64 reference and the
-    reference in `dtype` (float32 unless told): by the tiles kernels and by the kernels through the maps (each of
-    `backwards`: its forward and backward); and the forward through the maps without gradients, the one taken then."""
+    reference in `dtype` (float32 unless told); without gradients, the forward alone."""
     q, k, v, pre, post = inputs
     options = dict(window=window, official=official, past=past, real=real)
-    fused = {"tiles": dict(blocks=blocks, backward="tiles"), "maps": dict(map_blocks=map_blocks, backward="maps")}
-    fused = {name: fused[name] for name in backwards}
+    fused = {"maps": dict(blocks=blocks)}
     runs = {}
     for name, run_dtype in (("exact", torch.float64), ("single", dtype), *((name, dtype) for name in fused)):
         args = [to(x, run_dtype, gradients) for x in (q, k, v, pre, post)]
@@ -161,10 +156,6 @@ def check(
             dz = torch.randn(z.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(DEVICE)
             grads = torch.autograd.grad(z, leaves, dz.to(run_dtype))
         runs[name] = (z, grads)
-    if not gradients or "maps" not in fused:  # else the maps run's z is this forward's, bit for bit (tested below)
-        with torch.no_grad():
-            maps = fused_dcmha(*[to(x, dtype) for x in (q, k, v, pre, post)], **options, map_blocks=map_blocks)
-        assert_as_exact(maps, runs["single"][0], runs["exact"][0], "z through the maps, without gradients")
     names = [n for n, x in zip(["q", "k", "v"] + [f"{s} {b}" for s in ("pre", "post") for b in BRANCHES],
                                [q, k, v, *flat(pre, post)], strict=True) if x is not None]  # fmt: skip
     for path in fused:
@@ -186,17 +177,17 @@ def test_global_layer(b, t, h, e, rank):
 
 
 def test_default_blocks_at_a_large_models_width():
-    """32 heads of 128 (DCPythia-6.9B's), the default tiles and launches, 3 new queries against 50 cached keys."""
-    check(make_inputs(1, 3, 32, 128, 2, past=50), past=50, blocks=triton_kernels.BLOCKS, map_blocks=None)
+    """32 heads of 128 (DCPythia-6.9B's), the default launches, 3 new queries against 50 cached keys."""
+    check(make_inputs(1, 3, 32, 128, 2, past=50), past=50, blocks=None)
 
 
-@pytest.mark.parametrize("official", [False, True], ids=["training", "official-inference"])
-@pytest.mark.parametrize("window", [1, 5, 20])
+@pytest.mark.parametrize(
+    "window, official", [(1, False), (5, True), (20, False)], ids=["1-training", "5-official", "20-training"]
+)
 def test_local_window(window, official):
-    """Both semantics of each window by the tiles' backward; by the maps', one semantics a window (alternating): the
-    maps' kernels see a window only as its span, and the two semantics differ by one key of it."""
-    maps = (window == 5) == official
-    check(make_inputs(1, 35, 3, 16, 2), window=window, official=official, backwards=("tiles", "maps")[: 1 + maps])
+    """One semantics a window (alternating): the kernels see a window only as its span, and the two semantics differ
+    by one key of it."""
+    check(make_inputs(1, 35, 3, 16, 2), window=window, official=official)
 
 
 @pytest.mark.parametrize(
@@ -208,7 +199,7 @@ def test_blocks_seen_whole_and_masked_ones_together(t, past, window, official):
     """Blocks of 16 queries that see blocks of 16 keys whole (the kernels' loops without masks) between masked ones
     (a window's first keys, the diagonal, the prompt's last queries), with the blocks offset by a cache."""
     inputs = make_inputs(1, t, 2, 16, 2, past=past)
-    check(inputs, past=past, window=window, official=official, backwards=("maps",))
+    check(inputs, past=past, window=window, official=official)
 
 
 def test_padding():
@@ -297,16 +288,11 @@ def test_any_combination(data):
     branches = data.draw(st.sets(st.sampled_from(["qp", "kp", "qg", "kg"])))
     stages = data.draw(st.sets(st.sampled_from(["pre", "post"])))
     real = torch.rand(1, past + t, generator=torch.Generator().manual_seed(t)) > data.draw(st.sampled_from([0.0, 0.3]))
-    backward = data.draw(st.sampled_from(["tiles", "maps"]))
     inputs = make_inputs(1, t, heads, dim, rank, past=past, branches=branches, stages=stages, seed=t + past)
-    check(inputs, window=window, official=official, past=past, real=real.to(DEVICE), backwards=(backward,))
+    check(inputs, window=window, official=official, past=past, real=real.to(DEVICE))
 
 
-BACKWARDS = {"tiles": dict(blocks=BLOCKS, backward="tiles"), "maps": dict(map_blocks=MAP_BLOCKS, backward="maps")}
-
-
-@pytest.mark.parametrize("backward", BACKWARDS)
-def test_keys_before_the_window_are_never_read(backward):
+def test_keys_before_the_window_are_never_read():
     """Decoding 5 queries after 40 cached keys with a window of 6: NaN in the keys before the first query's window and
     in their weights changes no bit of z or of any gradient, and their gradients stay 0."""
     past, window = 40, 6
@@ -318,7 +304,7 @@ def test_keys_before_the_window_are_never_read(backward):
     runs = []
     for q, k, v, pre, post in (clean, poisoned):
         inputs = [to(x, torch.float32, True) for x in (q, k, v, pre, post)]
-        z = fused_dcmha(*inputs, window=window, official=False, past=past, **BACKWARDS[backward])
+        z = fused_dcmha(*inputs, window=window, official=False, past=past, blocks=BLOCKS)
         leaves = [x for x in inputs[:3] + flat(*inputs[3:]) if x is not None]
         runs.append([z, *torch.autograd.grad(z, leaves, torch.ones_like(z))])
     for first, second in zip(*runs, strict=True):
@@ -326,27 +312,23 @@ def test_keys_before_the_window_are_never_read(backward):
     assert not runs[1][2][:, hidden].any()  # dk
 
 
-@pytest.mark.parametrize("backward", BACKWARDS)
-def test_same_inputs_give_the_same_bits(backward):
+def test_same_inputs_give_the_same_bits():
     q, k, v, pre, post = [to(x, torch.float32, True) for x in make_inputs(1, 35, 3, 16, 2)]
     leaves = [x for x in (q, k, v, *flat(pre, post)) if x is not None]
     runs = []
     for _ in range(2):
-        z = fused_dcmha(q, k, v, pre, post, window=7, official=False, **BACKWARDS[backward])
+        z = fused_dcmha(q, k, v, pre, post, window=7, official=False, blocks=BLOCKS)
         runs.append([z, *torch.autograd.grad(z, leaves, torch.ones_like(z))])
     for first, second in zip(*runs, strict=True):
         assert torch.equal(first, second)
 
 
-@pytest.mark.parametrize("backward", BACKWARDS)
-def test_without_gradients_the_same_forward(backward):
-    """Under no_grad the kernels run without the autograd.Function: with the forward of the same name as the
-    backward (the one gradients take), the same z, bit for bit."""
+def test_without_gradients_the_same_forward():
+    """Under no_grad the kernels run without the autograd.Function: the same z, bit for bit."""
     inputs = [to(x, torch.float32, True) for x in make_inputs(1, 20, 3, 16, 1)]
-    options = BACKWARDS[backward]
-    z = fused_dcmha(*inputs, window=None, official=False, **options)
+    z = fused_dcmha(*inputs, window=None, official=False, blocks=BLOCKS)
     with torch.no_grad():
-        assert torch.equal(z, fused_dcmha(*inputs, window=None, official=False, **options, forward=backward))
+        assert torch.equal(z, fused_dcmha(*inputs, window=None, official=False, blocks=BLOCKS))
 
 
 def test_a_card_without_room_for_the_pipelined_loads_takes_the_launch_unpipelined(monkeypatch):
@@ -355,14 +337,14 @@ def test_a_card_without_room_for_the_pipelined_loads_takes_the_launch_unpipeline
     and the rest of its group takes it at once; the same z and gradients bit for bit (here, under the interpreter); the
     call's settings keep it: the next call of the same shapes is refused nothing."""
     names = [
-        "_product_maps_kernel", "_row_statistics_kernel", "_post_maps_kernel", "_head_output_kernel",
-        "_row_gradient_kernel", "_pre_gradient_maps_kernel", "_head_query_gradient_kernel", "_head_key_gradient_kernel",
+        "product_maps_kernel", "row_statistics_kernel", "post_maps_kernel", "head_output_kernel",
+        "row_gradient_kernel", "pre_gradient_maps_kernel", "head_query_gradient_kernel", "head_key_gradient_kernel",
     ]  # fmt: skip
     inputs = make_inputs(1, 40, 3, 16, 2)
 
     def run():
         args = [to(x, torch.float32, True) for x in inputs]
-        z = fused_dcmha(*args, window=None, official=False, map_blocks=MAP_BLOCKS, backward="maps")
+        z = fused_dcmha(*args, window=None, official=False, blocks=BLOCKS)
         leaves = [x for x in args[:3] + flat(*args[3:]) if x is not None]
         return z, torch.autograd.grad(z, leaves, torch.ones_like(z))
 
@@ -378,24 +360,24 @@ def test_a_card_without_room_for_the_pipelined_loads_takes_the_launch_unpipeline
                 stages[self.kernel.fn.__name__] = constants["num_stages"]
                 if constants["num_stages"] > 1:
                     refused.append(self.kernel.fn.__name__)
-                    raise triton_kernels.OutOfResources(232_000, 101_376, "shared memory")
+                    raise maps.OutOfResources(232_000, 101_376, "shared memory")
                 return self.kernel[grid](*args, **constants)
 
             return launch
 
     for name in names:
-        monkeypatch.setattr(triton_kernels, name, Refusing(getattr(triton_kernels, name)))
-    triton_kernels._launches.clear()
+        monkeypatch.setattr(maps_kernels, name, Refusing(getattr(maps_kernels, name)))
+    maps._launches.clear()
     unpipelined = run()
-    first_of_each_group = ["_product_maps_kernel", "_row_statistics_kernel", "_row_gradient_kernel"]
-    assert refused == [*first_of_each_group, "_head_key_gradient_kernel"] and stages == dict.fromkeys(names, 1)
+    first_of_each_group = ["product_maps_kernel", "row_statistics_kernel", "row_gradient_kernel"]
+    assert refused == [*first_of_each_group, "head_key_gradient_kernel"] and stages == dict.fromkeys(names, 1)
     (z, grads), (z_unpipelined, grads_unpipelined) = pipelined, unpipelined
     assert torch.equal(z, z_unpipelined)
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_unpipelined, strict=True))
     refused.clear()
     run()
     assert refused == []
-    triton_kernels._launches.clear()
+    maps._launches.clear()
 
 
 def test_the_backward_of_a_long_prompt_goes_a_chunk_of_queries_at_a_time(monkeypatch):
@@ -409,21 +391,21 @@ def test_the_backward_of_a_long_prompt_goes_a_chunk_of_queries_at_a_time(monkeyp
     runs = []
     for room in (None, 2 * b * 4 * rank * t * 4 * 16):
         if room is not None:
-            monkeypatch.setattr(triton_kernels, "MAPS_BYTES", room)
+            monkeypatch.setattr(maps, "MAPS_BYTES", room)
         calls = []
-        launches = triton_kernels._maps_backward_launches
+        launches = maps._maps_backward_launches
         monkeypatch.setattr(
-            triton_kernels,
+            maps,
             "_maps_backward_launches",
             lambda *args, calls=calls, launches=launches: calls.append(args[1].shape[1]) or launches(*args),
         )
         args = [to(x, torch.float32, True) for x in inputs]
-        z = fused_dcmha(*args, window=20, official=True, map_blocks=MAP_BLOCKS, backward="maps")
+        z = fused_dcmha(*args, window=20, official=True, blocks=BLOCKS)
         leaves = [x for x in args[:3] + flat(*args[3:]) if x is not None]
         runs.append((calls, torch.autograd.grad(z, leaves, torch.ones_like(z))))
-        monkeypatch.setattr(triton_kernels, "_maps_backward_launches", launches)
+        monkeypatch.setattr(maps, "_maps_backward_launches", launches)
     assert runs[0][0] == [45] and runs[1][0] == [16, 16, 13]
-    key_side = [3 + i for i in triton_kernels.KEY_SIDE]  # the key side's weights among the leaves q, k, v, ...
+    key_side = [3 + i for i in maps.KEY_SIDE]  # the key side's weights among the leaves q, k, v, ...
     for i, (whole, chunked) in enumerate(zip(runs[0][1], runs[1][1], strict=True)):
         if i not in key_side:
             assert torch.equal(whole, chunked)
@@ -438,15 +420,13 @@ def test_the_maps_of_a_long_prompt_go_a_chunk_of_queries_at_a_time(monkeypatch):
     """With room for the maps of 16 queries only, the forward through the maps goes 16 queries at a time (3 chunks,
     the last one short, in a window): the z of the whole prompt at once, judged against float64."""
     b, t, h, e, rank = 2, 45, 3, 16, 2
-    monkeypatch.setattr(triton_kernels, "MAPS_BYTES", b * 4 * rank * t * 4 * 16)
+    monkeypatch.setattr(maps, "MAPS_BYTES", b * 4 * rank * t * 4 * 16)
     inputs = make_inputs(b, t, h, e, rank)
     calls = []
-    launches = triton_kernels._maps_launches
-    monkeypatch.setattr(
-        triton_kernels, "_maps_launches", lambda *args: calls.append(args[1].shape[1]) or launches(*args)
-    )
+    launches = maps._maps_launches
+    monkeypatch.setattr(maps, "_maps_launches", lambda *args: calls.append(args[1].shape[1]) or launches(*args))
     with torch.no_grad():
-        z = fused_dcmha(*[to(x, torch.float32) for x in inputs], window=20, official=True, map_blocks=MAP_BLOCKS)
+        z = fused_dcmha(*[to(x, torch.float32) for x in inputs], window=20, official=True, blocks=BLOCKS)
     assert calls == [16, 16, 13]
     options = dict(window=20, official=True)
     single = reference(*[to(x, torch.float32) for x in inputs], **options)
@@ -463,8 +443,8 @@ def test_the_maps_held_grow_with_the_prompt_not_its_square(heads, d_head):
     for t in (128, 1024, 2048, 4096, 8192, 32768):
         q = torch.empty(1, t, heads, d_head, dtype=torch.bfloat16, device="meta")
         side = [torch.empty(1, t, rank, heads, device="meta")] * 4 + [torch.empty(1, t, heads, device="meta")] * 2
-        launch = triton_kernels._Launch(q, q, tuple(side * 2), None, False, 0, None, triton_kernels.BLOCKS, None)
-        chunk = min(t, triton_kernels._chunk_of_queries(launch, q, buffers=1))
+        launch = maps._Launch(q, q, tuple(side * 2), None, False, 0, None, None)
+        chunk = min(t, maps._chunk_of_queries(launch, q, buffers=1))
         held[t] = chunk * 4 * rank * t * 2
         room = min(256 * mib, max(32 * mib, 4 * q.numel() * 2))
         assert held[t] <= room, (t, held[t] / mib)
@@ -488,7 +468,7 @@ def test_keys_before_the_window_change_nothing_through_the_maps():
         x[:, hidden] = float("nan")
     with torch.no_grad():
         first, second = (
-            fused_dcmha(*inputs, window=window, official=False, past=past, map_blocks=MAP_BLOCKS)
+            fused_dcmha(*inputs, window=window, official=False, past=past, blocks=BLOCKS)
             for inputs in (clean, poisoned)
         )
     assert torch.equal(first, second)
@@ -497,15 +477,14 @@ def test_keys_before_the_window_change_nothing_through_the_maps():
 def test_views_give_what_contiguous_tensors_give():
     """q, k, v as the model makes them (views of [h, b, p, e] tensors), key-side weights as views of key-last ones."""
     q, k, v, pre, post = [to(x, torch.float32) for x in make_inputs(2, 18, 3, 16, 2)]
-    z = fused_dcmha(q, k, v, pre, post, window=None, official=False, blocks=BLOCKS)
+    z = fused_dcmha(q, k, v, pre, post, window=None, official=False)
     views = [x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for x in (q, k, v)]
     pre = (*pre[:2], *[w.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2) for w in pre[2:4]], *pre[4:])
     assert not views[0].is_contiguous() and not pre[2].is_contiguous()
-    assert torch.equal(z, fused_dcmha(*views, pre, post, window=None, official=False, blocks=BLOCKS))
+    assert torch.equal(z, fused_dcmha(*views, pre, post, window=None, official=False))
 
 
-@pytest.mark.parametrize("backward", BACKWARDS)
-def test_the_forward_saves_the_inputs_and_row_statistics_only(backward):
+def test_the_forward_saves_the_inputs_and_row_statistics_only():
     """What autograd keeps for the backward: the inputs themselves and [b, h, t] statistics, nothing [t, s]-sized."""
     inputs = [to(x, torch.float32, True) for x in make_inputs(2, 20, 3, 16, 2)]
     saved = []
@@ -515,7 +494,7 @@ def test_the_forward_saves_the_inputs_and_row_statistics_only(backward):
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        fused_dcmha(*inputs, window=None, official=False, **BACKWARDS[backward])
+        fused_dcmha(*inputs, window=None, official=False, blocks=BLOCKS)
     leaves = [x for x in inputs[:3] + flat(*inputs[3:]) if x is not None]
     statistics = [x for x in saved if not any(x is leaf for leaf in leaves)]
     assert len(saved) == len(leaves) + len(statistics)
@@ -524,7 +503,7 @@ def test_the_forward_saves_the_inputs_and_row_statistics_only(backward):
 
 def test_second_derivatives_raise_clearly():
     q, k, v, pre, post = [to(x, torch.float32, True) for x in make_inputs(1, 16, 2, 16, 1)]
-    z = fused_dcmha(q, k, v, pre, post, window=None, official=False, blocks=BLOCKS)
+    z = fused_dcmha(q, k, v, pre, post, window=None, official=False)
     with pytest.raises(RuntimeError, match="materialised path"):
         torch.autograd.grad(z.sum(), q, create_graph=True)
 
@@ -545,8 +524,7 @@ def by_reference(calls, window=None):
     return fallback
 
 
-@pytest.mark.parametrize("backward", BACKWARDS)
-def test_a_fallback_gives_the_second_derivatives(backward):
+def test_a_fallback_gives_the_second_derivatives():
     """Under create_graph=True the backward is the fallback's (told no refusal): a Hessian-vector product of the
     kernels' z equals the formulas'."""
     inputs = make_inputs(1, 19, 2, 16, 2)
@@ -556,7 +534,7 @@ def test_a_fallback_gives_the_second_derivatives(backward):
         q, k, v, pre, post = [to(x, dtype, True) for x in inputs]
         if fused:
             z = fused_dcmha(q, k, v, pre, post, window=7, official=False, fallback=by_reference(calls, window=7),
-                            **BACKWARDS[backward])  # fmt: skip
+                            blocks=BLOCKS)  # fmt: skip
         else:
             z = reference(q, k, v, pre, post, window=7, official=False)
         (dq,) = torch.autograd.grad(z.pow(2).sum(), q, create_graph=True)
@@ -568,8 +546,7 @@ def test_a_fallback_gives_the_second_derivatives(backward):
     assert_as_exact(out, hvp(torch.float32, fused=False), hvp(torch.float64, fused=False), "Hessian-vector product")
 
 
-@pytest.mark.parametrize("backward", BACKWARDS)
-def test_a_card_refusing_the_backward_kernels_takes_the_fallback(backward, monkeypatch):
+def test_a_card_refusing_the_backward_kernels_takes_the_fallback(monkeypatch):
     """Triton's OutOfResources at the backward's first launch reaches the fallback, whose gradients are the call's;
     without a fallback it is raised as it is."""
     OutOfResources = pytest.importorskip("triton.runtime.errors").OutOfResources
@@ -578,19 +555,17 @@ def test_a_card_refusing_the_backward_kernels_takes_the_fallback(backward, monke
     def refused(*args):
         raise refusal
 
-    forward, _ = triton_kernels._BACKWARDS[backward]
-    monkeypatch.setitem(triton_kernels._BACKWARDS, backward, (forward, refused))
+    monkeypatch.setattr(maps, "_backward_through_maps", refused)
     q, k, v, pre, post = [to(x, torch.float32, True) for x in make_inputs(1, 12, 2, 16, 1)]
     calls = []
-    z = fused_dcmha(q, k, v, pre, post, window=None, official=False, fallback=by_reference(calls),
-                    **BACKWARDS[backward])  # fmt: skip
+    z = fused_dcmha(q, k, v, pre, post, window=None, official=False, fallback=by_reference(calls), blocks=BLOCKS)
     leaves = [q, k, v, *flat(pre, post)]
     grads = torch.autograd.grad(z.sum(), leaves)
     assert calls == [refusal]
     expected = torch.autograd.grad(reference(q, k, v, pre, post, window=None, official=False).sum(), leaves)
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)  # the fallback's own gradients, as they are
-    z = fused_dcmha(q, k, v, pre, post, window=None, official=False, **BACKWARDS[backward])
+    z = fused_dcmha(q, k, v, pre, post, window=None, official=False, blocks=BLOCKS)
     with pytest.raises(OutOfResources):
         z.sum().backward()
 
@@ -601,21 +576,20 @@ def test_a_card_refusing_the_backward_kernels_takes_the_fallback(backward, monke
         (dict(k=lambda k: k[:, :-1]), "k and v must be"),
         (dict(qw1=lambda w: w[:, :, :, :-1]), "pre qw1 must be"),
         (dict(real=lambda r: r[:, :-1]), "real must be"),
-        (dict(blocks=(16, 24, 16)), "blocks must be"),
+        (dict(blocks=(16, 24)), "blocks must be"),
         (dict(post=lambda weights: weights[:5]), "post must be"),
         (dict(v=lambda v: v.double()), "q, k, v must share"),
-        (dict(forward="fast"), "forward must be one of"),
-        (dict(map_blocks=(64, 8)), "map_blocks must be"),
+        (dict(blocks=(64, 8)), "blocks must be"),
         (dict(qw2=lambda w: None), "pre qw1 and qw2 must be given together"),
         (dict(qw1=lambda w: torch.cat([w, w], dim=2), qw2=lambda w: torch.cat([w, w], dim=2)), "every projection"),
     ],
-    ids=["keys", "weight", "padding", "blocks", "stage", "dtype", "forward", "map-blocks", "pair", "ranks"],
+    ids=["keys", "weight", "padding", "blocks", "stage", "dtype", "small-blocks", "pair", "ranks"],
 )
 def test_bad_input_says_which_argument(change, message):
     q, k, v, pre, post = [to(x, torch.float32) for x in make_inputs(1, 16, 2, 16, 1)]
     real = torch.ones(1, 16, dtype=torch.bool, device=DEVICE)
     with torch.no_grad():  # the right arguments first: their launch is cached, and the wrong ones still checked
-        fused_dcmha(q, k, v, pre, post, window=None, official=False, real=real, blocks=BLOCKS)
+        fused_dcmha(q, k, v, pre, post, window=None, official=False, real=real)
     if "k" in change:
         k, v = change["k"](k), change["k"](v)
     if "qw1" in change:
@@ -628,27 +602,26 @@ def test_bad_input_says_which_argument(change, message):
         post = change["post"](post)
     if "v" in change:
         v = change["v"](v)
-    options = {key: change[key] for key in ("forward", "map_blocks") if key in change}
-    blocks = change.get("blocks", BLOCKS)
+    blocks = change.get("blocks")
     with pytest.raises(ValueError, match=f"^fused_dcmha: {message}"):
-        fused_dcmha(q, k, v, pre, post, window=None, official=False, real=real, blocks=blocks, **options)
+        fused_dcmha(q, k, v, pre, post, window=None, official=False, real=real, blocks=blocks)
 
 
 def test_arguments_are_checked_once_a_signature(monkeypatch):
     """A layer called again with the same shapes, dtypes and devices skips the checks (the host's time at short
     prompts); any of them changed is checked again."""
     checked = []
-    check = triton_kernels._check
-    monkeypatch.setattr(triton_kernels, "_check", lambda *args: checked.append(args) or check(*args))
-    monkeypatch.setattr(triton_kernels, "_launches", {})
+    check = maps._check
+    monkeypatch.setattr(maps, "_check", lambda *args: checked.append(args) or check(*args))
+    monkeypatch.setattr(maps, "_launches", {})
     q, k, v, pre, post = [to(x, torch.float32) for x in make_inputs(1, 16, 2, 16, 1)]
     with torch.no_grad():
-        first = fused_dcmha(q, k, v, pre, post, window=None, official=False, blocks=BLOCKS)
-        again = fused_dcmha(q, k, v, pre, post, window=None, official=False, blocks=BLOCKS)
+        first = fused_dcmha(q, k, v, pre, post, window=None, official=False)
+        again = fused_dcmha(q, k, v, pre, post, window=None, official=False)
         assert len(checked) == 1 and torch.equal(first, again)
-        fused_dcmha(q, k, v, pre, post, window=8, official=False, blocks=BLOCKS)
+        fused_dcmha(q, k, v, pre, post, window=8, official=False)
         fused_dcmha(q[:, 1:], k[:, 1:], v[:, 1:], *[[w[:, 1:] for w in s] for s in (pre, post)], window=None,
-                    official=False, blocks=BLOCKS)  # fmt: skip
+                    official=False)  # fmt: skip
     assert len(checked) == 3
 
 
@@ -679,7 +652,7 @@ def test_the_models_layers(name):
         ]  # fmt: skip
         q, k, v = (single[f"{attn}.hook_{hook}"] for hook in ("rot_q", "rot_k", "v"))
         official = model.cfg.window == "official-inference"
-        z = fused_dcmha(q, k, v, *stages, window=block.attn.window, official=official, blocks=BLOCKS)
+        z = fused_dcmha(q, k, v, *stages, window=block.attn.window, official=official)
         assert_as_exact(z, single[f"{attn}.hook_z"], exact[f"{attn}.hook_z"], f"layer {layer} z")
 
 
@@ -687,11 +660,11 @@ def _float32_products(x, rounded, a, b, product):
     """(a kernel, decorated by the test) TF32 roundings of x [16], and a [16, 16] @ b [16, 16] as the kernels through
     the maps take float32 tiles."""
     i = tl.arange(0, 16)
-    tl.store(rounded + i, triton_kernels._tf32(tl.load(x + i)))
+    tl.store(rounded + i, maps_kernels._tf32(tl.load(x + i)))
     m, n = tl.arange(0, 16)[:, None], tl.arange(0, 16)[None, :]
     a_tile = tl.reshape(tl.load(a + m * 16 + n), (1, 16, 16))
     b_tile = tl.reshape(tl.load(b + m * 16 + n), (1, 16, 16))
-    tl.store(product + m * 16 + n, tl.reshape(triton_kernels._head_dot(a_tile, b_tile, False), (16, 16)))
+    tl.store(product + m * 16 + n, tl.reshape(maps_kernels._head_dot(a_tile, b_tile, False), (16, 16)))
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="the interpreter's emulation of the card's 3xTF32")
@@ -699,7 +672,7 @@ def test_float32_products_are_3xtf32_as_on_a_card():
     """Under the interpreter (which ignores a dot's input_precision) the kernels through the maps write out the card's
     3xTF32 product: operands rounded to TF32 as cvt.rna.tf32.f32 (10 bits of mantissa, to nearest, ties away from
     zero), three products of big and small parts; the result within float32's error of the exact one."""
-    triton_kernels._decorate()
+    maps_kernels.jit()
     kernel = triton.jit(_float32_products)
     ulp = 2.0**-10  # TF32's, at 1
     x = torch.tensor([1 + ulp / 2, 1 + ulp / 4, -(1 + 3 * ulp / 2), 1 + 3 * ulp / 4] + [0.0] * 12)
@@ -714,11 +687,11 @@ def test_float32_products_are_3xtf32_as_on_a_card():
 
 
 SPLIT_LOOPS = {
-    "_row_statistics_kernel",
-    "_head_output_kernel",
-    "_row_gradient_kernel",
-    "_head_query_gradient_kernel",
-    "_head_key_gradient_kernel",
+    "row_statistics_kernel",
+    "head_output_kernel",
+    "row_gradient_kernel",
+    "head_query_gradient_kernel",
+    "head_key_gradient_kernel",
 }
 
 
@@ -753,11 +726,11 @@ def test_the_kernels_compile_for_a_card(arch, head_dim, dtype, padding):
     fits = dict(re.findall(r"^\| `(\w+)` \|.*\| (yes|unpipelined|no) \|$", run.stdout, re.MULTILINE))
     # some kernels through the maps fit sm_86 only unpipelined (num_stages=1), as their launch retries, as in float32
     expected = {"yes", "unpipelined"} if arch == 86 or dtype == "float32" else {"yes"}
-    assert len(fits) == 15 and set(fits.values()) == expected, run.stdout
+    assert len(fits) == 12 and set(fits.values()) == expected, run.stdout
     # every kernel through the maps loops (over key or query blocks, or a tile's heads): its loop read in the binary;
     # none kept to 32 registers, spilling kilobytes a thread (as ptxas built them in float32 by IEEE FMA products)
     maps = re.findall(
-        r"^\| `_(?:product|row|post|head|pre)\w+` \|[^|]*\| (\d+) \| (\d+) \| (\d+), \d+, \d+, \d+ \|", run.stdout, re.M
+        r"^\| `(?:product|row|post|head|pre)\w+` \|[^|]*\| (\d+) \| (\d+) \| (\d+), \d+, \d+, \d+ \|", run.stdout, re.M
     )
     assert len(maps) == 8 and all(int(instructions) > 100 for *_, instructions in maps), run.stdout
     assert all(int(registers) > 32 and int(spilled) < 8192 for registers, spilled, _ in maps), run.stdout

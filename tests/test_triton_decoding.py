@@ -1,5 +1,5 @@
 """A decoding step's pattern in two Triton launches (dcinterp/dcmha/decoding.py) against torch's ops in float64, and
-the model's choice between them (`dcinterp.dcmha.decoding_pattern_path`).
+the model's choice between them (`dcinterp.dcmha.few_queries.decoding_pattern_path`).
 
 On a machine without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py
 before triton is first imported). The model takes them only on CUDA: here the path's device check is told the tensors
@@ -17,10 +17,9 @@ pytest.importorskip("triton")
 from hypothesis import given, seed, settings
 from hypothesis import strategies as st
 
-from dcinterp import dcmha
-from dcinterp.dcmha import decoding
+from dcinterp.dcmha import decoding, families, few_queries
 from dcinterp.dcmha.decoding import fused_decoding_pattern, torch_decoding_pattern
-from dcinterp.dcmha.triton_kernels import available
+from dcinterp.dcmha.jit import available
 from tests.numerics import EPS32, assert_as_exact_as, float64_copy
 from tests.test_decode_step import CASES, CHUNKS, cached_steps, every_square_tensor_hooked, load
 from tests.told_cuda import CUDA, told_cuda
@@ -213,9 +212,10 @@ def test_arguments_are_checked_once_a_signature(monkeypatch):
 def test_the_rules(monkeypatch, facts, path):
     facts = {"device": CUDA, "dtypes": {torch.float32}, "gradient_needed": False, **facts}
     unavailable = facts.pop("unavailable", None)
-    monkeypatch.setattr(dcmha, "triton_unavailable", lambda device: unavailable)
-    monkeypatch.setattr(dcmha, "_refused_decoding", facts.pop("refused", {}))
-    assert dcmha.decoding_pattern_path(**facts) == path
+    monkeypatch.setattr(families, "triton_unavailable", lambda device: unavailable)
+    monkeypatch.setattr(families.FUSED, "refused", {})
+    monkeypatch.setattr(families.DECODING, "refused", facts.pop("refused", {}))
+    assert few_queries.decoding_pattern_path(**facts) == path
 
 
 # The model-level tests run the model on this CPU, its kernels interpreted (tests/test_decode_step.py's helpers keep
@@ -227,9 +227,7 @@ on_the_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the mode
 def on_cuda(monkeypatch):
     """decoding_pattern_path told the tensors are on CUDA (they stay on this CPU, where the kernels run interpreted);
     returns the paths taken, in order, and counts the kernels' calls."""
-    return told_cuda(
-        monkeypatch, "decoding_pattern_path", decoding, "fused_decoding_pattern", "_refused_decoding", DEVICE
-    )
+    return told_cuda(monkeypatch, few_queries, "decoding_pattern_path", decoding, "fused_decoding_pattern", DEVICE)
 
 
 def decoding_run(name, semantics, dtype, monkeypatch):
@@ -303,7 +301,7 @@ def test_a_card_the_kernels_do_not_fit_gives_one_warning_and_torchs_result(on_cu
         out = cached_steps(model, tokens, mask)
     said = [str(w.message) for w in record if "decoding" in str(w.message)]
     assert len(said) == 1 and "take torch's ops: Triton cannot build the decoding kernels" in said[0]
-    assert dcmha._refused_decoding == {str(model.W_E.device): said[0].split(": ", 1)[1]}
-    monkeypatch.setattr(dcmha, "decoding_pattern_path", lambda **facts: "torch")
+    assert families.DECODING.refused == {str(model.W_E.device): said[0].split(": ", 1)[1]}
+    monkeypatch.setattr(few_queries, "decoding_pattern_path", lambda **facts: "torch")
     for new, reference in zip(out, cached_steps(model, tokens, mask), strict=True):
         torch.testing.assert_close(new, reference, rtol=0, atol=0)

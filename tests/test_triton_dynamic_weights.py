@@ -16,9 +16,9 @@ import torch
 pytest.importorskip("triton")
 
 from dcinterp import HookedDCFormer, dcmha
-from dcinterp.dcmha import dynamic_weights
+from dcinterp.dcmha import dynamic_weights, families
 from dcinterp.dcmha.dynamic_weights import fused_dynamic_weights, torch_dynamic_weights
-from dcinterp.dcmha.triton_kernels import available
+from dcinterp.dcmha.jit import available
 from tests.numerics import float64_copy
 from tests.told_cuda import CUDA, told_cuda
 from tests.uninitialised import allocate_nan
@@ -196,7 +196,7 @@ def test_a_card_refusing_the_backward_kernel_takes_torchs_ops(monkeypatch):
 
             return launch
 
-    dynamic_weights._decorate()
+    dynamic_weights.jit()
     monkeypatch.setattr(dynamic_weights, "_dynamic_weights_backward_kernel", Refused())
     told = []
 
@@ -244,8 +244,9 @@ def test_bad_input_says_which_argument():
 def test_the_rules(monkeypatch, facts, path):
     facts = {"device": CUDA, "dtypes": {torch.float32}, "positions": 100, **facts}
     unavailable = facts.pop("unavailable", None)
-    monkeypatch.setattr(dcmha, "triton_unavailable", lambda device: unavailable)
-    monkeypatch.setattr(dcmha, "_refused_dynamic_weights", facts.pop("refused", {}))
+    monkeypatch.setattr(families, "triton_unavailable", lambda device: unavailable)
+    monkeypatch.setattr(families.FUSED, "refused", {})
+    monkeypatch.setattr(families.DYNAMIC_WEIGHTS, "refused", facts.pop("refused", {}))
     assert dcmha.dynamic_weights_path(**facts) == path
 
 
@@ -253,14 +254,7 @@ def test_the_rules(monkeypatch, facts, path):
 def on_cuda(monkeypatch):
     """dynamic_weights_path told the tensors are on CUDA (they stay on this CPU, where the kernel runs interpreted);
     returns the paths taken, in order, and counts the kernel's calls."""
-    return told_cuda(
-        monkeypatch,
-        "dynamic_weights_path",
-        dynamic_weights,
-        "fused_dynamic_weights",
-        "_refused_dynamic_weights",
-        DEVICE,
-    )
+    return told_cuda(monkeypatch, dcmha, "dynamic_weights_path", dynamic_weights, "fused_dynamic_weights", DEVICE)
 
 
 @pytest.fixture(scope="module", params=["dcpythia-tiny folded", "dcformer-tiny"])
@@ -330,7 +324,7 @@ def test_a_card_the_kernel_does_not_fit_gives_one_warning_and_torchs_result(mode
     said = [str(w.message) for w in record if "dynamic weights" in str(w.message)]
     assert len(said) == 1 and "take torch's ops: Triton cannot build the dynamic weights' kernel" in said[0]
     device = model.W_E.device  # the tensors' ("cuda:0" where DEVICE is "cuda")
-    assert dcmha._refused_dynamic_weights == {str(device): said[0].split(": ", 1)[1]}
+    assert families.DYNAMIC_WEIGHTS.refused == {str(device): said[0].split(": ", 1)[1]}
     torch_path(monkeypatch)
     with torch.no_grad():
         reference = model(tokens)

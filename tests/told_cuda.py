@@ -3,17 +3,24 @@ kernel runs under Triton's interpreter; what the tests of the dynamic weights' a
 
 import torch
 
-from dcinterp import dcmha
+from dcinterp.dcmha import families
 
 CUDA = torch.device("cuda")
 
 
-def told_cuda(monkeypatch, path_function: str, module, fused: str, refused: str, device: torch.device) -> dict:
-    """`dcmha.<path_function>` told the device is CUDA (whether the kernels can run judged on `device`), the calls of
-    `module.<fused>` counted, and no warning or refusal (`dcmha.<refused>`) remembered from earlier tests. Returns
-    {"paths": the paths chosen, in order, "calls": the fused function's calls}."""
+def forget_refusals(monkeypatch) -> None:
+    """No warning or refusal of any kernel family remembered from earlier tests."""
+    for family in families.FAMILIES:
+        monkeypatch.setattr(family, "refused", {})
+        monkeypatch.setattr(family, "said", set())
+
+
+def told_cuda(monkeypatch, rules, path_function: str, module, fused: str, device: torch.device) -> dict:
+    """`rules.<path_function>` told the device is CUDA (whether the kernels can run judged on `device`), the calls of
+    `module.<fused>` counted, and no warning or refusal remembered from earlier tests. Returns {"paths": the paths
+    chosen, in order, "calls": the fused function's calls}."""
     record = {"paths": [], "calls": 0}
-    choose, run = getattr(dcmha, path_function), getattr(module, fused)
+    choose, run = getattr(rules, path_function), getattr(module, fused)
 
     def spy(**facts):
         record["paths"].append(choose(**{**facts, "device": CUDA}))
@@ -23,10 +30,9 @@ def told_cuda(monkeypatch, path_function: str, module, fused: str, refused: str,
         record["calls"] += 1
         return run(*args, **kwargs)
 
-    real_unavailable = dcmha.triton_unavailable
-    monkeypatch.setattr(dcmha, "triton_unavailable", lambda _: real_unavailable(device))
-    monkeypatch.setattr(dcmha, path_function, spy)
+    real_unavailable = families.triton_unavailable
+    monkeypatch.setattr(families, "triton_unavailable", lambda _: real_unavailable(device))
+    monkeypatch.setattr(rules, path_function, spy)
     monkeypatch.setattr(module, fused, counted)
-    monkeypatch.setattr(dcmha, "_warned", set())
-    monkeypatch.setattr(dcmha, refused, {})
+    forget_refusals(monkeypatch)
     return record

@@ -35,6 +35,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from .inputs import AttentionInputs
+
 TILE_ELEMENTS = 1 << 19  # a block's (query, head, key) entries, at most (2 MiB in float32)
 MIN_BLOCK, MAX_BLOCK = 16, 512  # queries per block
 
@@ -43,10 +45,15 @@ MIN_BLOCK, MAX_BLOCK = 16, 512  # queries per block
 class Plan:
     """Which keys each query sees, and which queries make a block.
 
-    past: cached positions before the first query (queries are positions past .. past + n - 1, keys 0 ..);
-    window: a local layer's window (None: global), `extra` 1 for the "official-inference" semantics (window + 1
-    keys); scale: 1 / sqrt(d_head); area: a block's queries x keys, at most (per head), unless that leaves fewer
-    than min_block queries; max_block: queries in a block, at most."""
+    Attributes:
+        past: cached positions before the first query (queries are positions past .. past + n - 1, keys 0 ..).
+        window: a local layer's window; None for a global layer.
+        extra: 1 for the "official-inference" semantics (window + 1 keys), else 0.
+        scale: 1 / sqrt(d_head).
+        area: a block's queries x keys, at most (per head), unless that leaves fewer than min_block queries.
+        min_block: queries in a block, at least.
+        max_block: queries in a block, at most.
+    """
 
     past: int
     window: int | None
@@ -76,14 +83,34 @@ class Plan:
 
 
 def plan(n_heads: int, d_head: int, past: int, window: int | None, official: bool) -> Plan:
-    """The blocks for one attention call: tiles of about TILE_ELEMENTS (query, head, key) entries."""
+    """The blocks for one attention call: tiles of about TILE_ELEMENTS (query, head, key) entries.
+
+    Args:
+        n_heads: h.
+        d_head: e.
+        past: cached positions before the queries.
+        window: a local layer's window; None for a global layer.
+        official: the "official-inference" semantics (window + 1 keys).
+
+    Returns:
+        The call's `Plan`.
+    """
     extra = int(official and window is not None)
     return Plan(past, window, extra, d_head**-0.5, TILE_ELEMENTS // n_heads, MIN_BLOCK, MAX_BLOCK)
 
 
 def query_map(qw1: Tensor | None, qw2: Tensor | None, qg: Tensor | None, n_heads: int) -> Tensor | None:
-    """W[b, t, m, n] with out[m] = sum_n W[t, m, n] x[n]: a query's skip, gate and projection branches as one map,
-    `I + diag(qg[t]) + qw2[t]^T qw1[t]` (None with neither branch: the skip alone)."""
+    """A query's skip, gate and projection branches as one map, `I + diag(qg[t]) + qw2[t]^T qw1[t]`.
+
+    Args:
+        qw1: the query-side projection's first weights [b, t, r, h], None with the branch off.
+        qw2: its second weights [b, t, r, h].
+        qg: the query-side gate [b, t, h], None with the branch off.
+        n_heads: h.
+
+    Returns:
+        W [b, t, h, h] with out[m] = sum_n W[t, m, n] x[n]; None with neither branch (the skip alone).
+    """
     if qw1 is None and qg is None:
         return None
     if qg is not None:
@@ -95,18 +122,21 @@ def query_map(qw1: Tensor | None, qw2: Tensor | None, qg: Tensor | None, n_heads
     return W
 
 
-def key_last(w: Tensor | None) -> Tensor | None:
-    """Key-side weights from the hooks' layout ([b, s, r, h] or [b, s, h]) to key-last ([b, r, h, s], [b, h, s])."""
-    if w is None:
-        return None
-    return (w.permute(0, 2, 3, 1) if w.ndim == 4 else w.transpose(1, 2)).contiguous()
-
-
 def compose(
     x: Float[Tensor, "t h s"], W: Tensor | None, kw1: Tensor | None, kw2: Tensor | None, kg: Tensor | None
 ) -> tuple[Float[Tensor, "t h s"], list[Tensor]]:
-    """One compose stage on a block: W[t] x[t] + x kg + sum_r (sum_n x kw1[r]) kw2[r], and the hidden sums
-    (sum_n x kw1[r], [t, 1, s]) the backward reuses. W [t, h, h]; kw1, kw2 [r, h, s]; kg [h, s]."""
+    """One compose stage on a block: W[t] x[t] + x kg + sum_r (sum_n x kw1[r]) kw2[r].
+
+    Args:
+        x: the block's scores or pattern [t, h, s].
+        W: the block's query maps [t, h, h] (`query_map`), None for the skip alone.
+        kw1: the key-side projection's first weights [r, h, s], None with the branch off.
+        kw2: its second weights [r, h, s].
+        kg: the key-side gate [h, s], None with the branch off.
+
+    Returns:
+        The composed block [t, h, s], and the hidden sums (sum_n x kw1[r], [t, 1, s] each) the backward reuses.
+    """
     y = torch.bmm(W, x) if W is not None else x.clone(memory_format=torch.contiguous_format)
     if kg is not None:
         y.addcmul_(x, kg)
@@ -121,8 +151,24 @@ def compose(
 def compose_backward(
     gy: Tensor, x: Tensor, W, kw1, kw2, kg, hidden: list[Tensor], want_W: bool, key_grads: dict, keys: slice
 ) -> tuple[Tensor, Tensor | None]:
-    """x's gradient through `compose` given y's, and W's (if `want_W`); the key side's gradients are added into
-    `key_grads` (name -> [r, h, all keys] or [h, all keys], float32) at `keys`."""
+    """The gradients through `compose` of one block.
+
+    Args:
+        gy: the gradient of `compose`'s output [t, h, s].
+        x: its input [t, h, s].
+        W: its query maps, or None.
+        kw1: its key-side weights, or None.
+        kw2: the same.
+        kg: the same.
+        hidden: the hidden sums `compose` returned.
+        want_W: whether W's gradient is wanted.
+        key_grads: the key side's gradients (name -> [r, h, all keys] or [h, all keys], float32), into which this
+            block's are added at `keys`.
+        keys: the block's keys among all keys.
+
+    Returns:
+        x's gradient, and W's (None unless `want_W`).
+    """
     gx = torch.bmm(W.transpose(1, 2), gy) if W is not None else gy.clone(memory_format=torch.contiguous_format)
     gW = torch.bmm(gy, x.transpose(1, 2)) if W is not None and want_W else None
     if kg is not None:
@@ -168,12 +214,17 @@ def _attend_block(qh, kh, vh, mask, pre, post, bi, t0, t1, s0, s1):
 
 
 def each_block(work, blocks: list, threads: int) -> None:
-    """work(k, block) for every block: in turn (k = 0), or, with threads > 1 and more than one block, on `threads`
-    Python threads, thread k taking blocks k, k + threads, ..., with every tensor op on one core.
+    """work(k, block) for every block: in turn (k = 0), or on `threads` Python threads, each op on one core.
 
     The blocks are independent and their ops small: a core per block keeps each tile in that core's cache and
     spares the cores a barrier at every op (which a machine busy with other work makes slow). The blocks a thread
-    takes depend on the number of threads only, so results are the same from run to run."""
+    takes depend on the number of threads only, so results are the same from run to run.
+
+    Args:
+        work: called as work(k, block), k the thread.
+        blocks: the blocks, in order.
+        threads: with more than one (and more than one block), thread k takes blocks k, k + threads, ...
+    """
     grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
     def run(k: int, mine: list) -> None:
@@ -316,9 +367,21 @@ def blocked_dcmha(
     post: tuple[Tensor | None, ...],
     plan: Plan,
 ) -> Float[Tensor, "b t h e"]:
-    """z of DCMHA without the [b, h, t, s] tensors: q, k, v after rotary (k, v of every key, cached ones first);
-    `mask` the additive attention mask ([t, s] or [b, 1, t, s]); `pre`, `post` the stages' weights
-    (W = `query_map(...)` [b, t, h, h], kw1, kw2 [b, r, h, s], kg [b, h, s], None for a branch that is off)."""
+    """z of DCMHA a block of queries at a time, without the [b, h, t, s] tensors.
+
+    Args:
+        q: the queries [b, t, h, e], after rotary.
+        k: the keys [b, s, h, e] of every key, cached ones first.
+        v: the values [b, s, h, e].
+        mask: additive, [t, s] or [b, 1, t, s].
+        pre: the pre-compose's (W [b, t, h, h] from `query_map`, kw1, kw2 [b, r, h, s], kg [b, h, s]), None for a
+            branch that is off.
+        post: the post-compose's, the same.
+        plan: the blocks (`plan`).
+
+    Returns:
+        z [b, t, h, e] in q's dtype.
+    """
     # float16 and bfloat16 are computed in float32: on a CPU their matmuls are far slower than float32's, and the
     # materialised path's rounding at every step is then not repeated (tests/test_blocked.py: closer to float32).
     dtype = torch.promote_types(q.dtype, torch.float32)
@@ -333,3 +396,26 @@ def blocked_dcmha(
     else:
         z = _forward(qh, kh, vh, mask, pre, post, plan)
     return z.transpose(1, 2).to(q.dtype)
+
+
+def blocked_z(inputs: AttentionInputs) -> Float[Tensor, "b t h e"]:
+    """z of DCMHA a block of queries at a time: the blocked path.
+
+    Args:
+        inputs: the call's inputs; each stage's query side becomes one map per query (`query_map`), its key side
+            is taken key-last.
+
+    Returns:
+        z [b, t, h, e] in q's dtype, equal to the materialised path's up to float rounding.
+    """
+    n_heads, d_head = inputs.q.shape[2:]
+    stages = []
+    for stage in inputs.stages(key_last=True):
+        if stage is None:
+            stages.append((None, None, None, None))
+            continue
+        qw1, qw2, kw1, kw2, qg, kg = stage
+        W = query_map(qw1, qw2, qg, n_heads)
+        stages.append((W, *(None if w is None else w.contiguous() for w in (kw1, kw2, kg))))
+    schedule = plan(n_heads, d_head, inputs.past, inputs.window, inputs.official)
+    return blocked_dcmha(inputs.q, inputs.k, inputs.v, inputs.mask, stages[0], stages[1], schedule)

@@ -1,7 +1,7 @@
 """A cached decoding step's attention pattern: DCMHA's pre-compose, the mask, the softmax and the post-compose of a few
 new queries against every key, by torch's ops or in two Triton launches.
 
-A decoding step with no hook on a square tensor takes the few-queries path (`Attention.few_queries_z`): the scores
+A decoding step with no hook on a square tensor takes the few-queries path (`few_queries.few_queries_z`): the scores
 and `P' V` are two batched matmuls, and between them `torch_decoding_pattern` launches about twenty kernels a layer
 (each stage's compose in its low-rank form, `materialised.compose_decoding`, the mask and the softmax). At one new
 token a GPU step costs its launches, not its arithmetic (benchmarks/bench_decode_ops.py counts them), so on CUDA
@@ -20,12 +20,10 @@ For one query t and key s (n/m heads, r rank; the key side as the cache holds it
 The compose sees the hidden keys' scores, which the mask then hides (as `Attention.hook_scores_for_compose` passes
 them with no hook attached).
 
-The kernels have no backward: `dcinterp.dcmha.decoding_pattern_path` takes them only where no gradient is needed.
-Not yet timed on a card.
+The kernels have no backward: `dcinterp.dcmha.few_queries.decoding_pattern_path` takes them only where no gradient
+is needed.
 
-Triton decides when a kernel is decorated whether it runs natively or under its CPU interpreter (`TRITON_INTERPRET=1`),
-so the kernels are decorated at their first use, not when dcinterp is imported (Triton's own functions, tl.sum and the
-like, are decorated when triton is imported: the variable must be set before that).
+The kernels are jitted at their first call (`dcinterp.dcmha.jit`).
 
 Index names: b batch, t queries, s keys, h/m/n heads, r rank.
 """
@@ -37,17 +35,10 @@ from jaxtyping import Float
 from torch import Tensor
 
 from . import materialised
-from ._grids import cdiv, checked_once, next_power_of_2, signature
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # dcinterp runs without triton; dcinterp.dcmha.triton_unavailable says why the kernels cannot
-    triton = tl = None
+from .jit import LateJit, cdiv, checked_once, next_power_of_2, signature, tl
 
 # A program's [heads, keys] tile holds this many numbers (keys a program: this over the heads padded to a power of two,
-# at least 16). Compiled for an H100 (sm_90, bfloat16, every branch on, 4 warps), 32 heads by 64 keys take 168
-# registers a thread and spill nothing; 32 by 128 or 64 by 64 spill 130-830 bytes. Not timed on a card.
+# at least 16): the largest tile that spills nothing at 32 heads (benchmarks/kernel_resources.py).
 TILE = 2048
 
 Stage = tuple[Tensor | None, ...] | None  # (qw1, qw2, kw1, kw2, qg, kg), the key side key-last; None: stage off
@@ -56,10 +47,22 @@ Stage = tuple[Tensor | None, ...] | None  # (qw1, qw2, kw1, kw2, qg, kg), the ke
 def torch_decoding_pattern(
     scores: Float[Tensor, "b h t s"], mask: Tensor, pre: Stage, post: Stage, scale: float
 ) -> Float[Tensor, "b h t s"]:
-    """P' by torch's ops, differentiable. `scores`: q . k, unscaled; `mask`: additive, [t, s] or [b, 1, t, s]; `pre`,
-    `post`: each stage's (qw1, qw2 [b, t, r, h], kw1, kw2 [b, r, h, s], qg [b, t, h], kg [b, h, s]). The compose
-    is linear in the scores, so `scale` scales the composed scores, with the mask added in the same operation. In a
-    half dtype the softmax is one operation (the kernels compute in float32 and round once), not three."""
+    """A decoding step's pattern P' by torch's ops, differentiable.
+
+    The compose is linear in the scores, so `scale` scales the composed scores, with the mask added in the same
+    operation. In a half dtype the softmax is one operation (the kernels compute in float32 and round once).
+
+    Args:
+        scores: q . k [b, h, t, s], unscaled.
+        mask: additive, [t, s] or [b, 1, t, s].
+        pre: the pre-compose's (qw1, qw2 [b, t, r, h], kw1, kw2 [b, r, h, s], qg [b, t, h], kg [b, h, s]), any None
+            for a branch that is off; None for a stage that is off.
+        post: the post-compose's, the same.
+        scale: what multiplies the composed scores, 1 / sqrt(d_head).
+
+    Returns:
+        P' [b, h, t, s] in the scores' dtype.
+    """
     if pre is not None:
         qw1, qw2, kw1, kw2, qg, kg = pre
         scores = materialised.compose_decoding(scores, qw1, qw2, qg, kw1, kw2, kg)
@@ -70,7 +73,7 @@ def torch_decoding_pattern(
     return pattern
 
 
-# --- the kernels (plain functions, decorated by `_decorate` at first use) ------------------------------------------
+# --- the kernels (plain functions, jitted by `jit` at first use) ---------------------------------------------------
 # (the kernels' long argument lists packed, not one a line)
 # fmt: off
 
@@ -172,28 +175,35 @@ def _decoding_pattern_kernel(
 
 # fmt: on
 
-_decorated = False
-
-
-def _decorate() -> None:
-    """Decorate the kernels with triton.jit, once (natively, or under the interpreter if TRITON_INTERPRET=1 now)."""
-    global _decorated, _compose, _program_block, _finite, _decoding_logits_kernel, _decoding_pattern_kernel
-    if not _decorated:
-        _compose, _program_block, _finite = triton.jit(_compose), triton.jit(_program_block), triton.jit(_finite)
-        _decoding_logits_kernel = triton.jit(_decoding_logits_kernel)
-        _decoding_pattern_kernel = triton.jit(_decoding_pattern_kernel)
-        _decorated = True
+jit = LateJit(
+    globals(), ("_compose", "_program_block", "_finite", "_decoding_logits_kernel", "_decoding_pattern_kernel")
+)
 
 
 def fused_decoding_pattern(
     scores: Float[Tensor, "b h t s"], mask: Tensor, pre: Stage, post: Stage, scale: float
 ) -> Float[Tensor, "b h t s"]:
-    """`torch_decoding_pattern` in two Triton launches, without a backward (the result is detached); in the scores'
-    dtype (float32, float16 or bfloat16), computed in float32 and rounded once. The arguments may be strided views
-    (the cache's key side is one)."""
+    """`torch_decoding_pattern` in two Triton launches, computed in float32 and rounded once.
+
+    The arguments may be strided views (the cache's key side is one).
+
+    Args:
+        scores: q . k [b, h, t, s], unscaled.
+        mask: additive, [t, s] or [b, 1, t, s].
+        pre: the pre-compose's (qw1, qw2 [b, t, r, h], kw1, kw2 [b, r, h, s], qg [b, t, h], kg [b, h, s]), any None
+            for a branch that is off; None for a stage that is off.
+        post: the post-compose's, the same.
+        scale: what multiplies the composed scores, 1 / sqrt(d_head).
+
+    Returns:
+        P' [b, h, t, s] in the scores' dtype (float32, float16 or bfloat16), detached: the kernels have no backward.
+
+    Raises:
+        ValueError: an argument's shape or dtype, named.
+    """
     arguments = signature(scores, mask, *(pre or (None,) * 6), *(post or (None,) * 6))
     rank = checked_once(_ranks, arguments, lambda: _check(scores, mask, pre, post))
-    _decorate()
+    jit()
     batch, heads, queries, keys = scores.shape
     if scores.stride(3) != 1:
         scores = scores.contiguous()
@@ -255,7 +265,7 @@ def _alike(a: Tensor, b: Tensor) -> bool:
     return a.shape == b.shape and a.stride() == b.stride()
 
 
-_ranks: dict[tuple, int] = {}  # the rank of each signature (`_grids.signature`) of arguments already checked
+_ranks: dict[tuple, int] = {}  # the rank of each signature (`jit.signature`) of arguments already checked
 
 
 def _check(scores: Tensor, mask: Tensor, pre: Stage, post: Stage) -> int:

@@ -13,28 +13,23 @@ launches, not on the arithmetic. `fused_dynamic_weights` computes the same in on
 one program per block of positions and branch; float32 sums, no intermediate rounding to a half dtype). Half inputs
 are multiplied in their dtype (the products are exact in float32, as in cuBLAS), float32 ones in IEEE float32 (not
 TF32); the interpreter, whose bfloat16 dot is wrong, takes the same products in float32.
-`dcinterp.dcmha.dynamic_weights_path` takes it up to `dcinterp.dcmha.FUSED_DYNAMIC_WEIGHTS_POSITIONS` positions.
-Timed on an H100 (Triton 3.6, the 6.9B width: d_model 4096, 32 heads, K 128, R 2; each call's wall time, launches
-included): bfloat16 0.06 ms against torch's 0.18-0.27 ms at 16 to 512 positions, 0.09 against 0.17 at 2,048, 0.38
-against 0.17 at 8,192 (each program reads all of its branch's W_in, which cuBLAS tiles better); float32 0.12 against
-0.15 at 16 to 512, 0.39 against 0.28 at 2,048.
+`dcinterp.dcmha.dynamic_weights_path` takes it up to `dcinterp.dcmha.FUSED_DYNAMIC_WEIGHTS_POSITIONS` positions:
+past them torch's matmuls are faster, since each program reads all of its branch's W_in, which cuBLAS tiles better
+(docs/benchmarks.md, "DCMHA's thresholds").
 
 Backward: torch's ops take about twenty launches for x's gradient alone. With gradients the kernel keeps the gelu's
 input (float32 [4, p, K]), and `_dynamic_weights_backward_kernel` (one program per block of positions and branch)
 recomputes the hidden units and w1 before its norm from it, and gives the gradients of the gelu's and the tanh's
 inputs, dpre [p, 4, K] and dgate [p, 4, H]; then x's is two matmuls, dpre W_in^T + dgate W_gate^T (the weights'
-gradients, where they require grad, are matmuls and sums of the same). Not timed on a card yet.
+gradients, where they require grad, are matmuls and sums of the same).
 
-Triton decides when a kernel is decorated whether it runs natively or under its CPU interpreter (`TRITON_INTERPRET=1`),
-so the kernel is decorated at its first use, not when dcinterp is imported (Triton's own functions, tl.sum and the like,
-are decorated when triton is imported: the variable must be set before that).
+The kernels are jitted at their first call (`dcinterp.dcmha.jit`).
 
 Index names: p positions (batch and sequence flattened), d model dim, c branch, k hidden unit, r rank, h head.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -42,27 +37,32 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
-from ._grids import cdiv, checked_once, next_power_of_2, signature
+from .families import compile_refusals
+from .jit import LateJit, cdiv, checked_once, next_power_of_2, signature, tl
 
-try:
-    import triton
-    import triton.language as tl
-    from triton.compiler.errors import CompilationError
-    from triton.runtime.errors import OutOfResources
-
-    _REFUSALS = (OutOfResources, CompilationError)  # Triton cannot build a kernel for the card at hand
-except ImportError:  # dcinterp runs without triton; dcinterp.dcmha.triton_unavailable says why the kernel cannot
-    triton = tl = None
+_INTERPRETED = False  # the kernel's constant: whether it runs under Triton's interpreter (set by `jit`)
 
 BLOCK_POSITIONS = 16  # positions per program (tl.dot's smallest tile)
 BLOCK_DIM = 64  # a chunk of the model dim, summed over in turn
-BACKWARD_WARPS = 8  # at 32 heads (K 128) the backward's tiles spill 700 bytes a thread with 4 warps, 308 with 8 (sm_90)
+BACKWARD_WARPS = 8  # the backward's tiles spill less than with 4 (benchmarks/kernel_resources.py)
 
 DynamicWeights = tuple[Float[Tensor, "b p 4 r h"], Float[Tensor, "b p 4 r h"], Float[Tensor, "b p 4 h"]]
 
 
 def torch_dynamic_weights(x: Float[Tensor, "b p d"], W_in, b_in, W_out, W_gate, b_gate) -> DynamicWeights:
-    """(w1, w2, gates) by torch's ops, differentiable: the reference the kernel is tested against."""
+    """The dynamic weights by torch's ops, differentiable: the reference the kernel is tested against.
+
+    Args:
+        x: the layer's normed input [b, p, d].
+        W_in: [d, 4, K].
+        b_in: [4, K], or None.
+        W_out: [4, K, 2R, H].
+        W_gate: [d, 4, H].
+        b_gate: [4, H], or None.
+
+    Returns:
+        (w1, w2 [b, p, 4, R, H], gates [b, p, 4, H]), in x's and the weights' promoted dtype.
+    """
     R = W_out.shape[2] // 2
     hidden = (x @ W_in.flatten(1)).unflatten(-1, W_in.shape[1:])  # [b, p, c, k]
     hidden = F.gelu(hidden + b_in if b_in is not None else hidden)
@@ -77,7 +77,7 @@ def torch_dynamic_weights(x: Float[Tensor, "b p d"], W_in, b_in, W_out, W_gate, 
     return w1, w2, gates
 
 
-# --- the kernel (a plain function, decorated by `_decorate` at first use) ------------------------------------------
+# --- the kernels (plain functions, jitted by `jit` at first use) ---------------------------------------------------
 # (the kernel's long argument list packed, not one a line)
 # fmt: off
 
@@ -192,39 +192,42 @@ def _dynamic_weights_backward_kernel(
 
 # fmt: on
 
-_decorated = False
-_INTERPRETED = False  # the kernel's constant, set by _decorate
-
-
-def _decorate() -> None:
-    """Decorate the kernels with triton.jit, once (natively, or under the interpreter if TRITON_INTERPRET=1 now)."""
-    global _decorated, _dynamic_weights_kernel, _dynamic_weights_backward_kernel, _dot, _gelu, _gelu_slope
-    global _program_indices, _INTERPRETED
-    if not _decorated:
-        _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
-        _dot, _gelu, _gelu_slope = triton.jit(_dot), triton.jit(_gelu), triton.jit(_gelu_slope)
-        _program_indices = triton.jit(_program_indices)
-        _dynamic_weights_kernel = triton.jit(_dynamic_weights_kernel)
-        _dynamic_weights_backward_kernel = triton.jit(_dynamic_weights_backward_kernel)
-        _decorated = True
+jit = LateJit(
+    globals(),
+    ("_dot", "_gelu", "_gelu_slope", "_program_indices", "_dynamic_weights_kernel", "_dynamic_weights_backward_kernel"),
+)
 
 
 def fused_dynamic_weights(
     x: Float[Tensor, "b p d"], W_in, b_in, W_out, W_gate, b_gate, on_refusal: Callable[[Exception], None] | None = None
 ) -> DynamicWeights:
-    """(w1, w2, gates) of `torch_dynamic_weights` in one Triton launch, and their gradients in one more.
+    """The dynamic weights of `torch_dynamic_weights` in one Triton launch, and their gradients in one more.
 
-    Each result in the dtype torch's ops give it (x's and the weights' promoted dtype), stored branch-major (each
-    branch's `w1[:, :, c]` contiguous: what the compose kernels read without a copy); float32, float16 or bfloat16
-    inputs, summed in float32. With gradients (grad mode on and an argument requiring grad) the forward also keeps
-    the gelu's input (float32, [4, p, K]), and the backward takes one launch for the gradients of every branch's
-    hidden units and gates (`_dynamic_weights_backward_kernel`) and two matmuls for x's; the weights' (when they
-    require grad) take five more of torch's ops. Second derivatives (`create_graph=True`) are torch's ops', recomputed;
-    so is the backward where Triton refuses to build its kernel for the card: `on_refusal` is given that error first
-    (without it, it is raised)."""
+    float32, float16 or bfloat16 inputs, summed in float32. With gradients (grad mode on and an argument requiring
+    grad) the forward also keeps the gelu's input (float32, [4, p, K]), and the backward takes one launch for the
+    gradients of every branch's hidden units and gates (`_dynamic_weights_backward_kernel`) and two matmuls for x's;
+    the weights' (when they require grad) take five more of torch's ops. Second derivatives (`create_graph=True`) are
+    torch's ops', recomputed; so is the backward where Triton refuses to build its kernel for the card.
+
+    Args:
+        x: the layer's normed input [b, p, d].
+        W_in: [d, 4, K].
+        b_in: [4, K], or None.
+        W_out: [4, K, 2R, H].
+        W_gate: [d, 4, H].
+        b_gate: [4, H], or None.
+        on_refusal: given Triton's error where it refuses to build the backward's kernel (without it, it is raised).
+
+    Returns:
+        (w1, w2 [b, p, 4, R, H], gates [b, p, 4, H]), each in the dtype torch's ops give it, stored branch-major
+        (each branch's `w1[:, :, c]` contiguous: what the compose kernels read without a copy).
+
+    Raises:
+        ValueError: an argument's shape, dtype or device, named.
+    """
     arguments = (x, W_in, b_in, W_out, W_gate, b_gate)
     checked_once(_checked, signature(*arguments), lambda: _check(*arguments))
-    _decorate()
+    jit()
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in arguments):
         w1, w2, gates = FusedDynamicWeights.apply(on_refusal, *arguments)
     else:
@@ -279,7 +282,7 @@ class FusedDynamicWeights(torch.autograd.Function):
             return None, *_torch_gradients(inputs, needed, (dw1, dw2, dgates))
         try:
             return None, *_backward(inputs, needed, pre, gates, dw1, dw2, dgates)
-        except _REFUSALS as refusal:
+        except compile_refusals() as refusal:
             if ctx.on_refusal is None:
                 raise
             ctx.on_refusal(refusal)
@@ -356,7 +359,7 @@ def _promoted(*tensors) -> torch.dtype:
     return dtype
 
 
-_checked: dict[tuple, None] = {}  # the signatures (`_grids.signature`) of the arguments already checked
+_checked: dict[tuple, None] = {}  # the signatures (`jit.signature`) of the arguments already checked
 
 
 def _check(x, W_in, b_in, W_out, W_gate, b_gate) -> None:

@@ -24,7 +24,20 @@ from torch import Tensor
 
 
 def branch_outputs(A, qw1=None, qw2=None, kw1=None, kw2=None, qg=None, kg=None) -> dict[str, Tensor]:
-    """The four branch outputs of Eq. (7) as separate tensors (only those whose weights are given)."""
+    """The four branch outputs of Eq. (7) as separate tensors.
+
+    Args:
+        A: the stage's input [b, h, t, s]: the scores (pre-compose) or the pattern (post-compose).
+        qw1: the query-side projection's first weights [b, t, r, h], None with the branch off.
+        qw2: its second weights [b, t, r, h].
+        kw1: the key-side projection's first weights [b, s, r, h], None with the branch off.
+        kw2: its second weights [b, s, r, h].
+        qg: the query-side gate [b, t, h], None with the branch off.
+        kg: the key-side gate [b, s, h], None with the branch off.
+
+    Returns:
+        {"qp", "kp", "qg", "kg"} -> [b, h, t, s], for the branches whose weights are given.
+    """
     out = {}
     if qw1 is not None:
         hidden = torch.einsum("bnts,btrn->brts", A, qw1)
@@ -46,8 +59,19 @@ def compose_fused(A, qw1=None, qw2=None, kw1=None, kw2=None, qg=None, kg=None) -
     + qw1[t]^T qw2[t], and the key-side ones one map per key, W_k[s] = diag(kg[s]) + kw1[s]^T kw2[s]; each is
     applied with one batched matmul (faster than the low-rank form on CPU, forward and backward). The products are
     written as matmuls of permuted views, each with its einsum beside it: torch.einsum computes the same products
-    (on the CPU the same bits, forward and backward) through about twice the view operations, a third of the host's
-    time of a compose's forward and backward at short prompts.
+    (on the CPU the same bits, forward and backward) through about twice the view operations.
+
+    Args:
+        A: the stage's input [b, h, t, s].
+        qw1: the query-side projection's first weights [b, t, r, h], None with the branch off.
+        qw2: its second weights [b, t, r, h].
+        kw1: the key-side projection's first weights [b, s, r, h], None with the branch off.
+        kw2: its second weights [b, s, r, h].
+        qg: the query-side gate [b, t, h], None with the branch off.
+        kg: the key-side gate [b, s, h], None with the branch off.
+
+    Returns:
+        The composed [b, h, t, s].
     """
     if qw1 is not None or qg is not None:
         W_q = torch.diag_embed(1 + qg) if qg is not None else torch.eye(A.shape[1], device=A.device, dtype=A.dtype)
@@ -65,9 +89,23 @@ def compose_fused(A, qw1=None, qw2=None, kw1=None, kw2=None, qg=None, kg=None) -
 
 
 def compose_few_queries(A, qw1=None, qw2=None, qg=None, kw1=None, kw2=None, kg=None) -> Tensor:
-    """compose_fused for a few queries against many cached keys, the key side given key-last (kw1, kw2
-    [b, r, h, s], kg [b, h, s], as the cache holds it): the key-wise branches in their low-rank form, two broadcast
-    multiply-adds over the keys, cost O(t s h r) where the per-key H x H maps would cost O(s h^2 r)."""
+    """`compose_fused` for a few queries against many cached keys, the key side key-last as the cache holds it.
+
+    The key-wise branches are in their low-rank form, two broadcast multiply-adds over the keys: O(t s h r) where
+    the per-key H x H maps would cost O(s h^2 r).
+
+    Args:
+        A: the stage's input [b, h, t, s].
+        qw1: the query-side projection's first weights [b, t, r, h], None with the branch off.
+        qw2: its second weights [b, t, r, h].
+        qg: the query-side gate [b, t, h], None with the branch off.
+        kw1: the key-side projection's first weights, key-last [b, r, h, s], None with the branch off.
+        kw2: its second weights [b, r, h, s].
+        kg: the key-side gate, key-last [b, h, s], None with the branch off.
+
+    Returns:
+        The composed [b, h, t, s].
+    """
     out = compose_fused(A, qw1, qw2, qg=qg)
     if kw1 is not None:
         hidden = (A[:, None] * kw1[:, :, :, None, :]).sum(2)  # [b, r, t, s]
@@ -78,11 +116,25 @@ def compose_few_queries(A, qw1=None, qw2=None, qg=None, kw1=None, kw2=None, kg=N
 
 
 def compose_decoding(A, qw1=None, qw2=None, qg=None, kw1=None, kw2=None, kg=None) -> Tensor:
-    """compose_few_queries in as few operations as the arithmetic allows (on a GPU a decoding step costs the kernels
-    it launches): what a cached step with no hook on a square tensor takes. Every branch is in its low-rank form; the
-    skip connection and both gates are one multiply-add, A (1 + qg[t] + kg[s]); the query side's and the key side's
+    """`compose_few_queries` in as few operations as the arithmetic allows: a GPU's decoding step costs its launches.
+
+    What a cached step with no hook on a square tensor takes. Every branch is in its low-rank form; the skip
+    connection and both gates are one multiply-add, A (1 + qg[t] + kg[s]); the query side's and the key side's
     projections sit side by side along the rank (qw1[t] beside kw1[s] for every pair), so that both branches take one
-    product-and-sum into the hidden units and one out of them."""
+    product-and-sum into the hidden units and one out of them.
+
+    Args:
+        A: the stage's input [b, h, t, s].
+        qw1: the query-side projection's first weights [b, t, r, h], None with the branch off.
+        qw2: its second weights [b, t, r, h].
+        qg: the query-side gate [b, t, h], None with the branch off.
+        kw1: the key-side projection's first weights, key-last [b, r, h, s], None with the branch off.
+        kw2: its second weights [b, r, h, s].
+        kg: the key-side gate, key-last [b, h, s], None with the branch off.
+
+    Returns:
+        The composed [b, h, t, s].
+    """
     b, h, t, s = A.shape
     gates = None
     if qg is not None:
@@ -114,9 +166,20 @@ def attend(
 ) -> Float[Tensor, "b t h e"]:
     """z of DCMHA with every [b, h, t, s] tensor, no hook: scores, pre-compose, mask, softmax, post-compose, P V.
 
-    `mask`: the additive attention mask ([t, s] or [b, 1, t, s]); `pre`, `post`: a stage's (qw1, qw2, kw1, kw2,
-    qg, kg) in the hooks' layout (kw1, kw2 [b, s, r, h], kg [b, s, h], every key), or None for a stage that is off.
-    The compose sees hidden scores as 0, as `Attention.materialised_z` gives it them."""
+    The compose sees hidden scores as 0, as `Attention.materialised_z` gives it them.
+
+    Args:
+        q: the queries [b, t, h, e].
+        k: the keys [b, s, h, e].
+        v: the values [b, s, h, e].
+        mask: additive, [t, s] or [b, 1, t, s].
+        pre: the pre-compose's (qw1, qw2, kw1, kw2, qg, kg) in the hooks' layout (kw1, kw2 [b, s, r, h], kg
+            [b, s, h], every key); None for a stage that is off.
+        post: the post-compose's, the same.
+
+    Returns:
+        z [b, t, h, e].
+    """
     scores = torch.einsum("bthe,bshe->bhts", q, k) / math.sqrt(q.shape[-1])
     mask = mask.to(scores.dtype)
     if pre is not None:
