@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import scipy.stats
 
-MAX_EXACT_SEEDS = 20  # up to 2^20 subsets enumerated; beyond, SAMPLED_SUBSETS drawn at random
+MAX_EXACT_SEEDS = 20  # up to 2^20 subsets enumerated; beyond, 2^20 drawn at random
 
 
 def subset_means(differences: np.ndarray, seed: int = 0) -> np.ndarray:
