@@ -70,7 +70,8 @@ def shared_model(n_layers: int):
 
 def measure(step: str, layers: int, seq: int, keys: int, threads: int, max_terms: int) -> dict:
     """Run in a fresh process: build the model, time the forward the step reads, then the step on that run."""
-    import dcinterp.qk
+    import dcinterp.qk.attribution
+    import dcinterp.qk.contrast
     from dcinterp.memory import PeakAnonMemory
     from dcinterp.qk import causal_checks, component_names, layer_run, qk_attribution, qk_contrast
 
@@ -85,7 +86,7 @@ def measure(step: str, layers: int, seq: int, keys: int, threads: int, max_terms
         run = layer_run(model, tokens, layer, t, [t, *key_positions])
         forward = time.perf_counter() - start
         if step != "checks":  # the step's own forward is this run: time the decomposition alone
-            dcinterp.qk.layer_run = lambda *args: run
+            dcinterp.qk.attribution.layer_run = dcinterp.qk.contrast.layer_run = lambda *args: run
         work = {
             "1 key": lambda: qk_attribution(model, tokens, layer, head, t, 0, max_terms=max_terms),
             "K keys": lambda: qk_attribution(model, tokens, layer, head, t, key_positions, max_terms=max_terms),
