@@ -37,6 +37,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     ),
     "DCMHA": ("dcinterp.dcmha",),
     "the model": (
+        "dcinterp.components",
         "dcinterp.model",
         "dcinterp.loading",
         "dcinterp.kv_cache",
