@@ -39,6 +39,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "the model": (
         "dcinterp.components",
         "dcinterp.model",
+        "dcinterp.conversion",
         "dcinterp.loading",
         "dcinterp.kv_cache",
         "dcinterp.tl_api",
