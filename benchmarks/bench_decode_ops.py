@@ -112,7 +112,7 @@ class OpCounter(TorchDispatchMode):
             if category is None:
                 if code.co_filename.endswith("kv_cache.py"):
                     category = "cache appends"
-                elif code.co_filename.endswith("model.py") and code.co_name == "forward":
+                elif code.co_filename.endswith(("compose.py", "attention.py")) and code.co_name == "forward":
                     owner = type(frame.f_locals.get("self")).__name__
                     category = {"Compose": PATTERN, "Attention": "rest of block"}.get(owner)
                 category = category or FUNCTION_CATEGORY.get(code.co_name)

@@ -37,7 +37,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
     ),
     "DCMHA": ("dcinterp.dcmha",),
     "the model": (
+        "dcinterp.components",
         "dcinterp.model",
+        "dcinterp.conversion",
         "dcinterp.loading",
         "dcinterp.kv_cache",
         "dcinterp.tl_api",
