@@ -96,7 +96,7 @@ def decompose(
     """Every (group, query component, key component, source head, branch) term, one source head at a time.
 
     Only the per-head query-side and key-side vectors are kept; head n's terms are
-    sum over the group's keys of sign * W_b[n, head] * <q_n^i, k_n^j>, for the branches that feed `head` from n.
+    sum over the group's keys of `sign * W_b[n, head] * <q_n^i, k_n^j>`, for the branches that feed `head` from n.
     With more terms than `max_terms`, the largest |value| are kept: a running top-k whose smallest kept |value|
     is the bar a later term must clear (one comparison per term), and the rest of each group goes in one row. The
     tables (pairs, source head x branch, marginals) are exact whatever is kept.
