@@ -37,10 +37,8 @@ def fastest(repeats: int, function) -> float:
 def models() -> dict[str, HookedDCFormer]:
     torch.manual_seed(0)
     cfg = DCFormerConfig(n_layers=6, d_model=256, n_heads=8, d_head=32, d_mlp=1024, d_vocab=1000, rotary_pct=0.25)
-    return {
-        "random 6L d256 8x32": HookedDCFormer(cfg),
-        "fixture dcpythia-tiny": HookedDCFormer.from_pretrained(FIXTURE),
-    }
+    fixture = HookedDCFormer.from_pretrained(FIXTURE).requires_grad_(True)  # loaded frozen, as a pretrained model is
+    return {"random 6L d256 8x32": HookedDCFormer(cfg), "fixture dcpythia-tiny": fixture}
 
 
 def main() -> None:
