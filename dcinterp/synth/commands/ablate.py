@@ -21,7 +21,6 @@ Exit status 0, or 2 with one line on stderr for bad input, before anything is wr
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -274,9 +273,7 @@ def run_ablate(args: argparse.Namespace) -> int:
             )
             write_outputs(table, table_json(table, args.checkpoint, data_path, world_size), figure, args.out)
     except EvalError as error:
-        if rank == 0:
-            print(f"error: {error}", file=sys.stderr)
-        return 2
+        return common.refuse(error, rank)
     finally:
         finish(world_size)
     if rank == 0:

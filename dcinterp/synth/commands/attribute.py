@@ -204,9 +204,7 @@ def run_attribute(args: argparse.Namespace) -> int:
             )
             write_outputs(result, pairs, summary, figure, args.out)
     except EvalError as error:
-        if rank == 0:
-            print(f"error: {error}", file=sys.stderr)
-        return 2
+        return common.refuse(error, rank)
     finally:
         finish(world_size)
     if rank == 0:

@@ -259,9 +259,7 @@ def run_circuit(args: argparse.Namespace) -> int:
             curve_figure, circuit_figure = figures(result, args.method, Path(str(args.checkpoint)).name)
             write_outputs(result, curve_figure, circuit_figure, args.out)
     except EvalError as error:
-        if rank == 0:
-            print(f"error: {error}", file=sys.stderr)
-        return 2
+        return common.refuse(error, rank)
     finally:
         finish(world_size)
     if rank == 0:

@@ -1,6 +1,6 @@
 """What the commands that run models on the synthetic tasks share: the task selection they parse, loading a checkpoint
-as one error line, the checks of `--out` and `--device`, the tasks' contrast pairs, outputs written whole or not at
-all, and inputs every process of a distributed run agrees on.
+as one error line, the checks of `--out` and `--device`, the tasks' contrast pairs, the one line and exit status 2 of
+bad input, outputs written whole or not at all, and inputs every process of a distributed run agrees on.
 
 Light on purpose (torch and the model are imported where a checkpoint is loaded), so that `--help` stays fast.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -143,6 +144,21 @@ def tasks_contrast_pairs(tasks: list[str], n: int, seed: int, tokenizer, kind: s
         return [pair for task in tasks for pair in contrast_pairs(task, n=n, seed=seed, kind=kind, tokenizer=tokenizer)]
     except ValueError as error:
         raise EvalError(f"--tasks: {error}") from None
+
+
+def refuse(error: Exception, rank: int = 0) -> int:
+    """What a command does with bad input: its one line on stderr ("error: ..."), from rank 0 only under torchrun.
+
+    Args:
+        error: The refusal (an EvalError or CatalogError: its message is one line).
+        rank: This process's rank (0 for one process).
+
+    Returns:
+        2, the command's exit status.
+    """
+    if rank == 0:
+        print(f"error: {error}", file=sys.stderr)
+    return 2
 
 
 def check_out_dir(out_dir: Path) -> None:

@@ -9,7 +9,6 @@ table and writes results.csv and summary.json.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -95,9 +94,7 @@ def run_eval(args: argparse.Namespace) -> int:
         if args.out is not None and rank == 0:
             write_outputs(results, summary, args.out)
     except (EvalError, CatalogError) as error:
-        if rank == 0:
-            print(f"error: {error}", file=sys.stderr)
-        return 2
+        return common.refuse(error, rank)
     finally:
         finish(world_size)
     if rank == 0:

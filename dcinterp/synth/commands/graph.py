@@ -24,7 +24,6 @@ Exit status 0, or 2 with one line on stderr for bad input, before anything is wr
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
@@ -306,8 +305,7 @@ def run_graph(args: argparse.Namespace) -> int:
             results[slug] = explain(args, model, transcoders, slug, prompt)
         write_outputs(args.out, results)
     except (EvalError, CatalogError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return common.refuse(error)
     names = [f"{slug}{suffix}" for slug in results for suffix in (".json", ".png", ".html", "-parts.csv")]
     print(f"{args.checkpoint}: {len(results)} graph{'s' if len(results) > 1 else ''}")
     for slug, r in results.items():

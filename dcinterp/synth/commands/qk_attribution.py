@@ -474,8 +474,7 @@ def run_qk(args: argparse.Namespace) -> int:
             },
         )
     except (EvalError, CatalogError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return common.refuse(error)
     print(
         f"{args.checkpoint} L{args.layer}H{args.head}: {summary['samples']} samples of {', '.join(args.tasks)}, "
         f"query {args.query}, key {args.key}; mean score {summary['mean_score']:.3f}, largest relative gap "
