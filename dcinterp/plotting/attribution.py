@@ -17,6 +17,7 @@ from .style import (
     SMALLEST_TYPE,
     annotate_cells,
     diverging_heatmap,
+    diverging_heatmap_plotly,
     draw_caption,
     format_cell,
     head_ticks,
@@ -134,13 +135,8 @@ def plot_head_attribution_plotly(
         The plotly figure.
     """
     values = to_numpy(scores.scores if isinstance(scores, HeadAttribution) else scores)
-    limit = symmetric_limit(values)
-    heatmap = go.Heatmap(
-        z=values,
-        colorscale="RdBu",
-        reversescale=True,
-        zmin=-limit,
-        zmax=limit,
+    heatmap = diverging_heatmap_plotly(
+        values,
         colorbar=dict(title=label),
         hovertemplate="L%{y}H%{x}<br>" + label + ": %{z:.4g}<extra></extra>",
     )

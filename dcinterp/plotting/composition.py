@@ -17,6 +17,7 @@ from .style import (
     SMALLEST_TYPE,
     annotate_cells,
     diverging_heatmap,
+    diverging_heatmap_plotly,
     draw_caption,
     draw_title,
     head_ticks,
@@ -100,13 +101,8 @@ def plot_composition_map_plotly(W: torch.Tensor, title: str | None = None) -> go
         The plotly figure.
     """
     C = to_numpy(W).T
-    limit = symmetric_limit(C)
-    heatmap = go.Heatmap(
-        z=C,
-        colorscale="RdBu",
-        reversescale=True,
-        zmin=-limit,
-        zmax=limit,
+    heatmap = diverging_heatmap_plotly(
+        C,
         zmid=0,
         colorbar=dict(title="C[h, j]"),
         texttemplate="%{z:.2f}" if C.shape[0] <= 8 else None,

@@ -221,26 +221,17 @@ def plot_circuit(graph, scores, circuit, title: str | None = None, caption: str 
                 bbox=dict(boxstyle="round,pad=0.2", fc="lightyellow", ec="0.5"),
                 zorder=5,
             )
-    ax.text(
-        (H - 1) / 2,
-        -1.0,
-        "embed",
-        ha="center",
-        va="center",
-        fontsize=8,
-        bbox=dict(boxstyle="round", fc="white", ec="black"),
-        zorder=5,
-    )
-    ax.text(
-        (H - 1) / 2,
-        L + 0.1,
-        "logits",
-        ha="center",
-        va="center",
-        fontsize=8,
-        bbox=dict(boxstyle="round", fc="white", ec="black"),
-        zorder=5,
-    )
+    for y, name in ((-1.0, "embed"), (L + 0.1, "logits")):
+        ax.text(
+            (H - 1) / 2,
+            y,
+            name,
+            ha="center",
+            va="center",
+            fontsize=8,
+            bbox=dict(boxstyle="round", fc="white", ec="black"),
+            zorder=5,
+        )
     ax.set_yticks(range(L), [f"L{layer}" for layer in range(L)], fontsize=7 if L > 12 else 9)
     step = max(1, H // 16)
     ax.set_xticks(range(0, H, step), [str(h) for h in range(0, H, step)], fontsize=SMALLEST_TYPE)

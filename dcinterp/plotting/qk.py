@@ -15,9 +15,9 @@ from .style import (
     SMALLEST_TYPE,
     annotate_cells,
     diverging_heatmap,
+    diverging_heatmap_plotly,
     draw_caption,
     draw_title,
-    symmetric_limit,
     to_numpy,
     token_label,
 )
@@ -148,12 +148,8 @@ def _draw_qk_pairs(fig, ax, values, row_names, col_names, label: str, left: bool
     annotate_cells(ax, values, fontsize=7 if len(col_names) > 7 else SMALLEST_TYPE)
     ax.set_xticks(range(len(col_names)), col_names, rotation=90)
     ax.set_yticks(range(len(row_names)), row_names if left else [""] * len(row_names))
-    ax.set_xlabel("key component j")
-    if left:
-        ax.set_ylabel("query component i")
-    ax.set_title(textwrap.fill(f"{label}: by component pair (i, j)", 34), fontsize=10)
-    fig.colorbar(
-        image, ax=ax, location="bottom", shrink=0.9, aspect=30, label=textwrap.fill(f"contribution to {label}", 34)
+    _label_panel(
+        fig, ax, image, f"{label}: by component pair (i, j)", label, "key component j", "query component i", left
     )
 
 
@@ -167,10 +163,15 @@ def _draw_qk_head_branch(fig, ax, table, layer, label: str, left: bool) -> None:
     heads = [f"L{layer}H{n}" if layer is not None else str(n) for n in table.index]
     ax.set_xticks(range(hb.shape[1]), [*table.columns, "sum"])
     ax.set_yticks(range(hb.shape[0]), heads if left else [""] * len(heads))
-    ax.set_xlabel("compose branch b")
+    _label_panel(fig, ax, image, f"{label}: by source head x branch", label, "compose branch b", "source head n", left)
+
+
+def _label_panel(fig, ax, image, title: str, label: str, xlabel: str, ylabel: str, left: bool) -> None:
+    """A heatmap panel's axis labels (the y label on the left column only), title and colour bar below."""
+    ax.set_xlabel(xlabel)
     if left:
-        ax.set_ylabel("source head n")
-    ax.set_title(textwrap.fill(f"{label}: by source head x branch", 34), fontsize=10)
+        ax.set_ylabel(ylabel)
+    ax.set_title(textwrap.fill(title, 34), fontsize=10)
     fig.colorbar(
         image, ax=ax, location="bottom", shrink=0.9, aspect=30, label=textwrap.fill(f"contribution to {label}", 34)
     )
@@ -269,16 +270,11 @@ def plot_qk_keys_plotly(attribution, top: int = 10, title: str | None = None) ->
         [(hb_values, hb_names, "source head, branch"), (*parts[0], "query component"), (*parts[1], "key component")],
         start=2,
     ):
-        limit = symmetric_limit(values)
         fig.add_trace(
-            go.Heatmap(
-                z=values,
+            diverging_heatmap_plotly(
+                values,
                 x=x,
                 y=names,
-                colorscale="RdBu",
-                reversescale=True,
-                zmin=-limit,
-                zmax=limit,
                 zmid=0,
                 showscale=False,
                 hovertemplate="key %{x}<br>" + label + " %{y}: %{z:.4g}<extra></extra>",

@@ -72,6 +72,20 @@ def diverging_heatmap(ax, values: np.ndarray, limit: float | None = None, norm=N
     return ax.imshow(values, cmap=DIVERGING, vmin=-limit, vmax=limit, aspect="auto")
 
 
+def diverging_heatmap_plotly(values: np.ndarray, **properties) -> go.Heatmap:
+    """`diverging_heatmap` for plotly: a heatmap trace centred on zero, blue negative, red positive.
+
+    Args:
+        values: The [rows, columns] values; the scale's half-width is `symmetric_limit(values)`.
+        **properties: Further `go.Heatmap` properties (colorbar, hovertemplate, x, y, ...).
+
+    Returns:
+        The heatmap trace.
+    """
+    limit = symmetric_limit(values)
+    return go.Heatmap(z=values, colorscale="RdBu", reversescale=True, zmin=-limit, zmax=limit, **properties)
+
+
 def head_ticks(ax, n: int, axis: str, labels: Sequence[str] | None = None, max_ticks: int = 40) -> None:
     """Tick labels for `n` heads (or layers) along one axis, at most `max_ticks` of them.
 

@@ -153,13 +153,21 @@ class TaskSampler:
         )
         return Line(tuple(facts), answer, query_person=person, source_item=source)
 
-    def _same_person(self, rng: random.Random, pool: tuple[str, ...]) -> Line:
+    def _source_among_persons(
+        self, rng: random.Random, pool: tuple[str, ...]
+    ) -> tuple[str, str, tuple[Fact, ...], str]:
+        """A source item and one of its values, the source at a random place among two items that do not give the
+        value, each item with a person of its own: (source, value, facts, the source's person)."""
         source = self._pick_source(rng, pool)
-        answer = rng.choice(self.values_of[source])
-        distractors = rng.sample(self._items_not_giving(pool, answer, besides=source), 2)
-        items, position = self._insert_at_random_position(rng, distractors, source)
+        value = rng.choice(self.values_of[source])
+        others = rng.sample(self._items_not_giving(pool, value, besides=source), 2)
+        items, position = self._insert_at_random_position(rng, others, source)
         persons = rng.sample(self.people, 3)
-        return Line(_facts(persons, items), answer, query_person=persons[position], source_item=source)
+        return source, value, _facts(persons, items), persons[position]
+
+    def _same_person(self, rng: random.Random, pool: tuple[str, ...]) -> Line:
+        source, answer, facts, person = self._source_among_persons(rng, pool)
+        return Line(facts, answer, query_person=person, source_item=source)
 
     def _not_matching_person(self, rng: random.Random, pool: tuple[str, ...]) -> Line:
         if self.items_by_class:
@@ -181,12 +189,8 @@ class TaskSampler:
         return Line(_facts(persons, items), persons[position], query_value=value)
 
     def _matching_person(self, rng: random.Random, pool: tuple[str, ...]) -> Line:
-        source = self._pick_source(rng, pool)
-        value = rng.choice(self.values_of[source])
-        others = rng.sample(self._items_not_giving(pool, value, besides=source), 2)
-        items, position = self._insert_at_random_position(rng, others, source)
-        persons = rng.sample(self.people, 3)
-        return Line(_facts(persons, items), persons[position], query_value=value)
+        _, value, facts, person = self._source_among_persons(rng, pool)
+        return Line(facts, person, query_value=value)
 
     def _odd_one_out(self, rng: random.Random, pool: tuple[str, ...]) -> Line:
         odd = self._pick_source(rng, pool)

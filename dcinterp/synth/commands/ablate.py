@@ -21,8 +21,6 @@ Exit status 0, or 2 with one line on stderr for bad input, before anything is wr
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,17 +39,6 @@ from ..evaluate import (
     summarize,
 )
 from . import common
-from .common import (
-    add_checkpoint_argument,
-    add_data_argument,
-    add_device_arguments,
-    agreed,
-    check_out_dir,
-    eval_device,
-    parse_task_selection,
-    select_samples,
-    write_files,
-)
 
 # torch and the model are imported inside the functions that use them: `python -m dcinterp.synth --help`
 # builds this command's parser and should stay fast.
@@ -232,12 +219,12 @@ def write_outputs(table: pd.DataFrame, summary: dict, figure, out_dir: Path) -> 
         figure: The table's figure.
         out_dir: The output directory.
     """
-    write_files(
+    common.write_files(
         out_dir,
         {
-            "ablation.csv": lambda path: table.to_csv(path, index=False),
-            "ablation.json": lambda path: path.write_text(json.dumps(summary, indent=2) + "\n"),
-            "ablation.png": lambda path: figure.savefig(path, dpi=130, format="png"),
+            "ablation.csv": common.csv_writer(table),
+            "ablation.json": common.json_writer(summary),
+            "ablation.png": common.png_writer(figure),
         },
     )
 
@@ -251,20 +238,12 @@ def add_ablate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     Returns:
         The same parser.
     """
-    add_checkpoint_argument(parser, DEFAULT_CHECKPOINT)
-    add_data_argument(parser)
-    parser.add_argument(
-        "--out", type=Path, metavar="DIR", help="write " + ", ".join(OUTPUTS) + " here (default: only print the table)"
-    )
-    add_device_arguments(parser)
+    common.add_checkpoint_argument(parser, DEFAULT_CHECKPOINT)
+    common.add_data_argument(parser)
+    common.add_out_argument(parser, OUTPUTS, required=False)
+    common.add_device_arguments(parser)
     parser.add_argument("--batch-size", type=positive_int, default=8, metavar="N")
-    parser.add_argument(
-        "--tasks",
-        type=parse_task_selection,
-        metavar="SEL",
-        help="tasks to evaluate: ids and ranges, e.g. task0,task5 or 0-7",
-    )
-    parser.add_argument("--limit", type=positive_int, metavar="N", help="only the first N samples (after --tasks)")
+    common.add_sample_selection_arguments(parser)
     return parser
 
 
@@ -284,7 +263,7 @@ def run_ablate(args: argparse.Namespace) -> int:
 
     rank, world_size, rank_device = start()
     try:
-        model, data_path, samples = agreed(lambda: ablate_inputs(args, rank_device))
+        model, data_path, samples = common.agreed(lambda: ablate_inputs(args, rank_device))
         table = ablation_table(model, samples, batch_size=args.batch_size, progress=rank == 0)
         if args.out is not None and rank == 0:
             from ...plotting import plot_ablation_table
@@ -294,18 +273,15 @@ def run_ablate(args: argparse.Namespace) -> int:
             )
             write_outputs(table, table_json(table, args.checkpoint, data_path, world_size), figure, args.out)
     except EvalError as error:
-        if rank == 0:
-            print(f"error: {error}", file=sys.stderr)
-        return 2
+        return common.refuse(error, rank)
     finally:
         finish(world_size)
     if rank == 0:
-        processes = f" ({world_size} processes)" if world_size > 1 else ""
-        print(f"{data_path}: {len(samples)} samples, checkpoint {args.checkpoint}{processes}")
+        print(f"{data_path}: {len(samples)} samples, checkpoint {args.checkpoint}{common.processes_note(world_size)}")
         shown = table[["ablated", "accuracy", "ppl", *[c for c in table.columns if c.startswith("qk:")]]]
         print(shown.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
         if args.out is not None:
-            print("wrote " + ", ".join(str(args.out / name) for name in OUTPUTS))
+            print(common.wrote_line(args.out, OUTPUTS))
     return 0
 
 
@@ -325,10 +301,10 @@ def ablate_inputs(args: argparse.Namespace, rank_device: str | None):
     from ...distributed import process_device
 
     if args.out is not None:
-        check_out_dir(args.out)
-    device = process_device(eval_device(args.device), rank_device)
+        common.check_out_dir(args.out)
+    device = process_device(common.eval_device(args.device), rank_device)
     data_path = resolve_data_path(args.data)
-    samples = select_samples(load_samples(data_path), args.tasks, args.limit, data_path)
+    samples = common.select_samples(load_samples(data_path), args.tasks, args.limit, data_path)
     for sample in samples:
         parse_sample(sample)  # structural errors before the checkpoint is loaded
     model = common.load_checkpoint(args.checkpoint, args.dtype, device)

@@ -18,16 +18,14 @@ Exit status 0, or 2 with one line on stderr for bad input, before anything is wr
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from ...cli import positive_int
 from ..evaluate import EvalError
-from .common import add_checkpoint_argument, add_device_arguments, agreed, task_list, write_files
+from . import common
 
 DEFAULT_CHECKPOINT = "dcpythia-synth"
-DEFAULT_TASKS = "2,3"
 OUTPUTS = ("heads.csv", "prompts.csv", "summary.json", "heads.png")
 TOP_HEADS = 10
 
@@ -41,14 +39,8 @@ def add_attribute_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     Returns:
         The same parser.
     """
-    add_checkpoint_argument(parser, DEFAULT_CHECKPOINT)
-    parser.add_argument(
-        "--tasks",
-        type=task_list,
-        default=DEFAULT_TASKS,
-        metavar="IDS",
-        help="tasks whose prompts are attributed, e.g. 2,3 or 0-73 (default: %(default)s)",
-    )
+    common.add_checkpoint_argument(parser, DEFAULT_CHECKPOINT)
+    common.add_contrast_tasks_argument(parser)
     parser.add_argument("--prompts", type=positive_int, default=8, metavar="N", help="prompts per task (default 8)")
     parser.add_argument("--target-type", choices=["logit", "logprob", "prob"], default="logit")
     parser.add_argument(
@@ -61,8 +53,8 @@ def add_attribute_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--n-steps", type=positive_int, default=50, metavar="K", help="IG steps (default 50)")
     parser.add_argument("--kind", choices=["person", "object"], help="which contrast pairs give the prompts")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="write " + ", ".join(OUTPUTS) + " here")
-    add_device_arguments(parser)
+    common.add_out_argument(parser, OUTPUTS)
+    common.add_device_arguments(parser)
     parser.add_argument("--batch-size", type=positive_int, default=8, metavar="N", help="prompts per call (default 8)")
     parser.add_argument(
         "--internal-batch-size",
@@ -172,13 +164,13 @@ def write_outputs(result, pairs, summary: dict, figure, out_dir: Path) -> None:
         figure: The heads' figure.
         out_dir: The output directory.
     """
-    write_files(
+    common.write_files(
         out_dir,
         {
-            "heads.csv": lambda path: result.to_frame().to_csv(path, index=False),
-            "prompts.csv": lambda path: prompts_frame(result, pairs).to_csv(path, index=False),
-            "summary.json": lambda path: path.write_text(json.dumps(summary, indent=2) + "\n"),
-            "heads.png": lambda path: figure.savefig(path, dpi=130, format="png"),
+            "heads.csv": common.csv_writer(result.to_frame()),
+            "prompts.csv": common.csv_writer(prompts_frame(result, pairs)),
+            "summary.json": common.json_writer(summary),
+            "heads.png": common.png_writer(figure),
         },
     )
 
@@ -199,7 +191,7 @@ def run_attribute(args: argparse.Namespace) -> int:
 
     rank, world_size, rank_device = start()
     try:
-        model, pairs, tokens = agreed(lambda: attribute_inputs(args, rank_device))
+        model, pairs, tokens = common.agreed(lambda: attribute_inputs(args, rank_device))
         result = attribute(model, pairs, tokens, args, progress=rank == 0)
         summary = summary_of(result, args, world_size)
         if rank == 0:
@@ -212,21 +204,19 @@ def run_attribute(args: argparse.Namespace) -> int:
             )
             write_outputs(result, pairs, summary, figure, args.out)
     except EvalError as error:
-        if rank == 0:
-            print(f"error: {error}", file=sys.stderr)
-        return 2
+        return common.refuse(error, rank)
     finally:
         finish(world_size)
     if rank == 0:
-        processes = f" ({world_size} processes)" if world_size > 1 else ""
-        print(f"{args.checkpoint}: {summary['prompts']} prompts of {', '.join(args.tasks)}{processes}")
+        tasks = ", ".join(args.tasks)
+        print(f"{args.checkpoint}: {summary['prompts']} prompts of {tasks}{common.processes_note(world_size)}")
         for entry in summary["top_heads"][:5]:
             print(f"  L{entry['layer']}H{entry['head']}: {entry['score']:+.4f}")
         print(
             f"completeness gap: mean {summary['completeness_gap_mean']:.3g}, max {summary['completeness_gap_max']:.3g} "
             f"(mean total effect {summary['total_effect_mean']:.3g})"
         )
-        print("wrote " + ", ".join(str(args.out / name) for name in OUTPUTS))
+        print(common.wrote_line(args.out, OUTPUTS))
     return 0
 
 

@@ -15,25 +15,14 @@ Exit status 0, or 2 with one line on stderr for bad input, before anything is wr
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from ...cli import positive_int
 from ..evaluate import EvalError
 from . import common
-from .common import (
-    add_checkpoint_argument,
-    add_device_arguments,
-    agreed,
-    check_out_dir,
-    eval_device,
-    task_list,
-    write_files,
-)
 
 DEFAULT_CHECKPOINT = "dcpythia-synth"
-DEFAULT_TASKS = "2,3"  # same-person : superclass, the case study's family
 OUTPUTS = ("edges.csv", "faithfulness.csv", "summary.json", "faithfulness.png", "circuit.png")
 MAX_DRAWN_EDGES = 300
 
@@ -47,14 +36,8 @@ def add_circuit_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     Returns:
         The same parser.
     """
-    add_checkpoint_argument(parser, DEFAULT_CHECKPOINT)
-    parser.add_argument(
-        "--tasks",
-        type=task_list,
-        default=DEFAULT_TASKS,
-        metavar="IDS",
-        help="tasks whose contrast pairs are used, e.g. 2,3 or 0-7 (default: %(default)s, same-person : superclass)",
-    )
+    common.add_checkpoint_argument(parser, DEFAULT_CHECKPOINT)
+    common.add_contrast_tasks_argument(parser)
     parser.add_argument("--pairs", type=positive_int, default=8, metavar="N", help="contrast pairs per task")
     parser.add_argument(
         "--method",
@@ -73,8 +56,8 @@ def add_circuit_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         help="patch exactly the N top edges of each method (default 50)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="write " + ", ".join(OUTPUTS) + " here")
-    add_device_arguments(parser)
+    common.add_out_argument(parser, OUTPUTS)
+    common.add_device_arguments(parser)
     parser.add_argument("--batch-size", type=positive_int, default=8, metavar="N", help="pairs per forward pass")
     return parser
 
@@ -230,14 +213,14 @@ def write_outputs(result: dict, curve_figure, circuit_figure, out_dir: Path) -> 
         circuit_figure: The circuit.
         out_dir: The output directory.
     """
-    write_files(
+    common.write_files(
         out_dir,
         {
-            "edges.csv": lambda path: result["edges"].to_csv(path, index=False),
-            "faithfulness.csv": lambda path: result["curve"].to_csv(path, index=False),
-            "summary.json": lambda path: path.write_text(json.dumps(result["summary"], indent=2) + "\n"),
-            "faithfulness.png": lambda path: curve_figure.savefig(path, dpi=130, format="png"),
-            "circuit.png": lambda path: circuit_figure.savefig(path, dpi=130, format="png"),
+            "edges.csv": common.csv_writer(result["edges"]),
+            "faithfulness.csv": common.csv_writer(result["curve"]),
+            "summary.json": common.json_writer(result["summary"]),
+            "faithfulness.png": common.png_writer(curve_figure),
+            "circuit.png": common.png_writer(circuit_figure),
         },
     )
 
@@ -259,7 +242,7 @@ def run_circuit(args: argparse.Namespace) -> int:
 
     rank, world_size, rank_device = start()
     try:
-        model, tokens = agreed(lambda: circuit_inputs(args, rank_device))
+        model, tokens = common.agreed(lambda: circuit_inputs(args, rank_device))
         metric = args.metric.replace("-", "_")
         result = discover(
             model,
@@ -276,9 +259,7 @@ def run_circuit(args: argparse.Namespace) -> int:
             curve_figure, circuit_figure = figures(result, args.method, Path(str(args.checkpoint)).name)
             write_outputs(result, curve_figure, circuit_figure, args.out)
     except EvalError as error:
-        if rank == 0:
-            print(f"error: {error}", file=sys.stderr)
-        return 2
+        return common.refuse(error, rank)
     finally:
         finish(world_size)
     if rank == 0:
@@ -316,15 +297,10 @@ def checked_model(args: argparse.Namespace, rank_device: str | None):
     """
     from ...distributed import process_device
 
-    check_out_dir(args.out)
-    device = process_device(eval_device(args.device), rank_device)
+    common.check_out_dir(args.out)
+    device = process_device(common.eval_device(args.device), rank_device)
     check_kind(args.tasks, args.kind)
-    model = common.load_checkpoint(args.checkpoint, args.dtype, device)
-    if model.tokenizer is None:
-        raise EvalError(f"{args.checkpoint}: the checkpoint has no tokenizer; contrast pairs need one")
-    model.eval()
-    model.requires_grad_(False)
-    return model
+    return common.load_frozen_model(args.checkpoint, args.dtype, device, "contrast pairs need one")
 
 
 def pairs_of(model, tasks: list[str], n: int, seed: int, kind: str | None):
@@ -344,14 +320,10 @@ def pairs_of(model, tasks: list[str], n: int, seed: int, kind: str | None):
     Raises:
         EvalError: A task gives no pair.
     """
-    from ..contrast import contrast_pairs, tokenize_pairs
+    from ..contrast import tokenize_pairs
 
+    pairs = common.tasks_contrast_pairs(tasks, n, seed, model.tokenizer, kind)
     try:
-        pairs = [
-            pair
-            for task in tasks
-            for pair in contrast_pairs(task, n=n, seed=seed, kind=kind, tokenizer=model.tokenizer)
-        ]
         return pairs, tokenize_pairs(pairs, model.tokenizer)
     except ValueError as error:
         raise EvalError(f"--tasks: {error}") from None
@@ -364,9 +336,9 @@ def print_summary(args: argparse.Namespace, summary: dict) -> None:
         args: The parsed options.
         summary: `discover`'s summary.
     """
-    processes = f" ({summary['world_size']} processes)" if summary["world_size"] > 1 else ""
     print(
-        f"{args.checkpoint}: {summary['pairs']} pairs of {', '.join(args.tasks)}; graph {summary['graph']}{processes}"
+        f"{args.checkpoint}: {summary['pairs']} pairs of {', '.join(args.tasks)}; graph {summary['graph']}"
+        + common.processes_note(summary["world_size"])
     )
     print(
         f"metric clean {summary['metric_clean']:.3f}, corrupted {summary['metric_corrupted']:.3f}; "
@@ -377,4 +349,4 @@ def print_summary(args: argparse.Namespace, summary: dict) -> None:
         print(f"  80% faithfulness, {key}: {value['edges']} edges ({value['faithfulness']:.3f})")
     for key, value in summary["spearman_score_vs_exact"].items():
         print(f"  Spearman {key} score vs exact ({summary['exact_rows']} edges): {value:.3f}")
-    print("wrote " + ", ".join(str(args.out / name) for name in OUTPUTS))
+    print(common.wrote_line(args.out, OUTPUTS))

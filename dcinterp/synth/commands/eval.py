@@ -9,8 +9,6 @@ table and writes results.csv and summary.json.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -28,18 +26,9 @@ from ..evaluate import (
     summarize,
 )
 from . import common
-from .common import (
-    add_data_argument,
-    add_device_arguments,
-    agreed,
-    check_out_dir,
-    eval_device,
-    parse_task_selection,
-    select_samples,
-    write_files,
-)
 
 DEFAULT_CHECKPOINTS = ("dcpythia-synth", "pythia-synth")
+OUTPUTS = ("results.csv", "summary.json")
 DESCRIPTION = "Score language models on the synthetic ICL tasks as the paper does (Sec 4.3, Table 5, Fig. 6)."
 
 
@@ -59,22 +48,11 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         help="checkpoint directory or embedded model name; repeat to compare "
         f"(default: the embedded {' and '.join(DEFAULT_CHECKPOINTS)})",
     )
-    add_data_argument(parser)
-    parser.add_argument(
-        "--out",
-        type=Path,
-        metavar="DIR",
-        help="write results.csv and summary.json here (default: only print the table)",
-    )
-    add_device_arguments(parser)
+    common.add_data_argument(parser)
+    common.add_out_argument(parser, OUTPUTS, required=False)
+    common.add_device_arguments(parser)
     parser.add_argument("--batch-size", type=positive_int, default=8, metavar="N")
-    parser.add_argument(
-        "--tasks",
-        type=parse_task_selection,
-        metavar="SEL",
-        help="tasks to evaluate: ids and ranges, e.g. task0,task5 or 0-7",
-    )
-    parser.add_argument("--limit", type=positive_int, metavar="N", help="only the first N samples (after --tasks)")
+    common.add_sample_selection_arguments(parser)
     parser.add_argument(
         "--ppl-pooling",
         default="token",
@@ -102,7 +80,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     rank, world_size, rank_device = start()
     try:
-        device, checkpoints, data_path, samples = agreed(lambda: eval_inputs(args))
+        device, checkpoints, data_path, samples = common.agreed(lambda: eval_inputs(args))
         device = process_device(device, rank_device)
         results = []
         for checkpoint, name in zip(checkpoints, checkpoint_names(checkpoints), strict=True):
@@ -116,15 +94,13 @@ def run_eval(args: argparse.Namespace) -> int:
         if args.out is not None and rank == 0:
             write_outputs(results, summary, args.out)
     except (EvalError, CatalogError) as error:
-        if rank == 0:
-            print(f"error: {error}", file=sys.stderr)
-        return 2
+        return common.refuse(error, rank)
     finally:
         finish(world_size)
     if rank == 0:
         print(
             f"{data_path}: {len(samples)} samples, {len(results) // len(checkpoints)} answers"
-            + (f" ({world_size} processes)" if world_size > 1 else "")
+            + common.processes_note(world_size)
         )
         print_table(summary)
         if args.out is not None:
@@ -145,11 +121,11 @@ def eval_inputs(args: argparse.Namespace) -> tuple[str, list[str], Path, list[Sa
         EvalError: An input that cannot be evaluated (one line).
     """
     if args.out is not None:
-        check_out_dir(args.out)
-    device = eval_device(args.device)
+        common.check_out_dir(args.out)
+    device = common.eval_device(args.device)
     checkpoints = checkpoints_to_evaluate(args.checkpoint)
     data_path = resolve_data_path(args.data)
-    samples = select_samples(load_samples(data_path), args.tasks, args.limit, data_path)
+    samples = common.select_samples(load_samples(data_path), args.tasks, args.limit, data_path)
     for sample in samples:
         parse_sample(sample)  # structural errors before any checkpoint is loaded
     return device, checkpoints, data_path, samples
@@ -204,18 +180,18 @@ def checkpoint_names(checkpoints: list[str]) -> list[str]:
 
 
 def write_outputs(results: pd.DataFrame, summary: dict, out_dir: Path) -> None:
-    """Write results.csv and summary.json, both or neither (see `write_files`).
+    """Write results.csv and summary.json, both or neither (see `common.write_files`).
 
     Args:
         results: One row per answer (`evaluate`).
         summary: `summarize(results)`, with each checkpoint's `world_size`.
         out_dir: The output directory.
     """
-    write_files(
+    common.write_files(
         out_dir,
         {
-            "results.csv": lambda path: results.to_csv(path, index=False),
-            "summary.json": lambda path: path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8"),
+            "results.csv": common.csv_writer(results),
+            "summary.json": common.json_writer(summary),
         },
     )
 

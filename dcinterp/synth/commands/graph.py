@@ -24,14 +24,12 @@ Exit status 0, or 2 with one line on stderr for bad input, before anything is wr
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 from ...cli import fraction, positive_int
 from ..evaluate import EvalError
 from . import common
-from .common import add_checkpoint_argument, add_device_arguments, check_out_dir, eval_device, task_list, write_files
 
 DEFAULT_CHECKPOINT = "dcpythia-synth"
 DEFAULT_TASKS = "2"  # same-person : superclass, the case study's person lookup
@@ -48,8 +46,8 @@ def add_graph_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     Returns:
         The same parser.
     """
-    parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="write the graphs' files here")
-    add_checkpoint_argument(parser, DEFAULT_CHECKPOINT)
+    common.add_out_argument(parser, ["the graphs' files"])
+    common.add_checkpoint_argument(parser, DEFAULT_CHECKPOINT)
     parser.add_argument(
         "--transcoders", metavar="DIR", help="the transcoders' folder (default: the checkpoint's transcoders/)"
     )
@@ -57,7 +55,7 @@ def add_graph_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     source.add_argument("--prompt", metavar="TEXT", help="the prompt whose next token is explained")
     source.add_argument(
         "--tasks",
-        type=task_list,
+        type=common.task_list,
         metavar="IDS",
         help=f"tasks whose prompts are explained, e.g. 2,3 (default without --prompt: {DEFAULT_TASKS})",
     )
@@ -78,7 +76,7 @@ def add_graph_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="explain the most probable tokens until their probabilities reach F (default 0.95)",
     )
     parser.add_argument("--batch-size", type=positive_int, default=32, metavar="N", help="target rows a backward")
-    add_device_arguments(parser)
+    common.add_device_arguments(parser)
     return parser
 
 
@@ -141,7 +139,6 @@ def prompts_of(args: argparse.Namespace, model) -> list[tuple[str, str]]:
             without contrast pairs.
     """
     from ...tokenizer import check_vocabulary
-    from ..contrast import contrast_pairs
 
     name = model.cfg.model_name or Path(str(args.checkpoint)).name
     if args.prompt is not None:
@@ -155,15 +152,10 @@ def prompts_of(args: argparse.Namespace, model) -> list[tuple[str, str]]:
         if n > model.cfg.n_ctx:
             raise EvalError(f"--prompt: {n} tokens; {args.checkpoint} reads at most {model.cfg.n_ctx}")
         return [(f"{name}-prompt", args.prompt)]
-    tasks = args.tasks or task_list(DEFAULT_TASKS)
-    try:
-        return [
-            (f"{name}-{pair.task_id}-{pair.sample}", pair.clean)
-            for task in tasks
-            for pair in contrast_pairs(task, n=args.limit or 1, seed=args.seed, tokenizer=model.tokenizer)
-        ]
-    except ValueError as error:
-        raise EvalError(f"--tasks: {error}") from None
+    pairs = common.tasks_contrast_pairs(
+        args.tasks or common.task_list(DEFAULT_TASKS), args.limit or 1, args.seed, model.tokenizer
+    )
+    return [(f"{name}-{pair.task_id}-{pair.sample}", pair.clean) for pair in pairs]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -280,13 +272,13 @@ def write_outputs(out_dir: Path, results: dict[str, dict]) -> None:
         writers = {}
         for slug, r in results.items():
             writers[f"{slug}.json"] = copy(f"{slug}.json")
-            writers[f"{slug}.png"] = lambda path, fig=r["figure"]: fig.savefig(path, dpi=130, format="png")
+            writers[f"{slug}.png"] = common.png_writer(r["figure"])
             writers[f"{slug}.html"] = lambda path, r=r, slug=slug: write_graph_html(
                 r["graph"], *r["masks"], path, r["tokens"], r["labels"], title=f"attribution graph: {slug}"
             )
-            writers[f"{slug}-parts.csv"] = lambda path, frame=r["parts"]: frame.to_csv(path, index=False)
+            writers[f"{slug}-parts.csv"] = common.csv_writer(r["parts"])
         writers["graph-metadata.json"] = copy("graph-metadata.json")
-        write_files(out_dir, writers)
+        common.write_files(out_dir, writers)
 
 
 def run_graph(args: argparse.Namespace) -> int:
@@ -301,14 +293,11 @@ def run_graph(args: argparse.Namespace) -> int:
     from ..catalog import CatalogError
 
     try:
-        check_out_dir(args.out)
-        device = eval_device(args.device)
+        common.check_out_dir(args.out)
+        device = common.eval_device(args.device)
         if args.prompt is not None and not args.prompt.strip():
             raise EvalError("--prompt: empty; pass the text whose next token the graph explains")
-        model = common.load_checkpoint(args.checkpoint, args.dtype, device)
-        if model.tokenizer is None:
-            raise EvalError(f"{args.checkpoint}: the checkpoint has no tokenizer; the prompts need one")
-        model.eval().requires_grad_(False)
+        model = common.load_frozen_model(args.checkpoint, args.dtype, device, "the prompts need one")
         transcoders = checked_transcoders(args, model)
         prompts = prompts_of(args, model)
         results = {}
@@ -316,13 +305,12 @@ def run_graph(args: argparse.Namespace) -> int:
             results[slug] = explain(args, model, transcoders, slug, prompt)
         write_outputs(args.out, results)
     except (EvalError, CatalogError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return common.refuse(error)
     names = [f"{slug}{suffix}" for slug in results for suffix in (".json", ".png", ".html", "-parts.csv")]
     print(f"{args.checkpoint}: {len(results)} graph{'s' if len(results) > 1 else ''}")
     for slug, r in results.items():
         print("  " + summary_line(slug, r["data"]))
-    print("wrote " + ", ".join(str(args.out / name) for name in [*names, "graph-metadata.json"]))
+    print(common.wrote_line(args.out, [*names, "graph-metadata.json"]))
     return 0
 
 

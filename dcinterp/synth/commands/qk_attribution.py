@@ -29,24 +29,14 @@ tables over the samples). Exit status 0, or 2 with one line on stderr for bad in
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from ...cli import non_negative_int, positive_int
 from ..evaluate import EvalError
 from . import common
-from .common import (
-    add_checkpoint_argument,
-    add_device_arguments,
-    check_out_dir,
-    eval_device,
-    task_list,
-    write_files,
-)
 
 DEFAULT_CHECKPOINT = "dcpythia-synth"
-DEFAULT_TASKS = "2,3"  # same-person : superclass, the case study's family
 OUTPUTS = ("terms.csv", "summary.json", "qk.png")
 ROLES = ("last", "top", "source", "other-source", "person", "after-person")
 TERM_CSV_COLUMNS = [
@@ -73,15 +63,9 @@ def add_qk_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     """
     parser.add_argument("--layer", type=non_negative_int, required=True, metavar="L", help="the head's layer")
     parser.add_argument("--head", type=non_negative_int, required=True, metavar="H", help="the head explained")
-    parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="write " + ", ".join(OUTPUTS) + " here")
-    add_checkpoint_argument(parser, DEFAULT_CHECKPOINT)
-    parser.add_argument(
-        "--tasks",
-        type=task_list,
-        default=DEFAULT_TASKS,
-        metavar="IDS",
-        help="tasks whose samples are explained, e.g. 2,3 (default: %(default)s, same-person : superclass)",
-    )
+    common.add_out_argument(parser, OUTPUTS)
+    common.add_checkpoint_argument(parser, DEFAULT_CHECKPOINT)
+    common.add_contrast_tasks_argument(parser)
     parser.add_argument("--samples", type=positive_int, default=4, metavar="N", help="samples per task (default 4)")
     roles = ", ".join(ROLES)
     parser.add_argument("--query", default="last", metavar="WORD|ROLE", help=f"the query: a word or {roles}")
@@ -92,7 +76,7 @@ def add_qk_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument(
         "--checks", type=non_negative_int, default=3, metavar="K", help="components checked per side (3)"
     )
-    add_device_arguments(parser)
+    common.add_device_arguments(parser)
     return parser
 
 
@@ -461,48 +445,36 @@ def run_qk(args: argparse.Namespace) -> int:
         The exit status.
     """
     from ..catalog import CatalogError
-    from ..contrast import contrast_pairs
 
     try:
-        check_out_dir(args.out)
-        device = eval_device(args.device)
+        common.check_out_dir(args.out)
+        device = common.eval_device(args.device)
         for option in ("query", "key", "contrast"):
             value = getattr(args, option)
             if value is not None and not value.strip():
                 raise EvalError(f"--{option}: empty; pass a word or one of {', '.join(ROLES)}")
         if args.query == "top":
             raise EvalError("--query top: 'top' is a key; the query is a word, last, person or after-person")
-        model = common.load_checkpoint(args.checkpoint, args.dtype, device)
-        if model.tokenizer is None:
-            raise EvalError(f"{args.checkpoint}: the checkpoint has no tokenizer; the samples need one")
+        model = common.load_frozen_model(args.checkpoint, args.dtype, device, "the samples need one")
         if args.layer >= model.cfg.n_layers:
             raise EvalError(f"--layer {args.layer}: {args.checkpoint} has layers 0..{model.cfg.n_layers - 1}")
         if args.head >= model.cfg.n_heads:
             raise EvalError(f"--head {args.head}: {args.checkpoint} has heads 0..{model.cfg.n_heads - 1}")
-        model.eval().requires_grad_(False)
-        try:
-            pairs = [
-                pair
-                for task in args.tasks
-                for pair in contrast_pairs(task, n=args.samples, seed=args.seed, tokenizer=model.tokenizer)
-            ]
-        except ValueError as error:
-            raise EvalError(f"--tasks: {error}") from None
+        pairs = common.tasks_contrast_pairs(args.tasks, args.samples, args.seed, model.tokenizer)
         result = explain(model, pairs, args)
         means = mean_tables(result["samples"])
         summary = summarise(model, args, result, means)
         fig = figure(args, means, mean_tables(result["samples"], "contrast"), summary)
-        write_files(
+        common.write_files(
             args.out,
             {
-                "terms.csv": lambda path: result["terms"].to_csv(path, index=False),
-                "summary.json": lambda path: path.write_text(json.dumps(summary, indent=2) + "\n"),
-                "qk.png": lambda path: fig.savefig(path, dpi=130, format="png"),
+                "terms.csv": common.csv_writer(result["terms"]),
+                "summary.json": common.json_writer(summary),
+                "qk.png": common.png_writer(fig),
             },
         )
     except (EvalError, CatalogError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return common.refuse(error)
     print(
         f"{args.checkpoint} L{args.layer}H{args.head}: {summary['samples']} samples of {', '.join(args.tasks)}, "
         f"query {args.query}, key {args.key}; mean score {summary['mean_score']:.3f}, largest relative gap "
@@ -523,5 +495,5 @@ def run_qk(args: argparse.Namespace) -> int:
             f"frozen {row['frozen']:+.3f}, norms free {row['norms']:+.3f}"
             + ("" if row["weights"] is None else f", weights free {row['weights']:+.3f}")
         )
-    print("wrote " + ", ".join(str(args.out / name) for name in OUTPUTS))
+    print(common.wrote_line(args.out, OUTPUTS))
     return 0
