@@ -33,8 +33,14 @@ from typing import Literal
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
-from transformer_lens import HookedRootModule
 from transformer_lens.hook_points import HookPoint
+
+# TransformerLens 4 exports HookedRootModule from the package only, 3.2 (the newest that circuit-tracer's transformers
+# pin allows) from hook_points only
+try:
+    from transformer_lens import HookedRootModule
+except ImportError:
+    from transformer_lens.hook_points import HookedRootModule
 
 from .components.attention import BRANCH_DYN_INDEX, Attention, project_heads  # noqa: F401 (re-exported)
 from .components.block import TransformerBlock

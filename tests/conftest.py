@@ -27,7 +27,7 @@ def _hypothesis_without_files() -> None:
     and what hypothesis still writes (its cache of the code's constants, as the test modules are imported) goes to a
     temporary folder, not to .hypothesis/ in the working directory: tests/test_docs.py checks that nothing appears
     in the repository while the docs build, and another worker's tests may be running then. (An environment
-    without hypothesis, as .ci/run's for the SAELens test, runs the tests that need none.)"""
+    without hypothesis, as .ci/run's for the SAELens and circuit-tracer tests, runs the tests that need none.)"""
     try:
         from hypothesis import settings
         from hypothesis.configuration import set_hypothesis_home_dir

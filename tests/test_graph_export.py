@@ -77,9 +77,32 @@ def test_graph_metadata_lists_each_graph_once(exported):
         write_graph_files(data, directory)
 
 
-def test_circuit_tracers_models_read_it(exported):
+def test_circuit_tracers_models_read_it(exported, tmp_path):
+    """The files as circuit-tracer's own pydantic models read them (runs where circuit-tracer is installed: .ci/run's
+    environment of its own), and every node as its own constructors make it."""
     graph_models = pytest.importorskip("circuit_tracer.frontend.graph_models", reason="circuit-tracer not installed")
-    _, _, data, _ = exported
-    model = graph_models.Model.model_validate(data)
-    assert len(model.nodes) == len(data["nodes"]) and len(model.links) == len(data["links"])
-    graph_models.Metadata.model_validate(data["metadata"])
+    model, graph, data, _ = exported
+    path = write_graph_files(data, tmp_path)
+    read = graph_models.Model.model_validate_json(path.read_text())
+    links = [graph_models.Link.model_validate(link) for link in read.links]
+    assert len(read.nodes) == len(data["nodes"]) and len(links) == len(data["links"])
+    listed = json.loads((tmp_path / "graph-metadata.json").read_text())["graphs"]
+    assert [graph_models.Metadata.model_validate(entry) for entry in listed] == [read.metadata]
+    _, _, influence = prune_graph(graph)
+    index = {graph_node_id(graph, i): i for i in range(graph.adjacency_matrix.shape[0])}
+    for node in read.nodes:
+        i = index[node.node_id]
+        n = graph.node(i)
+        if n["kind"] == "feature":
+            made = graph_models.Node.feature_node(
+                n["layer"], n["pos"], n["feature"], influence[i].item(), graph.activation_values[i].item()
+            )
+        elif n["kind"] == "error":
+            made = graph_models.Node.error_node(n["layer"], n["pos"], influence[i].item())
+        elif n["kind"] == "token":
+            made = graph_models.Node.token_node(n["pos"], n["token"], influence[i].item())
+        else:
+            logit = i - graph.logit_index(0)
+            token, prob = model.tokenizer.decode([n["token"]]), graph.logit_probabilities[logit].item()
+            made = graph_models.Node.logit_node(n["pos"], n["token"], token, graph.n_layers, logit == 0, prob)
+        assert node == made, node.node_id
