@@ -23,7 +23,7 @@ LINK_TARGET = re.compile(r"\]\([^)]*\)")
 HEX_WORD = re.compile(r"(?<![\w.#/-])[0-9a-f]{7,40}(?![\w/-])")
 PROJECT_WORDS = re.compile(r"\bissues?\s*#?\d+|\bthe issue's|(?<![\w&])#\d+\b|\bissue's aims?\b", flags=re.IGNORECASE)
 CITATION = re.compile(r"benchmarks/results/([\w.-]+)|(?<=[|,;] `)([\w.-]+\.(?:md|txt|jsonl|json|csv))`")
-DECIMAL = re.compile(r"(?<![\w.])\d[\d,]*\.\d+")
+DECIMAL = re.compile(r"(?<![\w.])\d[\d,]*\.(\d+)(?:[eE]([-+]?\d+))?")
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
 
@@ -72,10 +72,11 @@ def unbacked(block: str) -> list[str]:
     numbers = [n for name in names for n in file_numbers(RESULTS / name)]
     words = LINK_TARGET.sub("]", INLINE_CODE.sub("", block))
     missing = []
-    for written in DECIMAL.findall(words):
+    for match in DECIMAL.finditer(words):
+        written, decimals, exponent = match.group(0), match.group(1), int(match.group(2) or 0)
         value = float(written.replace(",", ""))
-        places = len(written.split(".")[1])
-        if not any(abs(n - value) <= 0.5 * 10**-places + 1e-12 for n in numbers):
+        half_unit = 0.5 * 10 ** (exponent - len(decimals))  # 2.41e-06: within 0.005e-06
+        if not any(abs(n - value) <= half_unit + 1e-12 * abs(value) for n in numbers):
             missing.append(written)
     return missing
 
