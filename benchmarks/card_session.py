@@ -11,8 +11,11 @@ The steps, in order (`STEPS`; each with the minutes it took or is expected to ta
   both (what changed since the last card run, first);
 - `full`: `bench_gpu_dcmha.py` with no argument: the whole table, ending with a line for each of the issue's aims;
 - `backward`: `sweep_gpu_maps.py --backward`: the backward through the maps checked against float64, its launches
-  swept, one layer against SDPA's.
-The default 9 minutes hold the first three (a command of 10 minutes at most); `--steps backward` the last, after.
+  swept, one layer against SDPA's;
+- `graph`: `bench_graph.py --parts 6.9b --device cuda --layers 32 --twin`: an attribution graph of DCPythia-6.9B's
+  and Pythia-6.9B's whole shapes (float32, random transcoders of 16,384 features a layer) on a 64-token prompt.
+The default 9 minutes hold the first three (a command of 10 minutes at most); `--steps backward` and `--steps graph`
+the others, after.
 A step starts only if its expected minutes fit in what is left of `--minutes`, and is stopped at the limit (what it
 wrote so far is kept); a step that fails does not stop the others. Written to `--out`: `<card>-<date>-<step>.txt`
 (what the step printed) and, for the benchmarks, `.jsonl` (their JSON lines), beside `<card>-<date>-session.txt`
@@ -46,6 +49,7 @@ CUDA_TESTS = [
     "tests/test_bench_gpu_attention.py",
 ]
 BENCH_GPU_DCMHA = [sys.executable, str(BENCHMARKS / "bench_gpu_dcmha.py")]
+BENCH_GRAPH = [sys.executable, str(BENCHMARKS / "bench_graph.py")]
 
 
 @dataclass
@@ -81,6 +85,11 @@ STEPS = [
     Step("quick", 1.5, [*BENCH_GPU_DCMHA, "--quick", "--fused-min-keys", "0", "--json", "{jsonl}"]),
     Step("full", 3.5, [*BENCH_GPU_DCMHA, "--json", "{jsonl}"]),
     Step("backward", 3.0, [sys.executable, str(BENCHMARKS / "sweep_gpu_maps.py"), "--backward", "--json", "{jsonl}"]),
+    Step(
+        "graph",
+        10.0,
+        [*BENCH_GRAPH, "--parts", "6.9b", "--device", "cuda", "--layers", "32", "--twin", "--json", "{jsonl}"],
+    ),
 ]
 
 

@@ -89,7 +89,7 @@ def test_an_unknown_step_is_one_line_naming_it(capsys):
     with pytest.raises(SystemExit) as exit:
         card_session.main(["--steps", "quick,nope"])
     assert exit.value.code == 2
-    assert "--steps: nope: not a step (the steps: cuda-tests, quick, full, backward)" in capsys.readouterr().err
+    assert "--steps: nope: not a step (the steps: cuda-tests, quick, full, backward, graph)" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="says so only without a card")
