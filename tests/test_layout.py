@@ -54,6 +54,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "dcinterp.qk_run",
         "dcinterp.qk",
         "dcinterp.qk_weights",
+        "dcinterp.ablation",
         "dcinterp.patching",
         "dcinterp.discovery",
         "dcinterp.views",
