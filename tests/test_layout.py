@@ -61,6 +61,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "dcinterp.synth.evaluate",
         "dcinterp.synth.accuracy",
         "dcinterp.transcoders",
+        "dcinterp.graph_pruning",
         "dcinterp.attribution_graph",
         "dcinterp.graph_export",
     ),
