@@ -517,9 +517,11 @@ def product_maps_kernel(
             head = n + tl.arange(0, 1)
             a_rows = head_rows(a, row, t_idx, t_ok, head, head < H, T, H, E, EP)
             product = _head_scores(a_rows, b, row, s_idx, s_ok, head, head < H, S, H, E, scale, EP, HALF)
-            q_maps, k_maps = add_head_to_maps(
-                q_maps, k_maps, product, wq, wk, row, t_idx, t_ok, s_idx, s_ok, n, T, S, H, R, RP, QP, KP
-            )
+            # (written out: through `add_head_to_maps` the compiler builds this loop otherwise for a card)
+            if QP:
+                q_maps += product * _head_weights(wq, row, t_idx, t_ok, n, T, H, R, RP)[:, :, None]
+            if KP:
+                k_maps += product * _head_weights(wk, row, s_idx, s_ok, n, S, H, R, RP)[:, None, :]
         store_maps(maps, row, FIRST, t_idx, t_ok, s_idx, s_ok, T, S, R, RP, q_maps, k_maps, QP, KP)
 
 
