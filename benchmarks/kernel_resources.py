@@ -151,9 +151,9 @@ OPCODE = re.compile(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
 def kernels(head_dim: int, heads: int, dtype: str, padding: bool = False):
     """(name, kernel, signature, constants, options) of every kernel, as the model launches them."""
-    from dcinterp.dcmha import decoding, dynamic_weights, maps, maps_kernels
+    from dcinterp.dcmha import decoding, dynamic_weights, maps, maps_backward_kernels, maps_kernels
 
-    for module in (maps_kernels, dynamic_weights, decoding):
+    for module in (maps_kernels, maps_backward_kernels, dynamic_weights, decoding):
         module.jit()
     pointer = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}[dtype]
     half = dtype != "float32"
@@ -170,7 +170,7 @@ def kernels(head_dim: int, heads: int, dtype: str, padding: bool = False):
         }  # fmt: skip
 
     for name in MAPS:
-        kernel = getattr(maps_kernels, name)
+        kernel = getattr(maps_kernels if hasattr(maps_kernels, name) else maps_backward_kernels, name)
         constants = {arg: value for arg, value in every.items() if arg in kernel.arg_names}
         settings = getattr(maps, MAPS[name])
         settings = settings(head_dim) if callable(settings) else settings

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .attribution_graph import AttributionGraph, edge_parts, graph_scores, prune_graph
+from .attribution_graph import AttributionGraph, edge_parts
+from .graph_pruning import graph_scores, prune_graph
 
 
 def cantor_pairing(x: int, y: int) -> int:

@@ -41,13 +41,17 @@ class LateJit:
     Args:
         namespace: the module's globals, where each kernel's name is rebound to its jitted function.
         names: the kernels and the inner functions they call.
+        uses: the `LateJit`s of the modules whose functions these kernels import and call: jitted first, and each
+            function imported from them rebound here to its jitted one (Triton calls only jitted functions, and
+            looks a name up in the calling function's own module).
 
     The namespace's `_INTERPRETED` is set to a `tl.constexpr` of whether they run under the interpreter: the kernels
     read it where the interpreter computes otherwise than a card.
     """
 
-    def __init__(self, namespace: dict, names: Iterable[str]):
-        self.namespace, self.names, self.done = namespace, tuple(names), False
+    def __init__(self, namespace: dict, names: Iterable[str], uses: Iterable[LateJit] = ()):
+        self.namespace, self.names, self.uses, self.done = namespace, tuple(names), tuple(uses), False
+        self.plain = {name: namespace[name] for name in self.names}  # the functions as written, before jitting
         namespace.setdefault("_INTERPRETED", False)
 
     def __call__(self) -> None:
@@ -55,10 +59,16 @@ class LateJit:
         global _jitted_interpreted
         if self.done:
             return
+        for used in self.uses:
+            used()
         interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
         self.namespace["_INTERPRETED"] = tl.constexpr(interpreted)
         for name in self.names:
             self.namespace[name] = triton.jit(self.namespace[name])
+        for used in self.uses:
+            for name, plain in used.plain.items():
+                if self.namespace.get(name) is plain:
+                    self.namespace[name] = used.namespace[name]
         self.done = True
         if _jitted_interpreted is None:
             _jitted_interpreted = interpreted

@@ -1,7 +1,8 @@
 """DCMHA fused in Triton kernels through the cross-head maps: the host side (launches, autograd Function, entry point).
 
-The kernels, in `dcinterp.dcmha.maps_kernels`, compute the attention's forward and backward without any [b, h, t, s]
-tensor. One DCMHA layer, per batch row (t queries, s keys, n/m heads, e head dim, r rank, scale = 1 / sqrt(e)):
+The kernels, in `dcinterp.dcmha.maps_kernels` (the forward's) and `dcinterp.dcmha.maps_backward_kernels`, compute
+the attention's forward and backward without any [b, h, t, s] tensor. One DCMHA layer, per batch row (t queries,
+s keys, n/m heads, e head dim, r rank, scale = 1 / sqrt(e)):
     S[n, t, s] = scale q[t, n] . k[s, n]
     A = compose(S, pre),  P = softmax over the visible keys of A,  P' = compose(P, post)
     z[t, m] = sum_s P'[m, t, s] v[s, m]
@@ -39,6 +40,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from . import maps_backward_kernels as backward_kernels
 from . import maps_kernels as kernels
 from .jit import available, cdiv, checked_once, next_power_of_2, signature
 
@@ -321,21 +323,21 @@ def _maps_backward_launches(
         )  # fmt: skip
     gradients = (pre_qw2, pre_kw2, pre_qg, pre_kg, post_qw1, post_kw1, post_qg, post_kg)
     _run(
-        kernels.row_gradient_kernel, heads, gradient, q, k, v, dz, maps, grads, *statistics, *gradients, *scalars,
-        **both, **masks,
+        backward_kernels.row_gradient_kernel, heads, gradient, q, k, v, dz, maps, grads, *statistics, *gradients,
+        *scalars, **both, **masks,
     )  # fmt: skip
     if _any_map(launch, ("PRE",)):
         _run(
-            kernels.pre_gradient_maps_kernel, gradient_tiles, gradient, q, k, v, dz, maps, grads, *statistics,
+            backward_kernels.pre_gradient_maps_kernel, gradient_tiles, gradient, q, k, v, dz, maps, grads, *statistics,
             *gradients, *scalars, **both, **masks,
         )  # fmt: skip
     _run(
-        kernels.head_query_gradient_kernel, heads, gradient, q, k, v, dz, maps, grads, *statistics, *pointers, dq,
-        *_pointers(d_query_side, dq), *scalars, **both, **masks,
+        backward_kernels.head_query_gradient_kernel, heads, gradient, q, k, v, dz, maps, grads, *statistics, *pointers,
+        dq, *_pointers(d_query_side, dq), *scalars, **both, **masks,
     )  # fmt: skip
     _run(
-        kernels.head_key_gradient_kernel, key_heads, key_gradient, q, k, v, dz, maps, grads, *statistics, *pointers,
-        dk, dv, *_pointers(d_key_side, dk), *scalars, **both, **masks, ADD=add,
+        backward_kernels.head_key_gradient_kernel, key_heads, key_gradient, q, k, v, dz, maps, grads, *statistics,
+        *pointers, dk, dv, *_pointers(d_key_side, dk), *scalars, **both, **masks, ADD=add,
     )  # fmt: skip
     return [dq, *d_query_side]
 
@@ -420,6 +422,7 @@ def fused_dcmha(
     if reason is not None:
         raise RuntimeError(f"fused_dcmha: {reason}")
     kernels.jit()
+    backward_kernels.jit()
     for name, stage in (("pre", pre), ("post", post)):
         if stage is not None and len(stage) != 6:
             raise ValueError(

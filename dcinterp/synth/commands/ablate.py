@@ -3,7 +3,7 @@
 The paper values each part of DCMHA by training models without it (Table 9). On a trained checkpoint the
 question can be asked directly: score it with each (stage, branch) zeroed in every layer, each stage zeroed in
 every layer, the whole compose zeroed, and each layer's compose zeroed, through the model's hooks
-(`dcinterp.patching.everywhere_components`, `layer_components`). Zeroing a branch is the model built without that
+(`dcinterp.ablation.everywhere_components`, `layer_components`). Zeroing a branch is the model built without that
 branch, the same weights loaded (the reading of Table 9; tested). The ablations share work (`ablation_table`):
 branches are zeroed through their dynamic weights, on the compose's no-hook path, and each ablation starts from the
 unablated stream entering its first ablated layer. Under `torchrun` the processes share the batches of samples
@@ -45,7 +45,7 @@ from . import common
 if TYPE_CHECKING:
     import pandas as pd
 
-    from ...patching import Component
+    from ...ablation import Component
 
 DEFAULT_CHECKPOINT = "dcpythia-synth"
 OUTPUTS = ("ablation.csv", "ablation.json", "ablation.png")
@@ -63,7 +63,7 @@ def ablations(model) -> list[Component | None]:
     Raises:
         EvalError: A model without DCMHA: nothing to ablate.
     """
-    from ...patching import everywhere_components, layer_components
+    from ...ablation import everywhere_components, layer_components
 
     if not model.cfg.use_dcmha:
         raise EvalError(f"{model.cfg.model_name}: the checkpoint has no DCMHA (use_dcmha is false), nothing to ablate")
@@ -95,7 +95,7 @@ def ablation_table(model, samples, batch_size: int = 8, progress: bool = True, c
     unablated, keeping the residual stream entering every layer; an ablation starts at its first ablated layer
     from there (nothing before it changes), and switches its branches off through their dynamic weights
 
-    (`patching.zero_weight_hooks`: the model built without the branch, on the compose's no-hook path). The rows are
+    (`ablation.zero_weight_hooks`: the model built without the branch, on the compose's no-hook path). The rows are
     those of `evaluate` under `ablation_hooks` (zeroed branch outputs) for each ablation in turn, up to float32
     rounding (the full model bit for bit).
 
@@ -116,8 +116,8 @@ def ablation_table(model, samples, batch_size: int = 8, progress: bool = True, c
     import torch
     from tqdm import tqdm
 
+    from ...ablation import check_components
     from ...distributed import gather, in_order, my_batches
-    from ...patching import check_components
 
     if components is None:
         components = ablations(model)
@@ -170,7 +170,7 @@ def ablated_logits(model, tokens, components):
     Returns:
         One logits tensor [batch, pos, vocab] per component.
     """
-    from ...patching import zero_weight_hooks
+    from ...ablation import zero_weight_hooks
 
     n_layers = model.cfg.n_layers
     streams = [model(tokens, stop_at_layer=0)]

@@ -198,8 +198,9 @@ def explain(args: argparse.Namespace, model, transcoders, slug: str, prompt: str
     Returns:
         {data: the graph JSON, figure, graph, masks (node, edge), labels, tokens (strings), parts: the frame}.
     """
-    from ...attribution_graph import attribution_graph, edge_labels, prune_graph
+    from ...attribution_graph import attribution_graph, edge_labels
     from ...graph_export import graph_json
+    from ...graph_pruning import prune_graph
     from ...plotting.graph import plot_attribution_graph
 
     tokens = model.to_tokens(prompt)[0]
