@@ -411,8 +411,7 @@ def tile_is_seen(t0, s0, past, span, BQ: tl.constexpr, BK: tl.constexpr):
 
 # The kernels of one head a program walk a block's keys (or a key block's queries) in two loops, as FlashAttention
 # does: the blocks of which every query sees every key, with no mask (`seen_pairs` not MASKED: the compiler drops every
-# select on it, about a third of such a loop's instructions), and the others, masked: the diagonal's, a window's first,
-# the prompt's last, any with padding.
+# select on it), and the others, masked: the diagonal's, a window's first, the prompt's last, any with padding.
 def seen_pairs(row, t_idx, t_ok, s_idx, s_ok, real, S, past, span, PADDING: tl.constexpr, MASKED: tl.constexpr):
     """Which query sees which key of a tile: `_visible`, MASKED; else True for every pair, known at compile time (a
     block seen whole).
