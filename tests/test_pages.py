@@ -76,7 +76,7 @@ def unbacked(block: str) -> list[str]:
         written, decimals, exponent = match.group(0), match.group(1), int(match.group(2) or 0)
         value = float(written.replace(",", ""))
         half_unit = 0.5 * 10 ** (exponent - len(decimals))  # 2.41e-06: within 0.005e-06
-        if not any(abs(n - value) <= half_unit + 1e-12 * abs(value) for n in numbers):
+        if not any(abs(abs(n) - value) <= half_unit + 1e-12 * value for n in numbers):  # a page's sign is a word apart
             missing.append(written)
     return missing
 
