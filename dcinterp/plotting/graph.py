@@ -128,8 +128,9 @@ def plot_attribution_graph(
     layout = node_layout(graph, node_mask, columns)
     edges = _edges(graph, edge_mask, layout)
     scale = max((abs(w) for _, _, w in edges), default=1.0) or 1.0
-    width = min(18.0, max(7.0, 2.5 + 0.42 * len(positions)))
-    fig = Figure(figsize=(width, 1.25 * (graph.n_layers + 2) + 0.8), layout="constrained")
+    # About 8 inches for a few dozen columns: shown at a docs page's width, the 9-point text stays readable.
+    width = min(18.0, max(6.5, 1.5 + 0.3 * len(positions)))
+    fig = Figure(figsize=(width, 1.2 * (graph.n_layers + 2) + 1.2), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     for t, s, w in sorted(edges, key=lambda e: abs(e[2])):
@@ -148,16 +149,14 @@ def plot_attribution_graph(
     ax.set_xlim(-0.7, len(positions) - 0.3)
     ax.set_ylim(-1.5, graph.n_layers + 0.5)
     ax.set_xlabel(
-        "position (token and index)"
-        if every_position
-        else "positions with a kept edge (token and index; the others left out)",
+        "position (token and index)" if every_position else "positions with a kept edge (token, index)",
         fontsize=9,
     )
     ax.set_title(title or "attribution graph (pruned)", fontsize=11)
     handles, names = ax.get_legend_handles_labels()
     handles += [Line2D([], [], color="tab:blue", lw=2), Line2D([], [], color="tab:red", lw=2)]
     names += ["positive edge", "negative edge"]
-    fig.legend(handles, names, loc="outside right upper", fontsize=9, frameon=False)
+    fig.legend(handles, names, loc="outside lower center", ncols=3, fontsize=9, frameon=False)
     _label_edges(fig, ax, layout, edges, labels or {}, max_labels)
     return fig
 
@@ -180,7 +179,7 @@ def _label_edges(fig: Figure, ax, layout: dict, edges: list, labels: dict, max_l
                 x0 + f * (x1 - x0),
                 y0 + f * (y1 - y0),
                 labels[(t, s)],
-                fontsize=8,
+                fontsize=9,
                 ha="center",
                 va="center",
                 color="0.1",
