@@ -129,7 +129,7 @@ def plot_attribution_graph(
     edges = _edges(graph, edge_mask, layout)
     scale = max((abs(w) for _, _, w in edges), default=1.0) or 1.0
     # About 8 inches for a few dozen columns: shown at a docs page's width, the 9-point text stays readable.
-    width = min(18.0, max(6.5, 1.5 + 0.3 * len(positions)))
+    width = min(18.0, max(6.5, 1.5 + 0.25 * len(positions)))
     fig = Figure(figsize=(width, 1.2 * (graph.n_layers + 2) + 1.2), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
