@@ -572,7 +572,9 @@ def branch_mask(cfg, run: ReplacementRun, layer: int) -> Tensor:
     return mask
 
 
-def edge_parts(model, transcoders, graph: AttributionGraph, target: int, sources: int | list[int]) -> pd.DataFrame:
+def edge_parts(
+    model, transcoders, graph: AttributionGraph, target: int, sources: int | list[int], by_query: bool = False
+) -> pd.DataFrame:
     """Edges into one target split into their residual part and their parts through attention by (layer, head m,
     source head n, branch); each edge's parts sum to `graph.adjacency_matrix[target, source]` (module docstring).
 
@@ -584,11 +586,14 @@ def edge_parts(model, transcoders, graph: AttributionGraph, target: int, sources
         graph: the attribution graph.
         target: a feature or logit node's index.
         sources: a feature, error or token node's index, or a list of them.
+        by_query: also split each part by the query t' its head moves the source to (a `query` column, -1 on the
+            residual row): the (layer, n, t', s) whose softmax pattern `qk.qk_attribution` explains.
 
     Returns:
         A frame with columns source, layer, head, source_head, branch, value: per source, one row with branch
         "residual" (layer and heads -1) for the path that stays at its position, then one row per (layer, m, n,
-        branch) that can be non-zero (`branch_mask`), for the attention layers between source and target.
+        branch) that can be non-zero (`branch_mask`), for the attention layers between source and target; with
+        `by_query`, one such row per query t' from the source's position on, and the `query` column.
 
     Raises:
         ValueError: a target that is not a feature or logit, or a source that is a logit.
@@ -610,10 +615,12 @@ def edge_parts(model, transcoders, graph: AttributionGraph, target: int, sources
     injection[0, t] = vector.to(read.dtype)
     g_z = torch.autograd.grad([read], outputs.z, [injection], allow_unused=True, materialize_grads=True)
     terms, masks = {}, {}
-    columns: dict[str, list] = {name: [] for name in ("source", "layer", "head", "source_head", "branch", "value")}
+    names = ("source", "layer", "head", "source_head", "branch", "value") + (("query",) if by_query else ())
+    columns: dict[str, list] = {name: [] for name in names}
 
-    def add(source, layer, head, source_head, branch, value):
-        for name, column in zip(columns, (source, layer, head, source_head, branch, value), strict=True):
+    def add(source, layer, head, source_head, branch, value, query=None):
+        values = (source, layer, head, source_head, branch, value, query or [-1] * len(source))
+        for name, column in zip(names, values, strict=False):  # the query only where `by_query` named it
             columns[name].extend(column)
 
     for source in [sources] if isinstance(sources, int) else sources:
@@ -628,8 +635,23 @@ def edge_parts(model, transcoders, graph: AttributionGraph, target: int, sources
             W_V = model.blocks[layer].attn.W_V
             v = torch.einsum("d,hde->he", frozen_norm(model, f"blocks.{layer}.ln1", run, s, u).to(W_V.dtype), W_V)
             dots = torch.einsum("the,he->th", g_z[layer][0], v)  # [query t', head m]
-            parts = torch.einsum("bnmt,tm->bnm", terms[layer][..., s], dots.to(terms[layer].dtype))
             b, n, m = masks[layer].nonzero(as_tuple=True)
+            if by_query:  # each (b, n, m) once per query t' >= s (a query before s does not see the source)
+                per_query = torch.einsum("bnmt,tm->bnmt", terms[layer][..., s], dots.to(terms[layer].dtype))
+                per_query, queries = per_query[b, n, m][:, s:], torch.arange(s, graph.n_pos)
+                b, n, m = (x.repeat_interleave(len(queries)) for x in (b, n, m))
+                k = len(b)
+                add(
+                    [source] * k,
+                    [layer] * k,
+                    m.tolist(),
+                    n.tolist(),
+                    [BRANCHES[i] for i in b],
+                    per_query.flatten().tolist(),
+                    queries.repeat(len(per_query)).tolist(),
+                )
+                continue
+            parts = torch.einsum("bnmt,tm->bnm", terms[layer][..., s], dots.to(terms[layer].dtype))
             k = len(b)
             add([source] * k, [layer] * k, m.tolist(), n.tolist(), [BRANCHES[i] for i in b], parts[b, n, m].tolist())
     return pd.DataFrame(columns)

@@ -150,6 +150,13 @@ def test_edge_parts_add_up_to_the_edge(case):
             assert set(attention.branch) == set(BRANCHES) - ({"kp", "kg"} if model.cfg.query_wise else set())
         away = [source for source in picked if g32.node(source)["pos"] != g32.node(target)["pos"]]
         assert (parts[parts.source.isin(away) & (parts.branch == "residual")].value == 0).all()
+        by_query = edge_parts(case["model64"], case["tc64"], g64, target, picked, by_query=True)
+        moved = by_query[by_query.branch != "residual"]  # each part split by the query its head moves the source to
+        assert (moved["query"] >= [g64.node(source)["pos"] for source in moved.source]).all()
+        keys = ["source", "layer", "head", "source_head", "branch"]
+        summed = by_query.groupby(keys, sort=False).value.sum().reset_index()
+        assert summed[keys].equals(parts64[keys])
+        assert (summed.value - parts64.value).abs().max() <= 1e-12 * max(1.0, parts64.value.abs().max())
     as_tensor = torch.tensor
     assert_as_exact_as(as_tensor(sums32), as_tensor(edges32), as_tensor(edges64, dtype=torch.float64), "edge parts")
 

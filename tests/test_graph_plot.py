@@ -7,7 +7,7 @@ import pytest
 
 from dcinterp import HookedDCFormer
 from dcinterp.attribution_graph import attribution_graph, edge_labels, edge_parts, prune_graph
-from dcinterp.plotting.graph import node_layout, plot_attribution_graph, write_graph_html
+from dcinterp.plotting.graph import KIND_NAMES, node_layout, plot_attribution_graph, shown_positions, write_graph_html
 from dcinterp.transcoders import random_transcoders
 from tests.test_graph import PROMPT
 
@@ -50,8 +50,21 @@ def test_figure_and_page(drawn, tmp_path):
     labels = edge_labels(model, transcoders, graph, edge_mask)
     fig = plot_attribution_graph(graph, node_mask, edge_mask, tokens, labels, title="lookup")
     (ax,) = fig.axes
-    assert [t.get_text() for t in ax.get_xticklabels()] == [t.replace("\n", "\\n") for t in tokens]
+    positions = shown_positions(graph, node_mask, edge_mask)  # every kept edge's two ends, and no token left alone
+    ends = {graph.node(i)["pos"] for i in edge_mask.nonzero().flatten().tolist()}
+    assert ends <= set(positions) < set(range(graph.n_pos))
+    shown = [t.get_text() for t in ax.get_xticklabels()]
+    assert shown == [f"{tokens[pos].replace(chr(10), chr(92) + 'n')} ({pos})" for pos in positions]
     assert len(ax.lines) == int(edge_mask.sum())
+    kinds = {graph.node(i)["kind"] for i in node_mask.nonzero().flatten().tolist()}
+    (legend,) = fig.legends  # every kind of node drawn is named
+    assert {KIND_NAMES[kind] for kind in kinds} <= {text.get_text() for text in legend.get_texts()}
+    renderer = fig.canvas.get_renderer()
+    boxes = [text.get_window_extent(renderer) for text in ax.texts]  # the edge labels: as many as fit, none hidden
+    assert 0 < len(boxes) <= 8 and {text.get_text() for text in ax.texts} <= set(labels.values())
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+    every = plot_attribution_graph(graph, node_mask, edge_mask, tokens, labels, every_position=True)
+    assert len(every.axes[0].get_xticklabels()) == graph.n_pos
     page = write_graph_html(
         graph, node_mask, edge_mask, tmp_path / "graph.html", tokens, labels, title="lookup"
     ).read_text()
