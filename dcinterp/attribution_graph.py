@@ -159,7 +159,7 @@ class ReplacementOutputs:
     """A run of the local replacement model on a batch of copies of the prompt.
 
     Attributes:
-        logits: [batch, pos, d_vocab].
+        logits: [batch, pos, d_vocab] (None when the run skipped the unembedding).
         mlp_inputs: per layer, what the transcoder reads [batch, pos, d_model] (in the autograd graph).
         final: ln_final's output [batch, pos, d_model] (in the graph).
         z: per layer, `hook_z` [batch, pos, head, d_head] (in the graph).
@@ -167,7 +167,7 @@ class ReplacementOutputs:
         mlp_outputs: per layer, what replaces the MLP's output [batch, pos, d_model] (leaves).
     """
 
-    logits: Tensor
+    logits: Tensor | None
     mlp_inputs: list[Tensor]
     final: Tensor
     z: list[Tensor]
@@ -184,6 +184,7 @@ def replacement_forward(
     acts: list[Tensor] | None = None,
     errors: list[Tensor] | None = None,
     requires_grad: bool = False,
+    unembed: bool = True,
 ) -> ReplacementOutputs:
     """Run the local replacement model: norms' scales and attention patterns frozen at `run`'s, each MLP's output
     replaced by acts W_dec + b_dec + error. Affine in (embed, acts, errors).
@@ -197,6 +198,8 @@ def replacement_forward(
         acts: per layer, feature activations [batch or 1, pos, d_transcoder] (default: `run.acts`).
         errors: per layer, error vectors [batch or 1, pos, d_model] (default: `run.errors`).
         requires_grad: make the embeddings and MLP outputs leaves that require gradients.
+        unembed: compute the logits; without, the run stops at ln_final's output (`final`), which is all the
+            logit nodes read, and spares every copy's full-vocabulary product.
 
     Returns:
         The run's `ReplacementOutputs`.
@@ -229,7 +232,9 @@ def replacement_forward(
         hooks += [(f"{block}.{FEATURE_INPUT_HOOK}", capture), (f"{block}.attn.hook_z", capture)]
     hooks.append(("ln_final.hook_normalized", capture))
     with torch.set_grad_enabled(requires_grad), model.hooks(fwd_hooks=hooks):
-        logits = model(run.tokens[None].expand(batch, n).to(device))
+        resid = model(run.tokens[None].expand(batch, n).to(device), stop_at_layer=model.cfg.n_layers)
+        final = model.ln_final(resid)  # the model's own last two steps, its hooks firing
+        logits = model.unembed(final) if unembed else None
     layers = range(model.cfg.n_layers)
     return ReplacementOutputs(
         logits,
@@ -355,8 +360,8 @@ def demeaned_unembed(model, tokens: Tensor) -> tuple[Tensor, Tensor]:
 def target_inputs(model, transcoders, graph: AttributionGraph, outputs: ReplacementOutputs) -> Tensor:
     """Every node's input in a replacement run [batch, n_nodes]: features' pre-activations, logits' demeaned
     values, 0 for errors and tokens (sources only)."""
-    batch = outputs.logits.shape[0]
-    inputs = torch.zeros(batch, graph.adjacency_matrix.shape[0], dtype=outputs.logits.dtype)
+    batch = outputs.final.shape[0]
+    inputs = torch.zeros(batch, graph.adjacency_matrix.shape[0], dtype=outputs.final.dtype)
     for layer, rows, pos, feature in features_by_layer(graph.active_features, graph.n_layers):
         tc = transcoders[layer]
         pre = tc.pre_activation(outputs.mlp_inputs[layer].to(tc.W_enc.dtype))  # [batch, pos, d_transcoder]
@@ -396,16 +401,22 @@ def source_columns(model, run: ReplacementRun, n_features: int, decoders: list, 
         run: the prompt's frozen values.
         n_features: the number of active features.
         decoders: `scaled_decoders` of the active features.
-        grads: the gradients at the embeddings, then at each layer's MLP output [batch, pos, d_model].
+        grads: the gradients at the embeddings, then at the MLP outputs of the first layers (all of them, or those
+            below the targets' reads) [batch, pos, d_model]. The columns of the layers left out are zero.
     """
     g_embed, g_mlp = grads[0], grads[1:]
-    feature_cols = torch.zeros(g_embed.shape[0], n_features, dtype=g_embed.dtype, device=g_embed.device)
+    batch, n, L = g_embed.shape[0], len(run.tokens), len(run.errors)
+    columns = g_embed.new_zeros(batch, n_features + (L + 1) * n)
     for layer, rows, pos, written in decoders:
-        along = torch.einsum("bkd,kd->bk", g_mlp[layer][:, pos.to(g_embed.device)], written.to(g_embed.dtype))
-        feature_cols[:, rows.to(g_embed.device)] = along
-    error_cols = [(g * e.to(g.dtype)).sum(-1) for g, e in zip(g_mlp, run.errors, strict=True)]
+        if layer < len(g_mlp):
+            along = (g_mlp[layer][:, pos.to(g_embed.device)] * written.to(g_embed.dtype)).sum(-1)  # [batch, k]
+            columns[:, rows[0] : rows[-1] + 1] = along  # a layer's features are consecutive nodes
+    for layer, (g, e) in enumerate(zip(g_mlp, run.errors, strict=False)):
+        start = n_features + layer * n
+        columns[:, start : start + n] = (g * e.to(g.dtype)).sum(-1)
     embed = model.embed.W_E[run.tokens.to(g_embed.device)].to(g_embed.dtype)
-    return torch.cat([feature_cols, *error_cols, (g_embed * embed).sum(-1)], dim=1)
+    columns[:, n_features + L * n :] = (g_embed * embed).sum(-1)
+    return columns
 
 
 def attribution_graph(
@@ -462,19 +473,29 @@ def attribution_graph(
     n_targets = len(target_layer)
     rows = torch.zeros(n_targets, n_sources, dtype=run.logits.dtype)
     if n_targets:
-        outputs = replacement_forward(model, transcoders, run, batch=min(batch_size, n_targets), requires_grad=True)
+        outputs = replacement_forward(
+            model, transcoders, run, batch=min(batch_size, n_targets), requires_grad=True, unembed=False
+        )
         reads = [*outputs.mlp_inputs, outputs.final]
+        sources = [outputs.embed, *outputs.mlp_outputs]
         decoders = scaled_decoders(transcoders, run, features)
         batch = outputs.final.shape[0]
         for start in range(0, n_targets, batch):
             chunk = torch.arange(start, min(start + batch, n_targets))
-            injections = [torch.zeros_like(r) for r in reads]
-            for layer, read in enumerate(injections):
+            # Only the reads the chunk's targets sit at (targets are sorted by layer: mostly one), and only the
+            # sources written below the highest of them, so the backward runs through no layer above it.
+            layers = target_layer[chunk].unique().tolist()
+            injections = []
+            for layer in layers:
                 here = chunk[target_layer[chunk] == layer]
-                read[here - start, target_pos[here].to(read.device)] = target_vectors[here].to(read.dtype)
+                injection = torch.zeros_like(reads[layer])
+                injection[here - start, target_pos[here].to(injection.device)] = target_vectors[here].to(
+                    injection.dtype
+                )
+                injections.append(injection)
             grads = torch.autograd.grad(
-                reads,
-                [outputs.embed, *outputs.mlp_outputs],
+                [reads[layer] for layer in layers],
+                sources[: max(layers) + 1],
                 injections,
                 retain_graph=start + batch < n_targets,
                 allow_unused=True,
